@@ -1,0 +1,119 @@
+"""Regenerate the tiny CPU task: a char-level tokenizer and an addition dataset.
+
+    python megarl/assets/tiny/make_assets.py          # writes next to this file
+    python megarl/assets/tiny/make_assets.py --out D  # writes into D
+
+Deterministic: the same seed gives byte-identical files. See README.md for
+the task design (the SFT warm start is deliberately wrong 60% of the time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+SEED = 1234
+NUM_TEST = 200
+NUM_TRAIN = 2000
+NUM_SFT = 4000
+SFT_OFF_BY_ONE = 0.6  # fraction of SFT rows answering a+b+1 instead of a+b
+MAX_OPERAND = 99
+
+PAD, EOT, IM_START, IM_END, UNK = (
+    "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>")
+SPECIAL_TOKENS = [PAD, EOT, IM_START, IM_END, UNK]  # ids 0..4, in this order
+CHARS = ("0123456789" + "abcdefghijklmnopqrstuvwxyz"
+         + " \n" + "+-*/=?.,:#!'()")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer() -> Tokenizer:
+    """Char-level WordLevel tokenizer; specials are matched before splitting."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # concatenate chars, no spaces between tokens
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def save_tokenizer(out_dir: Path) -> None:
+    """Save as a PreTrainedTokenizerFast directory that AutoTokenizer loads offline."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(), eos_token=IM_END, pad_token=PAD,
+        unk_token=UNK, additional_special_tokens=[IM_START, EOT],
+        model_max_length=512, padding_side="left", clean_up_tokenization_spaces=False)
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(out_dir))
+    _pin_tokenizer_config(out_dir)
+
+
+def _pin_tokenizer_config(out_dir: Path) -> None:
+    """Make tokenizer_config.json loadable by transformers 4.50+ and 5.x alike."""
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # transformers 5 writes a list under extra_special_tokens; 4.x expects a dict
+    # there, and both read a list under additional_special_tokens.
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"] = extra
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    jinja = out_dir / "chat_template.jinja"
+    if jinja.exists():
+        jinja.unlink()  # one source of truth: tokenizer_config.json
+
+
+def split_pairs(rng: random.Random) -> tuple[list, list, list]:
+    """Disjoint (a, b) pairs for test, RL train and SFT."""
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    rng.shuffle(pairs)
+    test = pairs[:NUM_TEST]
+    train = pairs[NUM_TEST:NUM_TEST + NUM_TRAIN]
+    sft = pairs[NUM_TEST + NUM_TRAIN:NUM_TEST + NUM_TRAIN + NUM_SFT]
+    return test, train, sft
+
+
+def prompt_of(a: int, b: int) -> str:
+    return f"{a}+{b}=?"
+
+
+def sft_rows(pairs: list, rng: random.Random) -> list[dict]:
+    """Exactly round(SFT_OFF_BY_ONE * n) rows answer a+b+1; the rest a+b."""
+    n_wrong = round(SFT_OFF_BY_ONE * len(pairs))
+    wrong = set(rng.sample(range(len(pairs)), n_wrong))
+    return [{"prompt": prompt_of(a, b),
+             "response": f"#### {a + b + (1 if i in wrong else 0)}"}
+            for i, (a, b) in enumerate(pairs)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+
+def main(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(out_dir / "tokenizer")
+    rng = random.Random(SEED)
+    test, train, sft = split_pairs(rng)
+    rl = lambda pairs: [{"prompt": prompt_of(a, b), "answer": str(a + b)} for a, b in pairs]
+    write_jsonl(out_dir / "test.jsonl", rl(test))
+    write_jsonl(out_dir / "train.jsonl", rl(train))
+    write_jsonl(out_dir / "sft.jsonl", sft_rows(sft, rng))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    main(parser.parse_args().out)

@@ -1,0 +1,29 @@
+"""Typed config for the prompt dataset section (`data.*`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PromptDataConfig:
+    """Where prompts come from and how they become token ids."""
+
+    paths: list[str] = field(default_factory=list)
+    """JSONL / Parquet files, read in order and concatenated."""
+    max_prompt_len: int = 512
+    """Prompts longer than this many tokens are dropped and counted as `too_long`."""
+    apply_chat_template: bool = True
+    """Render through tokenizer.apply_chat_template when the tokenizer has a template."""
+    skip_malformed: bool = False
+    """Skip and count malformed rows instead of raising on the first one."""
+    system_prompt: str | None = None
+    """Optional system message prepended to every chat-templated prompt."""
+
+    def validate(self) -> None:
+        """Raise one clear line naming the bad key and the fix."""
+        if isinstance(self.paths, str):
+            raise ValueError("data.paths is a string; write it as a list: data.paths=[...]")
+        if not self.paths:
+            raise ValueError("data.paths is empty; set data.paths=[path/to/train.jsonl]")
+        if self.max_prompt_len <= 0:
+            raise ValueError(f"data.max_prompt_len={self.max_prompt_len}; set a positive token count")

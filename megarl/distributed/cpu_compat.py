@@ -1,0 +1,137 @@
+"""Lets megatron-core run on CPU over gloo (development and CI only).
+
+megatron-core assumes CUDA: it asks for ``torch.cuda.current_device()``, builds
+tensors with ``device="cuda"``, calls ``Tensor.cuda()``, checks
+``param.type()`` against ``torch.cuda.FloatTensor`` strings and keeps its RNG
+in CUDA generators. Without CUDA, :func:`install` maps all of that onto the
+CPU: a ``TorchFunctionMode`` rewrites device arguments in one place, a few
+``torch.cuda`` functions become CPU equivalents, and the "CUDA" RNG state is the
+CPU generator's state.
+
+The layer is active only when CUDA is absent; with CUDA, :func:`install` does
+nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+_installed = False
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cpu_device_args(args, kwargs):
+    if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        kwargs = dict(kwargs, device="cpu")
+    args = tuple("cpu" if _is_cuda_device(a) and not isinstance(a, int) else a for a in args)
+    return args, kwargs
+
+
+class CudaOnCpuMode(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` to CPU and makes ``.cuda()`` a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE_NAMES.get(args[0].dtype) or func(*args)
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], int):
+            args = (args[0],) + args[2:]  # .to(local_rank) means "to this GPU"
+        args, kwargs = _cpu_device_args(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it
+    cuda.nvtx.range_push = lambda *a, **k: None
+    cuda.nvtx.range_pop = lambda *a, **k: None
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_allocated = lambda device=None: 0
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+def _patch_megatron_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # fork() compares the CPU state before/after; on CPU both RNGs are one.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+
+
+def install() -> bool:
+    """Activates the layer when CUDA is absent; returns whether it is active."""
+    global _installed
+    if torch.cuda.is_available():
+        return False
+    if not _installed:
+        _patch_torch_cuda()
+        _patch_megatron_rng()
+        CudaOnCpuMode().__enter__()  # stays on for the life of the process
+        _installed = True
+    return True

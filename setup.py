@@ -1,0 +1,39 @@
+"""megarl: RL post-training (PPO, GRPO, ...) for LLMs on megatron-core.
+
+CPU machines: install the CPU build of torch first, so pip does not pull a
+multi-GB CUDA build to satisfy the `torch` requirement below:
+
+    pip install torch --index-url https://download.pytorch.org/whl/cpu
+    pip install -e .[dev]
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="RL post-training for large language models on megatron-core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*"]) + ["megarl.kernels"],
+    package_dir={"megarl.kernels": "kernels"},
+    package_data={"megarl": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "transformers>=4.50",
+        "safetensors",
+        "tokenizers",
+        "pyyaml",
+        "numpy",
+        "psutil",
+        "tensorboard",
+        "tqdm",
+        "pyarrow",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]"],
+        "sglang": ["sglang"],
+        "mpi": ["mpi4py", "mpich"],
+        "dev": ["pytest", "triton"],
+    },
+)
