@@ -1,0 +1,176 @@
+"""Command line: ``entry.py [config.yaml] [key.sub=value ...] [--help]``.
+
+A YAML file fills the dataclasses of :mod:`megarl.config`; ``key=value``
+overrides (values parsed as YAML) come after it. Unknown keys get a "did you
+mean", wrong types name the key and the expected type. :func:`main_guard`
+turns a :class:`ConfigError` into one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; printed as one line, exit code 2."""
+
+
+def _suggest(key: str, choices) -> str:
+    close = difflib.get_close_matches(key.split(".")[-1], list(choices), n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(choices))}"
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str, base=None):
+    """Checks ``value`` against the annotation ``tp``; returns the typed value.
+
+    ``base`` is the current value of a nested section, which ``value`` updates.
+    """
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key, base)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    return _coerce_scalar(value, tp, key)
+
+
+def _coerce_scalar(value, tp, key):
+    if tp in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" as a string
+            value = tp(value)
+        except ValueError:
+            pass
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def build(cls, data: Any, prefix: str = "", base=None):
+    """Builds dataclass ``cls`` from a mapping over ``base`` (default: ``cls()``)."""
+    if data is None:
+        data = {}
+    if dataclasses.is_dataclass(data):
+        data = dataclasses.asdict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    base = cls() if base is None else base
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ConfigError(f"unknown key '{full}'{_suggest(key, names)}")
+        kwargs[key] = _coerce(value, hints[key], full, getattr(base, key))
+    return dataclasses.replace(base, **kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``actor.optim.lr=1e-5`` -> ("actor.optim.lr", 1e-05)."""
+    if "=" not in text or text.startswith("="):
+        raise ConfigError(f"argument '{text}' is not key=value; write e.g. trainer.steps=10")
+    key, raw = text.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return key.strip(), raw
+
+
+def read_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' not found; pass a path such as yaml/tiny.yaml")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def load_config(argv: list[str], cls):
+    """YAML file (optional, first) plus overrides -> an instance of ``cls``."""
+    tree: dict = {}
+    args = list(argv)
+    if args and "=" not in args[0]:
+        tree = read_yaml(args.pop(0))
+    for text in args:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return build(cls, tree)
+
+
+def help_text(cls, prefix: str = "") -> str:
+    """Every key with its type, default and doc, one per line."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"\n[{key}] {f.metadata.get('doc', '')}")
+            lines.append(help_text(tp, key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
+            default = [dataclasses.asdict(d) for d in default]
+        lines.append(f"  {key} = {default!r}  ({_type_name(tp)})  {f.metadata.get('doc', '')}")
+    return "\n".join(lines)
+
+
+def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
+    """Runs ``main(argv)``; a ConfigError becomes one stderr line and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage)
+        if cls is not None:
+            print(help_text(cls))
+        sys.exit(0)
+    try:
+        main(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)

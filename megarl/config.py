@@ -1,0 +1,224 @@
+"""Typed run configuration: one dataclass per section.
+
+``yaml/`` files and ``key.sub=value`` overrides only fill these; the docs
+given to :func:`opt` are what ``launch/<entry>.py --help`` prints. Loading,
+type checks and "did you mean" live in :mod:`megarl.cli`; the cross-field
+checks of each section live in :mod:`megarl.config_checks`.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+ASSETS = "megarl/assets/tiny"
+
+
+def opt(default: Any, doc: str):
+    """A config field with its one-line doc (mutable defaults are copied)."""
+    if isinstance(default, (list, dict)) or hasattr(default, "__dataclass_fields__"):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (actor, and reference unless ref.path is set)."""
+
+    path: str = opt(f"{ASSETS}/sft", "Hugging Face model directory (config.json + safetensors)")
+    tokenizer: Optional[str] = opt(None, "tokenizer directory; default: model.path")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype")
+    attention_backend: Literal["sdpa", "local"] = opt("sdpa", "core attention: PyTorch SDPA or megatron's unfused softmax")
+    layer_spec: Literal["auto", "local", "te"] = opt("auto", "auto: transformer-engine when it imports, else local")
+    vocab_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this times tp")
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: world = dp * tp * pp * cp."""
+
+    tp: int = opt(1, "tensor-parallel size")
+    pp: int = opt(1, "pipeline-parallel size")
+    cp: int = opt(1, "context-parallel (Ulysses sequence-parallel) size")
+    sequence_parallel: bool = opt(False, "megatron sequence parallelism inside the TP group")
+    distributed_optimizer: bool = opt(True, "shard optimizer state over data-parallel ranks")
+
+
+@dataclass
+class OptimConfig:
+    """Adam with warmup, then constant or cosine decay."""
+
+    lr: float = opt(1e-6, "peak learning rate")
+    min_lr: float = opt(0.0, "final learning rate of the cosine decay")
+    weight_decay: float = opt(0.0, "decoupled weight decay")
+    betas: list[float] = opt([0.9, 0.999], "Adam betas")
+    eps: float = opt(1e-8, "Adam epsilon")
+    clip_grad: float = opt(1.0, "global gradient-norm clip; 0 disables")
+    warmup_steps: int = opt(0, "linear warmup optimizer steps")
+    decay: Literal["constant", "cosine"] = opt("constant", "schedule after warmup")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of responses by the rollout engine."""
+
+    engine: Literal["native", "sglang"] = opt("native", "native: the actor's own Megatron weights; sglang: SGLang engine per TP group")
+    n: int = opt(1, "responses sampled per prompt")
+    max_new_tokens: int = opt(16, "response length limit")
+    temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    top_k: int = opt(-1, "top-k sampling; -1 disables")
+    stop_token_ids: list[int] = opt([], "extra stop tokens besides the tokenizer's eos")
+    max_batch: int = opt(256, "sequences decoded together per engine")
+    seed: int = opt(1234, "sampling seed (identical across a TP group)")
+    gpu_memory_utilization: float = opt(0.5, "sglang: fraction of GPU memory for its KV cache")
+
+
+@dataclass
+class ActorConfig:
+    """Policy update."""
+
+    optim: OptimConfig = opt(OptimConfig(), "optimizer")
+    ppo_epochs: int = opt(1, "passes over each rollout batch")
+    mini_batch_size: int = opt(64, "samples per optimizer step (global, all DP ranks)")
+    micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
+    max_tokens_per_micro: int = opt(0, "dynamic micro-batches under this token budget; 0 uses micro_batch_size")
+    policy_loss: str = opt("ppo", "ppo | gspo | a registered name or module:function")
+    clip_low: float = opt(0.2, "ratio clip below: 1 - clip_low")
+    clip_high: float = opt(0.2, "ratio clip above: 1 + clip_high")
+    dual_clip: float = opt(0.0, "dual-clip bound c (> 1) for negative advantages; 0 disables")
+    entropy_coef: float = opt(0.0, "entropy bonus weight")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt("token-mean", "how token losses become one number")
+    kl_loss_coef: float = opt(0.0, "weight of KL(policy || ref) added to the loss; 0 disables")
+    kl_loss_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = opt("low_var_kl", "KL estimator for the loss term")
+
+
+@dataclass
+class CriticConfig:
+    """Value model: a value head on a transformer."""
+
+    enable: Optional[bool] = opt(None, "train a critic; default: when algorithm.advantage needs values (gae)")
+    path: Optional[str] = opt(None, "HF directory for the critic; default: model.path with a fresh value head")
+    optim: OptimConfig = opt(OptimConfig(lr=1e-5), "optimizer")
+    ppo_epochs: int = opt(1, "passes over each rollout batch")
+    micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
+    value_clip: float = opt(0.2, "clip of the new value around the old; 0 disables")
+    warmup_steps: int = opt(0, "PPO steps that update only the critic")
+
+
+@dataclass
+class RefConfig:
+    """Frozen reference policy for the KL term."""
+
+    enable: Optional[bool] = opt(None, "keep a reference model; default: when any KL term is on")
+    path: Optional[str] = opt(None, "HF directory; default: model.path")
+
+
+@dataclass
+class RewardTerm:
+    """One weighted term of the composite reward."""
+
+    name: str = opt("math", "a registered reward (format, math, ...) or module:function")
+    weight: float = opt(1.0, "weight in the sum")
+    kwargs: dict = opt({}, "keyword arguments for the reward function")
+
+
+@dataclass
+class RewardModelConfig:
+    """A value-head model that scores whole responses."""
+
+    path: Optional[str] = opt(None, "HF *ForSequenceClassification (or causal LM) directory; unset: no RM")
+    weight: float = opt(1.0, "weight in the sum")
+    scale: float = opt(1.0, "the RM's raw score is multiplied by this")
+    clip: Optional[list[float]] = opt(None, "[low, high] clip of the scaled score, e.g. [0, 5]")
+    micro_batch_size: int = opt(8, "samples per forward per GPU")
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    terms: list[RewardTerm] = opt([RewardTerm()], "rule-based or user reward terms")
+    model: RewardModelConfig = opt(RewardModelConfig(), "reward model term")
+    fallback: float = opt(0.0, "score given to a sample whose reward function raised or returned NaN")
+    cache_size: int = opt(65536, "entries in the reward cache; 0 disables it")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages and the KL penalty."""
+
+    advantage: str = opt("gae", "gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | module:function")
+    gamma: float = opt(1.0, "discount")
+    lam: float = opt(1.0, "GAE lambda")
+    norm_by_std: bool = opt(True, "grpo: divide by the group std (False gives Dr.GRPO)")
+    whiten: bool = opt(True, "gae / reinforce_pp: whiten advantages over the batch")
+    kl_in_reward: bool = opt(False, "subtract beta * KL(policy || ref) from the token rewards")
+    kl_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = opt("k1", "KL estimator for the reward penalty")
+    kl_controller: Literal["fixed", "adaptive"] = opt("fixed", "beta stays fixed or tracks kl_target")
+    kl_coef: float = opt(0.001, "beta: initial KL coefficient")
+    kl_target: float = opt(6.0, "adaptive controller: target KL")
+    kl_horizon: int = opt(10000, "adaptive controller: horizon in samples")
+
+
+@dataclass
+class DataConfig:
+    """Prompt data."""
+
+    train_path: str = opt(f"{ASSETS}/train.jsonl", "JSONL or Parquet prompts: prompt | messages, answer, extra")
+    eval_path: Optional[str] = opt(f"{ASSETS}/test.jsonl", "held-out prompts for accuracy; unset: no eval")
+    batch_size: int = opt(32, "prompts per PPO step (global, all DP ranks)")
+    max_prompt_len: int = opt(64, "longer prompts are filtered out and counted")
+    apply_chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
+    skip_malformed: bool = opt(False, "skip and count malformed rows instead of stopping")
+    seed: int = opt(0, "shuffle seed")
+
+
+@dataclass
+class TrainerConfig:
+    """The loop, logging and checkpoints."""
+
+    steps: int = opt(20, "PPO steps")
+    run_dir: str = opt("runs/tiny", "metrics.jsonl, TensorBoard events, checkpoints and exports go here")
+    seed: int = opt(42, "model-init and dropout seed")
+    save_every: int = opt(0, "checkpoint every N steps; 0: only at the end")
+    keep_last: int = opt(2, "checkpoints kept")
+    resume: bool = opt(True, "resume from the newest checkpoint in run_dir")
+    eval_every: int = opt(0, "held-out evaluation every N steps; 0: before and after only")
+    eval_samples: int = opt(0, "held-out prompts evaluated; 0: all")
+    export_hf: bool = opt(True, "write the final actor as a Hugging Face directory")
+    tensorboard: bool = opt(True, "write TensorBoard events")
+    dump_rollouts: Optional[str] = opt(None, "write each step's rollout batch to this directory")
+    replay_rollouts: Optional[str] = opt(None, "train on rollouts dumped earlier instead of generating")
+    rollout_only: bool = opt(False, "generate and score only; no training (use with dump_rollouts)")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start (launch/sft.py)."""
+
+    train_path: str = opt(f"{ASSETS}/sft.jsonl", "JSONL rows with prompt (or messages) and response")
+    out_dir: str = opt("runs/sft", "where the trained Hugging Face model is written")
+    init: Literal["pretrained", "random"] = opt("pretrained", "start from model.path weights or from a random init of its config")
+    epochs: int = opt(1, "passes over the data")
+    batch_size: int = opt(32, "samples per optimizer step (global)")
+    micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
+    max_len: int = opt(64, "prompt + response tokens; longer rows are skipped and counted")
+    optim: OptimConfig = opt(OptimConfig(lr=1e-3, warmup_steps=10, decay="cosine"), "optimizer")
+
+
+@dataclass
+class Config:
+    """A whole megarl run."""
+
+    model: ModelConfig = opt(ModelConfig(), "policy model")
+    parallel: ParallelConfig = opt(ParallelConfig(), "parallel layout")
+    rollout: RolloutConfig = opt(RolloutConfig(), "rollout engine")
+    actor: ActorConfig = opt(ActorConfig(), "policy update")
+    critic: CriticConfig = opt(CriticConfig(), "value model")
+    ref: RefConfig = opt(RefConfig(), "reference policy")
+    reward: RewardConfig = opt(RewardConfig(), "rewards")
+    algorithm: AlgorithmConfig = opt(AlgorithmConfig(), "advantages and KL")
+    data: DataConfig = opt(DataConfig(), "prompts")
+    trainer: TrainerConfig = opt(TrainerConfig(), "loop and checkpoints")
+    sft: SFTConfig = opt(SFTConfig(), "supervised warm start")
