@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,14 @@ class PromptDataConfig:
     """Skip and count malformed rows instead of raising on the first one."""
     system_prompt: str | None = None
     """Optional system message prepended to every chat-templated prompt."""
+
+    @classmethod
+    def from_section(cls, data: Any, path: str) -> "PromptDataConfig":
+        """Options for one file from the run config's `data` section (megarl.config.DataConfig)."""
+        return cls(paths=[path], max_prompt_len=data.max_prompt_len,
+                   apply_chat_template=data.apply_chat_template,
+                   skip_malformed=data.skip_malformed,
+                   system_prompt=getattr(data, "system_prompt", None))
 
     def validate(self) -> None:
         """Raise one clear line naming the bad key and the fix."""

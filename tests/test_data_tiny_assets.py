@@ -1,0 +1,68 @@
+"""The tiny task's tokenizer and dataset files as shipped."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from megarl.assets import asset_path
+
+SPECIALS = {"<|pad|>": 0, "<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<|unk|>": 4}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(asset_path("tiny/tokenizer")))
+
+
+def rows(name):
+    return [json.loads(l) for l in asset_path(f"tiny/{name}.jsonl").read_text().splitlines()]
+
+
+def test_round_trip_and_char_level(tok):
+    text = "12+7=? #### 19\nthe sum is: 19, ok!"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    assert len(tok) < 64
+
+
+def test_special_tokens_single_ids(tok):
+    for s, i in SPECIALS.items():
+        assert tok(s, add_special_tokens=False)["input_ids"] == [i]
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 3)
+    assert (tok.pad_token, tok.pad_token_id) == ("<|pad|>", 0)
+    assert tok.decode([2, 12, 3], skip_special_tokens=True) == tok.decode([12])
+
+
+def test_chat_template(tok):
+    text = tok.apply_chat_template([{"role": "user", "content": "12+7=?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\n12+7=?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_dataset_files():
+    test, train, sft = rows("test"), rows("train"), rows("sft")
+    assert (len(test), len(train), len(sft)) == (200, 2000, 4000)
+    prompts = [{r["prompt"] for r in x} for x in (test, train, sft)]
+    assert not (prompts[0] & prompts[1]) and not (prompts[0] & prompts[2])
+    for r in test + train:
+        a, b = map(int, r["prompt"][:-2].split("+"))
+        assert r["answer"] == str(a + b)
+    off = [int(r["response"].removeprefix("#### ")) - sum(map(int, r["prompt"][:-2].split("+")))
+           for r in sft]
+    assert set(off) == {0, 1} and sum(off) == 2400  # exactly 60% off by one
+
+
+def test_make_assets_reproduces_shipped_files(tmp_path):
+    """make_assets.py is deterministic and the shipped files are its current output."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_assets", asset_path("tiny/make_assets.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(tmp_path)
+    for name in ("train.jsonl", "test.jsonl", "sft.jsonl",
+                 "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == asset_path(f"tiny/{name}").read_bytes(), name
+    assert sum(f.stat().st_size for f in asset_path("tiny").rglob("*") if f.is_file()) < 1_000_000
