@@ -1,0 +1,94 @@
+"""A trainable megatron-core model: DDP wrapper, optimizer and LR schedule.
+
+megatron-core's ``DistributedDataParallel`` keeps gradients in contiguous
+buffers and reduces them over dp x cp; its ``DistributedOptimizer`` shards
+Adam state over the same ranks; ``OptimizerParamScheduler`` drives warmup and
+constant / cosine decay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megarl.config import OptimConfig
+from megarl.distributed import ParallelGroups
+
+
+@dataclass
+class Trainable:
+    """A DDP-wrapped model with its optimizer and scheduler."""
+
+    model: DistributedDataParallel
+    optimizer: object  # megatron.core.optimizer.MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+    @property
+    def chunks(self) -> list:
+        return [self.model]
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> dict:
+        """Optimizer step after the backward passes; returns grad norm and LR."""
+        self.model.finish_grad_sync()
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        return {"grad_norm": float(grad_norm or 0.0), "lr": lr, "update_ok": float(bool(ok))}
+
+
+def wrap_ddp(module, groups: ParallelGroups, distributed_optimizer: bool) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    return DistributedDataParallel(
+        module.config, ddp_config, module, pg_collection=groups.collection
+    )
+
+
+def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_steps: int,
+                    distributed_optimizer: bool = True) -> Trainable:
+    """Wraps ``module`` (a megatron-core model on this rank) for training."""
+    model = wrap_ddp(module, groups, distributed_optimizer)
+    dtype = module.config.params_dtype
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(
+        config, [model], use_gloo_process_groups=False, pg_collection=groups.collection
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr if optim.decay == "cosine" else optim.lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+        lr_decay_style="cosine" if optim.decay == "cosine" else "constant",
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return Trainable(model, optimizer, scheduler)
