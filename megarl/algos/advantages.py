@@ -81,7 +81,8 @@ register_advantage = ADVANTAGES.register
 
 
 def get_advantage(name_or_path: str) -> AdvantageFn:
-    """A registered estimator name, or a dotted path 'pkg.module:function'."""
+    """A registered estimator name, or a dotted path 'pkg.module:function' to
+    `fn(batch: AdvantageInputs, cfg: AdvantageConfig) -> (advantages (B, T), returns (B, T))`."""
     return ADVANTAGES.get(name_or_path)
 
 

@@ -19,8 +19,12 @@ Splitting a batch into whole sequences (micro-batches, data-parallel ranks)
     `count_tokens_and_seqs(mask)` per micro-batch, summed over micro-batches
     and all-reduced (SUM) over the DP axis. DDP *averages* gradients over the
     DP axis, so multiply each loss by the DP size to keep the global sum.
+
+`Aggregation` bundles a mode with its normalizers; the losses take one.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -66,3 +70,27 @@ def agg_loss(
     else:
         raise ValueError(f"unknown loss aggregation {mode!r}; available: {', '.join(AGG_MODES)}")
     return per_seq.sum() / _normalizer(seqs, global_seqs)
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a loss reduces: agg_loss's mode and normalizers, as one argument."""
+
+    mode: str = "token-mean"
+    """One of AGG_MODES."""
+    global_tokens: float | Tensor | None = None
+    """Real tokens in the whole batch (token-mean); None: the local count."""
+    global_seqs: float | Tensor | None = None
+    """Sequences in the whole batch (seq-mean-*); None: the local count."""
+    norm_len: float | None = None
+    """seq-mean-token-sum-norm's divisor, the max response length; None: T."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in AGG_MODES:
+            raise ValueError(f"unknown loss aggregation {self.mode!r}; available: {', '.join(AGG_MODES)}")
+
+    def __call__(self, loss_mat: Tensor, mask: Tensor) -> Tensor:
+        return agg_loss(
+            loss_mat, mask, self.mode,
+            global_tokens=self.global_tokens, global_seqs=self.global_seqs, norm_len=self.norm_len,
+        )

@@ -1,0 +1,151 @@
+"""CompositeReward: a weighted sum of reward terms, robust to failing terms, with a cache."""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from megarl.rewards.cache import RewardCache
+from megarl.rewards.registry import get_reward
+from megarl.rewards.terms import RewardModelTerm, RewardSample, RewardTerm
+
+log = logging.getLogger(__name__)
+NAN = float("nan")
+
+
+@dataclass
+class RewardOutput:
+    total: Tensor
+    """(B,) sum over terms of weight * shaped value."""
+    terms: dict[str, Tensor]
+    """label -> (B,) shaped values (before the weight)."""
+    metrics: dict[str, float]
+    """'<label>/mean', '<label>/failures' per term, 'total/mean', 'cache/hits', 'cache/misses' (this call)."""
+
+
+def _as_finite(value: Any) -> float:
+    """float(value) if it is a finite real number (or a 1-element tensor), else NaN."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        return float(value)
+    return NAN
+
+
+class CompositeReward:
+    """Scores samples with rule/user terms and an optional reward-model term.
+
+    terms: RewardTerm, or tuples (name_or_path, weight[, kwargs]).
+    rm: optional RewardModelTerm holding the caller's scorer.
+    cache: RewardCache shared by the cached terms; None disables caching.
+    A failing sample (raise, NaN, inf, non-number) gets the term's fallback and
+    counts in '<label>/failures'; the run goes on.
+    """
+
+    def __init__(
+        self,
+        terms: Sequence[RewardTerm | Sequence[Any]],
+        rm: RewardModelTerm | None = None,
+        cache: RewardCache | None = None,
+    ):
+        self.terms = [RewardTerm.of(t) for t in terms]
+        self.fns: list[Callable[..., float]] = [get_reward(t.name) for t in self.terms]
+        self.rm = rm
+        self.cache = cache
+        labels = [t.key for t in self.terms] + ([rm.key] if rm else [])
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"reward term labels must be unique, got {labels}; set label= to tell them apart")
+        if rm is not None and rm.scorer is None:
+            raise ValueError("RewardModelTerm needs a scorer")
+
+    def __call__(self, samples: Sequence[RewardSample], rm_batch: Any = None) -> RewardOutput:
+        hits0, misses0 = (self.cache.hits, self.cache.misses) if self.cache is not None else (0, 0)
+        raws = {t.key: self._rule_raw(t, fn, samples) for t, fn in zip(self.terms, self.fns)}
+        shaping: list[Any] = list(self.terms)
+        if self.rm is not None:
+            raws[self.rm.key] = self._rm_raw(samples, rm_batch)
+            shaping.append(self.rm)
+        total = torch.zeros(len(samples), dtype=torch.float64)
+        terms, metrics = {}, {}
+        for term in shaping:
+            raw, shaped = raws[term.key], term.shape(raws[term.key])  # (B,), (B,)
+            terms[term.key] = shaped.float()
+            total += term.weight * shaped
+            metrics[f"{term.key}/mean"] = terms[term.key].mean().item() if len(samples) else 0.0
+            metrics[f"{term.key}/failures"] = float((~torch.isfinite(raw)).sum())
+        metrics["total/mean"] = total.mean().item() if len(samples) else 0.0
+        if self.cache is not None:
+            metrics["cache/hits"] = float(self.cache.hits - hits0)
+            metrics["cache/misses"] = float(self.cache.misses - misses0)
+        return RewardOutput(total.float(), terms, metrics)
+
+    def _rule_raw(self, term: RewardTerm, fn: Callable[..., float], samples: Sequence[RewardSample]) -> Tensor:
+        """(B,) float64 raw values, NaN for failed samples."""
+        cache = self.cache if term.cache else None
+        out = []
+        for s in samples:
+            key = RewardCache.key(term.key, s.prompt, s.response, s.ground_truth)
+            cached = cache.get(key) if cache is not None else None
+            if cached is not None:
+                out.append(cached)
+                continue
+            value = self._call(term.key, fn, s, term.kwargs)
+            if cache is not None and math.isfinite(value):
+                cache.put(key, value)
+            out.append(value)
+        return torch.tensor(out, dtype=torch.float64)
+
+    @staticmethod
+    def _call(label: str, fn: Callable[..., float], s: RewardSample, kwargs: dict[str, Any]) -> float:
+        try:
+            value = _as_finite(fn(s.prompt, s.response, s.ground_truth, s.extra, **kwargs))
+        except Exception as e:  # a bad sample must not stop the run
+            log.warning("reward term %r raised on a sample: %r", label, e)
+            return NAN
+        if math.isnan(value):
+            log.warning("reward term %r gave a non-finite or non-number value", label)
+        return value
+
+    def _rm_raw(self, samples: Sequence[RewardSample], rm_batch: Any) -> Tensor:
+        """(B,) float64 RM scores, NaN where the scorer failed (everywhere if it raised)."""
+        assert self.rm is not None
+        if self.cache is None or not self.rm.cache or rm_batch is not None:
+            return self._score_rm(rm_batch if rm_batch is not None else list(samples), len(samples))
+        return self._rm_cached(samples, self.cache)
+
+    def _rm_cached(self, samples: Sequence[RewardSample], cache: RewardCache) -> Tensor:
+        """Cache lookups; the distinct missing samples are scored once, in one call."""
+        label = self.rm.key  # type: ignore[union-attr]
+        out = torch.full((len(samples),), NAN, dtype=torch.float64)
+        pending: dict[str, list[int]] = {}  # key -> indices of samples with that key
+        for i, s in enumerate(samples):
+            key = RewardCache.key(label, s.prompt, s.response, s.ground_truth)
+            value = cache.get(key)
+            if value is None:
+                pending.setdefault(key, []).append(i)
+            else:
+                out[i] = value
+        if not pending:
+            return out
+        scores = self._score_rm([samples[idx[0]] for idx in pending.values()], len(pending))
+        for (key, idx), v in zip(pending.items(), scores.tolist()):
+            out[idx] = v
+            if math.isfinite(v):
+                cache.put(key, v)
+        return out
+
+    def _score_rm(self, batch: Any, n: int) -> Tensor:
+        try:
+            scores = torch.as_tensor(self.rm.scorer(batch)).detach().to("cpu", torch.float64)  # type: ignore[union-attr]
+        except Exception as e:
+            log.warning("reward model scorer raised: %r", e)
+            return torch.full((n,), NAN, dtype=torch.float64)
+        if scores.shape != (n,):
+            log.warning("reward model scorer returned shape %s, expected (%d,)", tuple(scores.shape), n)
+            return torch.full((n,), NAN, dtype=torch.float64)
+        return scores
