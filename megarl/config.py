@@ -80,7 +80,7 @@ class ActorConfig:
 
     optim: OptimConfig = opt(OptimConfig(), "optimizer")
     ppo_epochs: int = opt(1, "passes over each rollout batch")
-    mini_batch_size: int = opt(64, "samples per optimizer step (global, all DP ranks)")
+    mini_batch_size: int = opt(32, "samples per optimizer step (global, all DP ranks)")
     micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
     max_tokens_per_micro: int = opt(0, "dynamic micro-batches under this token budget; 0 uses micro_batch_size")
     policy_loss: str = opt("ppo", "ppo | gspo | a registered name or module:function")

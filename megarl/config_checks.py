@@ -108,6 +108,21 @@ def check_paths(cfg: Config) -> None:
             read_hf_config(path, key)
 
 
+def validate_sft(cfg: Config, world_size: int) -> dict:
+    """Checks for launch/sft.py."""
+    hf = read_hf_config(cfg.model.path)
+    check_parallel(cfg, world_size, hf)
+    p, s = cfg.parallel, cfg.sft
+    dp = world_size // (p.tp * p.pp * p.cp)
+    if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:
+        raise ConfigError(
+            f"sft.batch_size={s.batch_size} must split evenly into {dp} DP ranks of sft.micro_batch_size={s.micro_batch_size}"
+        )
+    if not Path(s.train_path).is_file():
+        raise ConfigError(f"sft.train_path: '{s.train_path}' not found")
+    return hf
+
+
 def validate(cfg: Config, world_size: int) -> dict:
     """Runs every check; returns the policy's HF config for the caller."""
     hf = read_hf_config(cfg.model.path)

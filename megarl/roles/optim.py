@@ -8,9 +8,11 @@ constant / cosine decay.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -35,8 +37,11 @@ class Trainable:
         self.optimizer.zero_grad()
 
     def step(self) -> dict:
-        """Optimizer step after the backward passes; returns grad norm and LR."""
-        self.model.finish_grad_sync()
+        """Optimizer step after the backward passes; returns grad norm and LR.
+
+        The schedule already ran ``finalize_model_grads`` (DP reduction, tied
+        embeddings across PP, division by the global loss normalizer).
+        """
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -59,6 +64,7 @@ def wrap_ddp(module, groups: ParallelGroups, distributed_optimizer: bool) -> Dis
 def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_steps: int,
                     distributed_optimizer: bool = True) -> Trainable:
     """Wraps ``module`` (a megatron-core model on this rank) for training."""
+    module.config.calculate_per_token_loss = True  # read by DDP: sum, don't average
     model = wrap_ddp(module, groups, distributed_optimizer)
     dtype = module.config.params_dtype
     config = OptimizerConfig(
@@ -91,4 +97,18 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
+    _sum_losses_then_normalize(module.config, groups, optimizer)
     return Trainable(model, optimizer, scheduler)
+
+
+def _sum_losses_then_normalize(config, groups: ParallelGroups, optimizer) -> None:
+    """Gradients are summed over micro-batches and DP ranks, then divided once.
+
+    Loss functions return ``(sum of losses, count, metrics)``; megatron-core's
+    schedule adds the counts, ``finalize_model_grads`` all-reduces them over
+    dp x cp and divides every gradient by the total. The gradient is then that
+    of the global mean, whatever the TP / PP / DP layout or micro-batch split.
+    """
+    assert config.calculate_per_token_loss
+    config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups.collection)
+    config.grad_scale_func = optimizer.scale_loss

@@ -1,0 +1,41 @@
+"""PPO / GRPO training: torchrun --nproc_per_node N launch/ppo.py yaml/tiny.yaml [key=value ...]
+
+One step: generate -> score -> old/ref log-probs and values -> advantages
+-> critic and actor updates -> weights to the engine -> metrics, checkpoint.
+"""
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megarl.cli import main_guard
+from megarl.config import Config
+from megarl.launch_common import setup
+from megarl.trainer.metrics import console_line
+
+
+def main(argv):
+    cfg, rank = setup(argv, Config)
+    from megarl.trainer.ppo import PPOTrainer
+
+    trainer = PPOTrainer(cfg)
+    before = trainer.evaluate() if trainer.step == 0 else None
+    bar = tqdm(total=cfg.trainer.steps, initial=trainer.step, disable=rank != 0, dynamic_ncols=True)
+    while trainer.step < cfg.trainer.steps:
+        rollout = trainer.generate()
+        trainer.score(rollout)
+        trainer.prepare(rollout)
+        trainer.advantages(rollout)
+        trainer.update(rollout)
+        trainer.sync_weights()
+        metrics = trainer.log_and_save(rollout)
+        if cfg.trainer.eval_every and trainer.step % cfg.trainer.eval_every == 0:
+            metrics["eval/accuracy"] = trainer.evaluate()
+            trainer.writer.write(trainer.step, {"eval/accuracy": metrics["eval/accuracy"]})
+        bar.set_description(console_line(trainer.step, cfg.trainer.steps, metrics))
+        bar.update(1)
+    bar.close()
+    trainer.finish(before)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main_guard(main, cls=Config, usage=__doc__)

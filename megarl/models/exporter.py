@@ -1,0 +1,137 @@
+"""Writes a sharded GPTModel back as a Hugging Face directory ``transformers`` loads.
+
+Every TP rank of data-parallel replica 0 takes part: each parameter is
+all-gathered over TP, un-fused (QKV, gate/up) and un-padded (vocab) into its
+HF tensors. TP rank 0 of each pipeline stage then writes that stage's tensors
+as its own safetensors file(s) (numbered across stages), and global rank 0
+writes ``model.safetensors.index.json`` (when there is more than one file),
+``config.json`` and copies tokenizer / generation-config files. The output
+directory must be shared by the writing ranks (one node, or a shared file
+system).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megarl.distributed.groups import ParallelGroups
+from megarl.models import layouts
+from megarl.models.hf_config import ModelInfo
+from megarl.models.safetensors_io import INDEX, plan_shards, save_tensors, shard_file_name, write_index
+from megarl.models.weight_map import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, model_rules
+
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _gather(param: torch.Tensor, groups: ParallelGroups) -> list[torch.Tensor]:
+    if groups.tp_size == 1:
+        return [param.detach()]
+    shards = [torch.empty_like(param) for _ in range(groups.tp_size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=groups.tp)
+    return shards
+
+
+def merge_shards(rule: Rule, shards: list[torch.Tensor], info: ModelInfo) -> dict[str, torch.Tensor]:
+    """TP shards of one Megatron parameter -> its HF tensors."""
+    names = rule.hf_names
+    if rule.kind == REPLICATED:
+        return {names[0]: shards[0]}
+    if rule.kind == ROW:
+        return {names[0]: torch.cat(shards, dim=1)}
+    if rule.kind == QKV:
+        return dict(zip(names, layouts.split_qkv(torch.cat(shards), info.num_groups, info.num_heads)))
+    if rule.kind == GATE_UP:
+        return dict(zip(names, layouts.split_gate_up(shards)))
+    if rule.kind == VOCAB:
+        return {names[0]: torch.cat(shards)[: info.vocab_size]}
+    raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+
+def gather_hf_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
+                      dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """This stage's HF tensors on TP rank 0 (CPU); an empty dict on other TP ranks."""
+    params = model.state_dict(keep_vars=True)
+    out = {}
+    for name, rule in model_rules(model, info).items():
+        if not rule.export:
+            continue
+        shards = [params[name].detach()] if rule.kind == REPLICATED else _gather(params[name], groups)
+        if groups.tp_rank == 0:
+            for hf_name, t in merge_shards(rule, shards, info).items():
+                out[hf_name] = t.to("cpu", dtype or t.dtype).clone()
+    return out
+
+
+def hf_config_for_export(info: ModelInfo) -> dict:
+    cfg = dict(info.hf_config, architectures=[info.hf_architecture()])
+    if info.value_head:
+        cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return cfg
+
+
+def _export_dtype(info: ModelInfo, dtype) -> Optional[torch.dtype]:
+    if dtype is not None:
+        return dtype
+    return _DTYPE_NAMES.get(info.hf_config.get("dtype") or info.hf_config.get("torch_dtype"))
+
+
+def _write_stage(tensors, out_dir, groups, max_shard_bytes) -> tuple[dict[str, str], int]:
+    """Writes this stage's files; returns the name -> file map and byte total of all stages."""
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    files = plan_shards(sizes, max_shard_bytes)
+    counts = [None] * groups.pp_size
+    dist.all_gather_object(counts, (len(files), sum(sizes.values())), group=groups.pp)
+    first, total = sum(c for c, _ in counts[: groups.pp_rank]), sum(c for c, _ in counts)
+    weight_map = {}
+    for i, names in enumerate(files):
+        file = shard_file_name(first + i, total)
+        save_tensors(os.path.join(out_dir, file), {k: tensors[k] for k in names})
+        weight_map.update({k: file for k in names})
+    maps = [None] * groups.pp_size
+    dist.all_gather_object(maps, weight_map, group=groups.pp)
+    return {k: v for m in maps for k, v in m.items()}, sum(b for _, b in counts)
+
+
+def _write_side_files(info: ModelInfo, out_dir: str, copy_from: Optional[str]) -> None:
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_for_export(info), f, indent=2, sort_keys=True)
+    for name in SIDE_FILES if copy_from else ():
+        src = os.path.join(copy_from, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+
+
+def export_hf(
+    model: nn.Module, info: ModelInfo, groups: ParallelGroups, out_dir: str, *,
+    copy_from: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Collective over the world: writes ``model`` as a HF checkpoint into ``out_dir``.
+
+    ``dtype``: tensor dtype in the files; default the ``dtype`` / ``torch_dtype``
+    that config.json declares, else the parameters' own. ``copy_from``: a HF
+    directory whose tokenizer and generation-config files are copied.
+    """
+    if groups.dp_rank == 0 and groups.cp_rank == 0:
+        tensors = gather_hf_tensors(model, info, groups, _export_dtype(info, dtype))
+        if groups.tp_rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            weight_map, total_bytes = _write_stage(tensors, out_dir, groups, max_shard_bytes)
+            if groups.pp_rank == 0:
+                if len(set(weight_map.values())) > 1:
+                    write_index(out_dir, weight_map, total_bytes)
+                elif os.path.exists(os.path.join(out_dir, INDEX)):  # stale, would shadow the file
+                    os.remove(os.path.join(out_dir, INDEX))
+                _write_side_files(info, out_dir, copy_from)
+    dist.barrier()
+

@@ -1,0 +1,66 @@
+"""Hugging Face <-> Megatron tensor layouts, in plain torch.
+
+Megatron's fused QKV weight (``linear_qkv.weight``) orders rows by key/value
+group: for each group ``g`` the ``h = heads / groups`` query heads' rows
+(``h * d``), then the group's key rows (``d``), then its value rows (``d``).
+A TP rank holds ``groups / tp`` consecutive groups, so the full tensor is the
+concatenation of the TP shards. The fused MLP input (``linear_fc1.weight``)
+is, on each TP rank ``r``, ``cat([gate rows of shard r, up rows of shard r])``.
+Vocab-parallel tensors (embedding, LM head) hold ``padded_vocab / tp``
+consecutive rows per rank; rows past the real vocab are zero.
+
+The same functions work on biases (1-D) as on weights (2-D): every
+reshuffle is along dim 0.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def chunk_range(total: int, rank: int, size: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of shard ``rank`` when ``total`` splits evenly ``size`` ways."""
+    if total % size:
+        raise ValueError(f"{total} rows do not split evenly over {size} ranks")
+    step = total // size
+    return rank * step, (rank + 1) * step
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """q ``[G*h*d, ...]``, k, v ``[G*d, ...]`` -> Megatron's fused ``[G*(h+2)*d, ...]``."""
+    rest = q.shape[1:]
+    qg = q.reshape(groups, -1, *rest)  # [G, h*d, ...]
+    kg = k.reshape(groups, -1, *rest)  # [G, d, ...]
+    vg = v.reshape(groups, -1, *rest)  # [G, d, ...]
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, groups: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`interleave_qkv`: fused ``[G*(h+2)*d, ...]`` -> q, k, v."""
+    rest = qkv.shape[1:]
+    per_group = qkv.reshape(groups, -1, *rest)  # [G, (h+2)*d, ...]
+    h = heads // groups
+    d = per_group.shape[1] // (h + 2)
+    q, k, v = per_group.split([h * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def qkv_ranges(groups: int, heads: int, head_dim: int, rank: int, size: int) -> tuple:
+    """Row ranges of q_proj, k_proj, v_proj that TP rank ``rank`` fuses into its shard."""
+    g0, g1 = chunk_range(groups, rank, size)
+    qd = heads // groups * head_dim
+    kv = (g0 * head_dim, g1 * head_dim)
+    return (g0 * qd, g1 * qd), kv, kv
+
+
+def split_gate_up(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TP shards of ``linear_fc1`` ``[2*F/tp, h]`` each -> full gate ``[F, h]``, up ``[F, h]``."""
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t [n, ...]`` -> ``[rows, ...]`` with zero rows appended (n <= rows)."""
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_zeros(rows - t.shape[0], *t.shape[1:])
+    return torch.cat([t, pad])

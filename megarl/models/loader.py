@@ -1,0 +1,101 @@
+"""Loads a Hugging Face safetensors checkpoint straight into a sharded GPTModel.
+
+Each rank reads only the rows / columns its parameters own (see
+``layouts`` for the fused and sharded layouts) and copies them in place. Every
+parameter of the model must be found in the checkpoint (else an error lists
+the missing tensors); checkpoint tensors the model does not use are logged
+and returned.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megarl.distributed.groups import ParallelGroups
+from megarl.models import layouts
+from megarl.models.hf_config import ModelInfo
+from megarl.models.safetensors_io import CheckpointReader
+from megarl.models.weight_map import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, expected_hf_names, model_rules
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    """What a load did on this rank."""
+
+    loaded: list[str] = field(default_factory=list)  # Megatron parameter names filled
+    skipped: list[str] = field(default_factory=list)  # allowed-missing parameters left as they were
+    unused: list[str] = field(default_factory=list)  # checkpoint tensors no model parameter reads
+
+
+def _read_vocab(reader: CheckpointReader, name: str, rows_per_rank: int, info: ModelInfo, rank: int):
+    start = rank * rows_per_rank
+    end = min(start + rows_per_rank, info.vocab_size)
+    if end <= start:  # this rank holds padding only
+        return torch.zeros(rows_per_rank, reader.shape(name)[1], dtype=torch.float32)
+    return layouts.pad_rows(reader.read(name, rows=(start, end)), rows_per_rank)
+
+
+def read_shard(reader: CheckpointReader, rule: Rule, info: ModelInfo, groups: ParallelGroups,
+               local_rows: int) -> torch.Tensor:
+    """This TP rank's slice of the parameter ``rule`` describes."""
+    r, n = groups.tp_rank, groups.tp_size
+    names = rule.hf_names
+    if rule.kind == REPLICATED:
+        return reader.read(names[0])
+    if rule.kind == ROW:
+        return reader.read(names[0], cols=layouts.chunk_range(reader.shape(names[0])[1], r, n))
+    if rule.kind == QKV:
+        ranges = layouts.qkv_ranges(info.num_groups, info.num_heads, info.head_dim, r, n)
+        q, k, v = (reader.read(h, rows=rg) for h, rg in zip(names, ranges))
+        return layouts.interleave_qkv(q, k, v, info.num_groups // n)
+    if rule.kind == GATE_UP:
+        rows = layouts.chunk_range(reader.shape(names[0])[0], r, n)
+        return torch.cat([reader.read(names[0], rows=rows), reader.read(names[1], rows=rows)])
+    if rule.kind == VOCAB:
+        return _read_vocab(reader, names[0], local_rows, info, r)
+    raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+
+def _missing(rules: dict[str, Rule], available: set[str]) -> dict[str, list[str]]:
+    return {name: [h for h in rule.hf_names if h not in available]
+            for name, rule in rules.items() if any(h not in available for h in rule.hf_names)}
+
+
+def load_hf_checkpoint(
+    model: nn.Module, hf_dir: str, info: ModelInfo, groups: ParallelGroups,
+    *, allow_missing: tuple[str, ...] = (),
+) -> LoadReport:
+    """Fills every parameter of ``model`` (this rank's shard) from ``hf_dir``.
+
+    ``allow_missing``: HF tensor names whose absence is fine (e.g. ``score.weight``
+    when a value model starts from a causal LM); their parameters are left as is.
+    """
+    reader = CheckpointReader(hf_dir)
+    rules = model_rules(model, info)
+    missing = _missing(rules, reader.names())
+    fatal = {k: v for k, v in missing.items() if not set(v) <= set(allow_missing)}
+    if fatal:
+        listed = "; ".join(f"{k} <- {', '.join(v)}" for k, v in sorted(fatal.items()))
+        raise ValueError(f"checkpoint {hf_dir!r} lacks tensors for: {listed}")
+    params = model.state_dict(keep_vars=True)
+    report = LoadReport(skipped=sorted(missing))
+    with torch.no_grad():
+        for name, rule in rules.items():
+            if name in missing:
+                continue
+            param = params[name]
+            shard = read_shard(reader, rule, info, groups, param.shape[0])
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: checkpoint gives {tuple(shard.shape)}, model has {tuple(param.shape)}")
+            param.copy_(shard)
+            report.loaded.append(name)
+    reader.close()
+    report.unused = sorted(reader.names() - expected_hf_names(info))
+    if report.unused:
+        log.warning("checkpoint tensors not used by %s: %s", info.hf_architecture(), ", ".join(report.unused))
+    return report

@@ -1,0 +1,77 @@
+"""Roles from the run config: build the Megatron stage, load HF weights, wrap for training."""
+from __future__ import annotations
+
+import torch
+
+from megarl.config import Config, OptimConfig
+from megarl.distributed import ParallelGroups
+from megarl.models.builder import ModelOptions, build_gpt_model
+from megarl.models.hf_config import read_hf_config
+from megarl.models.loader import load_hf_checkpoint
+from megarl.roles.optim import build_trainable
+from megarl.roles.policy import Policy
+from megarl.roles.value import Critic, RewardModel
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+SCORE = "score.weight"
+
+
+def model_options(cfg: Config) -> ModelOptions:
+    return ModelOptions(
+        attention_backend=cfg.model.attention_backend,
+        layer_spec=cfg.model.layer_spec,
+        params_dtype=_DTYPES[cfg.model.dtype],
+        make_vocab_size_divisible_by=cfg.model.vocab_divisible_by,
+        seq_length=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )
+
+
+def _init_value_head(module, seed: int) -> None:
+    """A value head started from a causal LM: small random weights, same on every rank."""
+    head = getattr(module, "output_layer", None)
+    if head is None:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = torch.randn(head.weight.shape, generator=gen) * 1e-3
+        head.weight.copy_(w.to(head.weight.dtype))
+
+
+def build_module(path: str, cfg: Config, groups: ParallelGroups, value_head: bool = False):
+    """(module, info): this rank's stage of the checkpoint at ``path``, weights loaded."""
+    info = read_hf_config(path)
+    from_lm = value_head and not info.value_head
+    if from_lm:
+        info = info.as_value_model()
+    module = build_gpt_model(info, groups, model_options(cfg))
+    load_hf_checkpoint(module, path, info, groups, allow_missing=(SCORE,) if from_lm else ())
+    if from_lm:
+        _init_value_head(module, cfg.trainer.seed)
+    return module, info
+
+
+def _trainable(module, cfg: Config, groups, optim: OptimConfig, steps: int):
+    return build_trainable(module, groups, optim, steps, cfg.parallel.distributed_optimizer)
+
+
+def build_actor(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Policy:
+    module, info = build_module(cfg.model.path, cfg, groups)
+    return Policy("actor", module, groups, info, _trainable(module, cfg, groups, cfg.actor.optim, optimizer_steps))
+
+
+def build_reference(cfg: Config, groups: ParallelGroups) -> Policy:
+    module, info = build_module(cfg.ref.path or cfg.model.path, cfg, groups)
+    module.requires_grad_(False)
+    return Policy("ref", module, groups, info)
+
+
+def build_critic(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Critic:
+    module, info = build_module(cfg.critic.path or cfg.model.path, cfg, groups, value_head=True)
+    return Critic("critic", module, groups, info, _trainable(module, cfg, groups, cfg.critic.optim, optimizer_steps))
+
+
+def build_reward_model(cfg: Config, groups: ParallelGroups) -> RewardModel:
+    module, info = build_module(cfg.reward.model.path, cfg, groups, value_head=True)
+    module.requires_grad_(False)
+    return RewardModel("reward_model", module, groups, info)

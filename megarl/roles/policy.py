@@ -1,0 +1,86 @@
+"""Actor and reference: token log-probs and entropy from vocab-parallel logits; the policy update.
+
+Log-probs never gather the vocabulary: ``megarl.kernels.logprob_entropy``
+reduces max and sum-exp over the TP group. Vocabulary padding rows (zeros in
+the output layer) are masked out, so the distribution is the checkpoint's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megarl.algos import Aggregation, PolicyLossConfig, entropy_loss, get_policy_loss, kl_loss
+from megarl.config import ActorConfig
+from megarl.kernels import logprob_entropy
+from megarl.roles.base import ModelRole
+from megarl.roles.batch import SampleBatch
+
+PADDED_VOCAB_LOGIT = -1e4  # exp(-1e4 - max) is exactly 0 in fp32 and bf16
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Pushes this shard's vocabulary-padding columns to -1e4. logits: (..., V/tp)."""
+    v_local = logits.size(-1)
+    real_here = vocab_size - tp_rank * v_local  # real ids in this shard (may be <= 0)
+    if real_here >= v_local:
+        return logits
+    keep = torch.arange(v_local, device=logits.device) < real_here
+    return logits.masked_fill(~keep, PADDED_VOCAB_LOGIT)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, groups, vocab_size: int,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, l, V/tp) logits -> log-prob of each token given the previous ones and the
+    entropy of that prediction, both (b, l) fp32 with column 0 = 0."""
+    logits = mask_padded_vocab(logits[:, :-1], vocab_size, groups.tp_rank)  # (b, l-1, V/tp)
+    tp_group = groups.tp if groups.tp_size > 1 else None
+    lp, ent = logprob_entropy(logits, input_ids[:, 1:], tp_group, temperature)  # (b, l-1)
+    return F.pad(lp, (1, 0)), F.pad(ent, (1, 0))
+
+
+class Policy(ModelRole):
+    """The actor (with ``trainable``) or the frozen reference policy."""
+
+    def logprobs(self, batch: SampleBatch, micro_batch_size: int, temperature: float,
+                 max_tokens: int = 0) -> dict[str, torch.Tensor]:
+        """{"logprobs", "entropy"}: (B, L) each."""
+
+        def head(mb: SampleBatch, logits):
+            lp, ent = token_logprobs(logits, mb.input_ids, self.groups, self.info.vocab_size, temperature)
+            return logits.new_zeros(()), torch.tensor(1), {"logprobs": lp, "entropy": ent}
+
+        return self.forward_collect(batch, micro_batch_size, head, max_tokens)
+
+    def update(self, batch: SampleBatch, cfg: ActorConfig, temperature: float, mini_batches: list,
+               norm_len: int) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch (index lists into ``batch``)."""
+        loss_fn = get_policy_loss(cfg.policy_loss)
+        loss_cfg = PolicyLossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.dual_clip)
+        sums = Aggregation(cfg.loss_agg, global_tokens=1.0, global_seqs=1.0, norm_len=norm_len)
+        by_tokens = cfg.loss_agg == "token-mean"
+
+        def head(mb: SampleBatch, logits):
+            mask = mb.response_mask
+            lp, ent = token_logprobs(logits, mb.input_ids, self.groups, self.info.vocab_size, temperature)
+            t = mb.tensors
+            pg, m = loss_fn(lp, t["old_logprobs"], t["advantages"], mask, loss_cfg, sums)
+            loss = pg
+            if cfg.entropy_coef:
+                loss = loss + entropy_loss(ent, mask, cfg.entropy_coef, sums)[0]
+            if cfg.kl_loss_coef:
+                kl = kl_loss(lp, t["ref_logprobs"], mask, cfg.kl_loss_estimator, sums)
+                loss = loss + cfg.kl_loss_coef * kl
+                m["kl_loss"] = kl.detach()
+            count = mask.sum() if by_tokens else (mask.sum(-1) > 0).sum()
+            tokens = mask.sum()
+            metrics = {f"actor/{k}": v * tokens for k, v in m.items()}  # token-weighted sums
+            metrics.update({"actor/pg_loss": pg.detach(), "actor/entropy": (ent * mask).sum().detach(),
+                            "actor/count": count.detach().float(), "actor/tokens": tokens.detach()})
+            return loss, count.long(), metrics
+
+        return [self._mini_step(batch, idx, cfg, head) for idx in mini_batches]
+
+    def _mini_step(self, batch, index, cfg, head) -> dict[str, float]:
+        mini = batch.select(index)
+        micro = [mini.select(i) for i in mini.micro_batch_index(cfg.micro_batch_size, cfg.max_tokens_per_micro)]
+        return self.train_step(micro, head)

@@ -1,0 +1,63 @@
+"""Critic and reward model: a value head on a transformer.
+
+The model's output at position t is a scalar for the state after token t.
+The critic's value of token t is the output at t - 1 (the state in which token
+t was chosen), aligned like the log-probs; a reward model's score of a whole
+response is its output at the last real token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megarl.algos import Aggregation, value_loss
+from megarl.config import CriticConfig
+from megarl.roles.base import ModelRole
+from megarl.roles.batch import SampleBatch
+
+
+def token_values(out: torch.Tensor) -> torch.Tensor:
+    """(b, l, 1) head output -> (b, l) fp32 value of the state before each token."""
+    return F.pad(out[..., 0].float()[:, :-1], (1, 0))
+
+
+class Critic(ModelRole):
+    """Values and the clipped value update."""
+
+    def values(self, batch: SampleBatch, micro_batch_size: int) -> torch.Tensor:
+        def head(mb, out):
+            return out.new_zeros(()), torch.tensor(1), {"values": token_values(out)}
+
+        return self.forward_collect(batch, micro_batch_size, head)["values"]
+
+    def update(self, batch: SampleBatch, cfg: CriticConfig, mini_batches: list) -> list[dict[str, float]]:
+        sums = Aggregation("token-mean", global_tokens=1.0)
+
+        def head(mb: SampleBatch, out):
+            mask, t = mb.response_mask, mb.tensors
+            v = token_values(out)
+            loss, m = value_loss(v, t["values"], t["returns"], mask, cfg.value_clip, sums)
+            tokens = mask.sum()
+            return loss, tokens.long(), {
+                "critic/vf_loss": loss.detach(), "critic/tokens": tokens.detach(),
+                "critic/vf_clip_frac": m["vf_clip_frac"] * tokens,
+            }
+
+        steps = []
+        for index in mini_batches:
+            mini = batch.select(index)
+            micro = [mini.select(i) for i in mini.micro_batch_index(cfg.micro_batch_size)]
+            steps.append(self.train_step(micro, head))
+        return steps
+
+
+class RewardModel(ModelRole):
+    """Scores whole responses: the value head at the last real token."""
+
+    def scores(self, batch: SampleBatch, micro_batch_size: int) -> torch.Tensor:
+        def head(mb: SampleBatch, out):
+            last = (mb.lengths - 1).to(out.device)  # (b,)
+            score = out[torch.arange(len(mb), device=out.device), last, 0].float()
+            return out.new_zeros(()), torch.tensor(1), {"scores": score}
+
+        return self.forward_collect(batch, micro_batch_size, head)["scores"]

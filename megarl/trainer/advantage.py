@@ -1,0 +1,76 @@
+"""Token rewards (score + KL penalty) and advantages over the whole global batch.
+
+Whitening and group statistics must not depend on how the batch is split over
+data-parallel ranks, so the per-token inputs are gathered over DP, every rank
+computes the same advantages for the global batch, and keeps its own rows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.algos import AdvantageConfig, AdvantageInputs, apply_kl_to_rewards, compute_advantages, kl_penalty
+from megarl.config import AlgorithmConfig
+from megarl.roles.batch import pad_to
+from megarl.trainer.rollout import Rollout
+
+
+def gather_rows(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    """All-gathers (b, ...) over ``group`` (equal b, dim 1 padded to the max); returns
+    the (world * b, ...) tensor and this rank's first row."""
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        return t, 0
+    if t.dim() == 2:
+        width = torch.tensor([t.size(1)], device=t.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+        t = pad_to(t, int(width))
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts), dist.get_rank(group) * t.size(0)
+
+
+def token_kl(rollout: Rollout, estimator: str) -> torch.Tensor:
+    """(B, L) KL(policy || ref) per response token from the stored log-probs."""
+    t = rollout.batch.tensors
+    if "ref_logprobs" not in t:
+        return torch.zeros_like(rollout.batch.response_mask)
+    return kl_penalty(t["old_logprobs"], t["ref_logprobs"], estimator) * rollout.batch.response_mask
+
+
+def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: float, dp_group) -> dict:
+    """Fills tensors["advantages"], ["returns"] (B, L); returns KL metrics (local sums)."""
+    b = rollout.batch
+    mask = b.response_mask
+    kl = token_kl(rollout, cfg.kl_estimator)
+    rewards = apply_kl_to_rewards(rollout.scores, kl, mask, beta if cfg.kl_in_reward else 0.0)
+    local = {"rewards": rewards, "mask": mask, "scores": rollout.scores, "groups": rollout.group_ids}
+    if "values" in b.tensors:
+        local["values"] = b.tensors["values"]
+    if "greedy_scores" in b.tensors:
+        local["greedy"] = b.tensors["greedy_scores"]
+    full, start = {}, 0
+    for key, value in local.items():
+        full[key], start = gather_rows(value, dp_group)
+    inputs = AdvantageInputs(
+        token_rewards=full["rewards"], response_mask=full["mask"], values=full.get("values"),
+        scores=full["scores"], group_ids=full["groups"],
+        extras={"greedy_scores": full["greedy"]} if "greedy" in full else {},
+    )
+    adv_cfg = AdvantageConfig(gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten, norm_by_std=cfg.norm_by_std)
+    adv, ret = compute_advantages(cfg.advantage, inputs, adv_cfg)  # (B_global, L')
+    rows = slice(start, start + len(b))
+    b.tensors["advantages"] = pad_to(adv[rows], b.width)
+    b.tensors["returns"] = pad_to(ret[rows], b.width)
+    tokens = float(mask.sum())
+    return {"kl/sum": float((kl * mask).sum()), "kl/tokens": tokens,
+            "advantage/sum": float((b.tensors["advantages"] * mask).sum())}
+
+
+def logprob_mismatch(rollout: Rollout) -> dict[str, float]:
+    """Rollout-engine vs training log-probs of the same tokens (local sums and max)."""
+    t, mask = rollout.batch.tensors, rollout.batch.response_mask
+    diff = (t["rollout_logprobs"] - t["old_logprobs"]).abs() * mask
+    return {"mismatch/abs_sum": float(diff.sum()), "mismatch/abs_max": float(diff.max()),
+            "mismatch/tokens": float(mask.sum())}
+

@@ -1,0 +1,99 @@
+"""Checkpoints with megatron-core distributed checkpointing; resume is automatic.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step_000004/actor/      model + distributed-optimizer shards, LR scheduler
+    step_000004/critic/     the same for the critic
+    step_000004/state.json  step, data position, KL controller (rank 0)
+    step_000004/rng/rank_N.pt  this rank's RNG states
+    latest                  the newest complete step (written last)
+
+Frozen roles (reference, reward model) are reloaded from their HF directories.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _role_state(role, loading: bool) -> dict:
+    model_sd = role.module.sharded_state_dict()
+    opt_sd = role.trainable.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_OPT_METADATA)
+    return {"model": model_sd, "optimizer": opt_sd, "scheduler": role.trainable.scheduler.state_dict()}
+
+
+def _prime_optimizer(role) -> None:
+    """torch Adam has no state before its first step; a zero-gradient step creates it."""
+    role.trainable.zero_grad()
+    role.trainable.optimizer.step()
+
+
+class Checkpointer:
+    """Saves and restores the trainable roles and the trainer's own state."""
+
+    def __init__(self, run_dir: str, keep_last: int):
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.keep_last = max(keep_last, 1)
+        self.rank = dist.get_rank()
+
+    def _dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step_{step:06d}")
+
+    def latest_step(self) -> int | None:
+        path = os.path.join(self.root, "latest")
+        if not os.path.isfile(path):
+            return None
+        return int(open(path).read().strip())
+
+    def save(self, step: int, roles: dict, state: dict) -> str:
+        path = self._dir(step)
+        if self.rank == 0:
+            os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+        dist.barrier()
+        for name, role in roles.items():
+            os.makedirs(os.path.join(path, name), exist_ok=True)
+            dist_checkpointing.save(_role_state(role, loading=False), os.path.join(path, name))
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                   os.path.join(path, "rng", f"rank_{self.rank}.pt"))
+        if self.rank == 0:
+            with open(os.path.join(path, "state.json"), "w") as f:
+                json.dump(state, f)
+        dist.barrier()
+        if self.rank == 0:
+            with open(os.path.join(self.root, "latest.tmp"), "w") as f:
+                f.write(str(step))
+            os.replace(os.path.join(self.root, "latest.tmp"), os.path.join(self.root, "latest"))
+            self._prune(step)
+        dist.barrier()
+        return path
+
+    def _prune(self, newest: int) -> None:
+        steps = sorted(int(d[5:]) for d in os.listdir(self.root) if d.startswith("step_"))
+        for old in steps[: -self.keep_last]:
+            if old != newest:
+                shutil.rmtree(self._dir(old), ignore_errors=True)
+
+    def load(self, step: int, roles: dict) -> dict:
+        """Restores ``roles`` and RNG in place; returns the saved trainer state."""
+        path = self._dir(step)
+        for name, role in roles.items():
+            _prime_optimizer(role)
+            loaded = dist_checkpointing.load(_role_state(role, loading=True), os.path.join(path, name))
+            role.module.load_state_dict(loaded["model"])
+            with torch.no_grad():
+                role.trainable.optimizer.load_state_dict(loaded["optimizer"])
+            role.trainable.scheduler.load_state_dict(loaded["scheduler"])
+        rng = torch.load(os.path.join(path, "rng", f"rank_{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        with open(os.path.join(path, "state.json")) as f:
+            return json.load(f)

@@ -1,0 +1,32 @@
+"""Held-out accuracy: greedy responses to the eval prompts, scored by exact answer match."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.data import PromptDataset
+from megarl.rewards import math_answer_reward
+from megarl.rollout.engine import RolloutEngine, SamplingParams
+
+
+def eval_indices(num_items: int, limit: int, dp_rank: int, dp_size: int) -> list[int]:
+    """This DP rank's share of the first ``limit`` (0: all) eval prompts."""
+    total = min(num_items, limit) if limit > 0 else num_items
+    return list(range(dp_rank, total, dp_size))
+
+
+def held_out_accuracy(engine: RolloutEngine, dataset: PromptDataset, tokenizer, groups,
+                      max_new_tokens: int, limit: int = 0) -> float:
+    """Fraction of eval prompts whose greedy response has the right answer (all DP ranks)."""
+    index = eval_indices(len(dataset), limit, groups.dp_rank, groups.dp_size)
+    items = [dataset[i] for i in index]
+    correct = 0.0
+    if items:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        results = engine.generate([it.prompt_ids for it in items], params)
+        texts = tokenizer.batch_decode([r.response_ids for r in results], skip_special_tokens=True)
+        correct = sum(math_answer_reward(t, it.answer) for t, it in zip(texts, items) if it.answer is not None)
+    counts = torch.tensor([correct, float(len(items))], dtype=torch.float64)
+    if groups.dp_size > 1:
+        dist.all_reduce(counts, group=groups.dp)
+    return float(counts[0] / counts[1].clamp_min(1.0))

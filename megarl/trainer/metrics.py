@@ -1,0 +1,93 @@
+"""Metrics: reduced over data-parallel ranks, written by rank 0 to the console,
+``metrics.jsonl`` and TensorBoard in the run directory."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+
+def dp_sum(values: dict[str, float], group) -> dict[str, float]:
+    """Sums each value over ``group`` (every rank must pass the same keys)."""
+    keys = sorted(values)
+    if not keys or group is None or dist.get_world_size(group) == 1:
+        return dict(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return dict(zip(keys, t.tolist()))
+
+
+class PhaseTimer:
+    """Wall time per named phase of a step (``timing/<phase>`` in seconds)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{k}": v for k, v in self.seconds.items()}
+
+
+class MetricsWriter:
+    """Rank 0 writes; other ranks hold a writer that does nothing."""
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True):
+        self.enabled = enabled
+        self.jsonl = None
+        self.tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (v if math.isfinite(v) else None) for k, v in sorted(metrics.items())}
+        self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self.jsonl.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                if math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+CONSOLE_KEYS = (
+    ("score/mean", "score"), ("eval/accuracy", "acc"), ("actor/pg_loss", "pg"),
+    ("critic/vf_loss", "vf"), ("kl/mean", "kl"), ("response/length_mean", "len"),
+    ("perf/tokens_per_s_per_gpu", "tok/s/gpu"),
+)
+
+
+def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """A short human line for the progress bar."""
+    parts = [f"step {step}/{total}"]
+    for key, short in CONSOLE_KEYS:
+        if key in metrics:
+            parts.append(f"{short} {metrics[key]:.4g}")
+    return "  ".join(parts)

@@ -1,0 +1,165 @@
+"""The heavier phases of a PPO step, as functions of the trainer.
+
+Metrics collected here are local sums (``rollout.metrics``), reduced over DP
+in :func:`step_metrics`; values already identical on every rank (grad norms,
+learning rates, timings) go to ``trainer.metrics``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.engine import SamplingParams
+from megarl.trainer.advantage import compute_rollout_advantages, logprob_mismatch
+from megarl.trainer.rollout import generate_rollout
+from megarl.trainer.scoring import finish_score_metrics, score_rollout
+
+
+def _add(metrics: dict, values: dict) -> None:
+    for k, v in values.items():
+        metrics[k] = metrics.get(k, 0.0) + float(v)
+
+
+def train_temperature(cfg) -> float:
+    """Log-probs are taken under the sampling temperature (1 for greedy)."""
+    return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+
+
+def greedy_baseline(tr, prompts, rollout) -> None:
+    """ReMax: the score of each prompt's greedy response, per sample."""
+    params = SamplingParams(tr.cfg.rollout.max_new_tokens, 0.0, n=1,
+                            stop_token_ids=tuple(tr.cfg.rollout.stop_token_ids))
+    greedy = generate_rollout(tr.engine, prompts, params, tr.tokenizer, tr.pad_id, tr.device)
+    score_rollout(tr.reward, greedy)
+    rollout.batch.tensors["greedy_scores"] = greedy.scores.repeat_interleave(tr.cfg.rollout.n)
+
+
+def prepare(tr, rollout) -> None:
+    cfg, b = tr.cfg, rollout.batch
+    with tr.timer("old_logprobs"):
+        out = tr.actor.logprobs(b, cfg.actor.micro_batch_size, train_temperature(cfg), cfg.actor.max_tokens_per_micro)
+        b.tensors["old_logprobs"] = out["logprobs"]
+        _add(rollout.metrics, {"policy/entropy_sum": (out["entropy"] * b.response_mask).sum()})
+    if tr.ref is not None:
+        with tr.timer("ref_logprobs"):
+            b.tensors["ref_logprobs"] = tr.ref.logprobs(
+                b, cfg.actor.micro_batch_size, train_temperature(cfg), cfg.actor.max_tokens_per_micro)["logprobs"]
+    if tr.critic is not None:
+        with tr.timer("values"):
+            b.tensors["values"] = tr.critic.values(b, cfg.critic.micro_batch_size)
+    rollout.metrics.update(logprob_mismatch(rollout))
+
+
+def advantages(tr, rollout) -> None:
+    dp = tr.groups.dp if tr.groups.dp_size > 1 else None
+    kl = compute_rollout_advantages(rollout, tr.cfg.algorithm, tr.kl_ctl.beta, dp)
+    _add(rollout.metrics, kl)
+    totals = tr.reduce({"kl/sum": kl["kl/sum"], "kl/tokens": kl["kl/tokens"], "n": len(rollout.batch)})
+    tr.metrics["kl/beta"] = tr.kl_ctl.beta
+    tr.kl_ctl.update(totals["kl/sum"] / max(totals["kl/tokens"], 1.0), int(totals["n"]))
+
+
+def _mini_batches(tr, n_rows: int, epoch: int) -> list[torch.Tensor]:
+    """Shuffled index chunks of the per-rank mini-batch size, the same on every rank."""
+    per_rank = tr.cfg.actor.mini_batch_size // tr.groups.dp_size
+    gen = torch.Generator().manual_seed((tr.cfg.trainer.seed * 7919 + tr.step) * 31 + epoch)
+    order = torch.randperm(n_rows, generator=gen)
+    return [order[i:i + per_rank] for i in range(0, n_rows, per_rank)]
+
+
+def _record_steps(tr, rollout, role: str, steps: list[dict]) -> None:
+    for s in steps:
+        for key in ("grad_norm", "lr"):
+            tr.metrics[f"{role}/{key}"] = tr.metrics.get(f"{role}/{key}", 0.0) + s.pop(key) / len(steps)
+        s.pop("update_ok", None)
+        _add(rollout.metrics, s)
+
+
+def update(tr, rollout) -> None:
+    cfg, b = tr.cfg, rollout.batch
+    tr.metrics = {}
+    if tr.critic is not None:
+        with tr.timer("critic_update"):
+            for epoch in range(cfg.critic.ppo_epochs):
+                steps = tr.critic.update(b, cfg.critic, _mini_batches(tr, len(b), epoch))
+                _record_steps(tr, rollout, "critic", steps)
+    if tr.critic is None or tr.step >= cfg.critic.warmup_steps:
+        with tr.timer("actor_update"):
+            for epoch in range(cfg.actor.ppo_epochs):
+                steps = tr.actor.update(b, cfg.actor, train_temperature(cfg), _mini_batches(tr, len(b), epoch),
+                                        norm_len=cfg.rollout.max_new_tokens)
+                _record_steps(tr, rollout, "actor", steps)
+
+
+def _ratio(m: dict, num: str, den: str) -> float | None:
+    if num in m and m.get(den, 0.0) > 0:
+        return m[num] / m[den]
+    return None
+
+
+_RATIOS = (  # (metric, numerator, denominator) over DP-summed local sums
+    ("response/length_mean", "response/length_sum", "response/count"),
+    ("response/clip_ratio", "response/clipped", "response/count"),
+    ("actor/pg_loss", "actor/pg_loss", "actor/count"),
+    ("actor/clip_frac", "actor/clip_frac", "actor/tokens"),
+    ("actor/approx_kl", "actor/approx_kl", "actor/tokens"),
+    ("actor/dual_clip_frac", "actor/dual_clip_frac", "actor/tokens"),
+    ("actor/kl_loss", "actor/kl_loss", "actor/tokens"),
+    ("actor/entropy", "actor/entropy", "actor/tokens"),
+    ("policy/entropy", "policy/entropy_sum", "mismatch/tokens"),
+    ("critic/vf_loss", "critic/vf_loss", "critic/tokens"),
+    ("critic/vf_clip_frac", "critic/vf_clip_frac", "critic/tokens"),
+    ("kl/mean", "kl/sum", "kl/tokens"),
+    ("mismatch/abs_mean", "mismatch/abs_sum", "mismatch/tokens"),
+    ("advantage/mean", "advantage/sum", "kl/tokens"),
+)
+
+
+def _explained_variance(rollout) -> dict[str, float]:
+    t, mask = rollout.batch.tensors, rollout.batch.response_mask
+    if "values" not in t:
+        return {}
+    r, err = t["returns"] * mask, (t["returns"] - t["values"]) * mask
+    return {"ev/r": r.sum(), "ev/r2": (r * r).sum(), "ev/e": err.sum(), "ev/e2": (err * err).sum()}
+
+
+def _finish_explained_variance(m: dict) -> dict[str, float]:
+    if "ev/r" not in m:
+        return {}
+    n = max(m["kl/tokens"], 1.0)
+    var_r = m["ev/r2"] / n - (m["ev/r"] / n) ** 2
+    var_e = m["ev/e2"] / n - (m["ev/e"] / n) ** 2
+    return {"critic/explained_variance": 1.0 - var_e / var_r if var_r > 0 else 0.0}
+
+
+def step_metrics(tr, rollout) -> dict[str, float]:
+    """Everything logged for one step, identical on every rank."""
+    _add(rollout.metrics, _explained_variance(rollout))
+    rollout.metrics.pop("mismatch/abs_max", None)
+    sums = tr.reduce(rollout.metrics)
+    out = finish_score_metrics({k: v for k, v in sums.items() if k.startswith(("score/", "reward/"))})
+    out.update({name: v for name, num, den in _RATIOS if (v := _ratio(sums, num, den)) is not None})
+    out.update(_finish_explained_variance(sums))
+    out.update(_maxima(tr, rollout))
+    out.update(tr.metrics)
+    out.update(tr.timer.metrics())
+    seconds = time.perf_counter() - tr.step_start
+    tokens = sums["response/length_sum"] + sums["prompt/length_sum"]
+    world = dist.get_world_size()
+    out.update({"perf/step_seconds": seconds, "perf/steps_per_min": 60.0 / seconds,
+                "perf/tokens_per_s_per_gpu": tokens / seconds / world})
+    if torch.cuda.is_available():
+        out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def _maxima(tr, rollout) -> dict[str, float]:
+    b = rollout.batch
+    t = torch.tensor([float(b.response_mask.sum(-1).max()),
+                      float(((b.tensors["rollout_logprobs"] - b.tensors["old_logprobs"]).abs() * b.response_mask).max())],
+                     dtype=torch.float64)
+    if tr.groups.dp_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tr.groups.dp)
+    return {"response/length_max": float(t[0]), "mismatch/abs_max": float(t[1])}

@@ -1,0 +1,178 @@
+"""The PPO trainer: every phase of one step as a method, called in order by launch/ppo.py.
+
+Every rank runs the same code. Data-parallel ranks hold different prompts;
+the ranks of one TP x PP model replica hold the same prompts and compute the
+same results. Nothing is gathered to a driver.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from transformers import AutoTokenizer
+
+from megarl.algos import AdaptiveKLController, FixedKLController
+from megarl.config import Config
+from megarl.config_checks import uses_critic, uses_ref
+from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
+from megarl.distributed import build_parallel_groups, device
+from megarl.models.exporter import export_hf
+from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
+from megarl.rollout.engine import SamplingParams
+from megarl.rollout.native import NativeEngine
+from megarl.trainer import phases
+from megarl.trainer.checkpoint import Checkpointer
+from megarl.trainer.evaluate import held_out_accuracy
+from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
+from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
+from megarl.trainer.scoring import build_reward, score_rollout
+
+
+def _kl_controller(cfg: Config):
+    a = cfg.algorithm
+    if a.kl_controller == "adaptive":
+        return AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+    return FixedKLController(a.kl_coef)
+
+
+class PPOTrainer:
+    """Holds the roles, the engine, the data and the run's state."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        p = cfg.parallel
+        self.groups = g = build_parallel_groups(p.tp, p.pp, p.cp)
+        model_parallel_cuda_manual_seed(cfg.trainer.seed)
+        self.device = device()
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._build_data()
+        self.optimizer_steps = cfg.trainer.steps * cfg.actor.ppo_epochs * (
+            cfg.data.batch_size * cfg.rollout.n // cfg.actor.mini_batch_size)
+        self.actor = build_actor(cfg, g, self.optimizer_steps)
+        self.ref = build_reference(cfg, g) if uses_ref(cfg) else None
+        self.critic = build_critic(cfg, g, self.optimizer_steps) if uses_critic(cfg) else None
+        self.rm = build_reward_model(cfg, g) if cfg.reward.model.path else None
+        self.engine = NativeEngine(self.actor.module, g, self.actor.info.vocab_size,
+                                   self._stop_ids(), self.pad_id, cfg.rollout.max_batch)
+        rm_scorer = (lambda b: self.rm.scores(b, cfg.reward.model.micro_batch_size)) if self.rm else None
+        self.reward = build_reward(cfg.reward, rm_scorer)
+        self.kl_ctl = _kl_controller(cfg)
+        self.writer = MetricsWriter(cfg.trainer.run_dir, torch.distributed.get_rank() == 0, cfg.trainer.tensorboard)
+        self.checkpointer = Checkpointer(cfg.trainer.run_dir, cfg.trainer.keep_last)
+        self.step = 0
+        self.timer = PhaseTimer()
+        self.metrics: dict[str, float] = {}
+        self._resume()
+
+    # -- setup ---------------------------------------------------------------
+    def _build_data(self) -> None:
+        cfg, g = self.cfg, self.groups
+        self.train_set = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.train_path), self.tokenizer)
+        self.eval_set = None
+        if cfg.data.eval_path:
+            self.eval_set = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.eval_path), self.tokenizer)
+        self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size // g.dp_size, g.dp_rank, g.dp_size,
+                                     seed=cfg.data.seed)
+
+    def _stop_ids(self) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        return ([eos] if eos is not None else []) + list(self.cfg.rollout.stop_token_ids)
+
+    def trainable_roles(self) -> dict:
+        roles = {"actor": self.actor}
+        if self.critic:
+            roles["critic"] = self.critic
+        return roles
+
+    def _resume(self) -> None:
+        step = self.checkpointer.latest_step() if self.cfg.trainer.resume else None
+        if step is None:
+            return
+        state = self.checkpointer.load(step, self.trainable_roles())
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        if torch.distributed.get_rank() == 0:
+            print(f"resumed from step {self.step}", flush=True)
+
+    # -- the phases of a step ------------------------------------------------
+    def sampling_params(self) -> SamplingParams:
+        r = self.cfg.rollout
+        seed = (r.seed * 1_000_003 + self.step) * 1009 + self.groups.dp_rank  # same in a TP x PP replica
+        return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop_token_ids), r.n, seed)
+
+    def generate(self) -> Rollout:
+        self.timer = PhaseTimer()
+        self.step_start = time.perf_counter()
+        with self.timer("rollout"):
+            prompts = self.sampler.next_batch(self.train_set)
+            self.engine.resume_memory()
+            rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer,
+                                       self.pad_id, self.device)
+            if self.cfg.algorithm.advantage == "remax":
+                phases.greedy_baseline(self, prompts, rollout)
+            self.engine.release_memory()
+        rollout.metrics.update(response_metrics(rollout))
+        return rollout
+
+    def score(self, rollout: Rollout) -> None:
+        with self.timer("reward"):
+            rollout.metrics.update(score_rollout(self.reward, rollout))
+
+    def prepare(self, rollout: Rollout) -> None:
+        """Old and reference log-probs and values, with the weights that generated."""
+        phases.prepare(self, rollout)
+
+    def advantages(self, rollout: Rollout) -> None:
+        with self.timer("advantage"):
+            phases.advantages(self, rollout)
+
+    def update(self, rollout: Rollout) -> None:
+        phases.update(self, rollout)
+
+    def sync_weights(self) -> None:
+        with self.timer("weight_sync"):
+            self.metrics.update(self.engine.update_weights())
+
+    def evaluate(self) -> float | None:
+        if self.eval_set is None:
+            return None
+        acc = held_out_accuracy(self.engine, self.eval_set, self.tokenizer, self.groups,
+                                self.cfg.rollout.max_new_tokens, self.cfg.trainer.eval_samples)
+        return acc
+
+    def log_and_save(self, rollout: Rollout) -> dict[str, float]:
+        self.step += 1
+        metrics = phases.step_metrics(self, rollout)
+        self.writer.write(self.step, metrics)
+        t = self.cfg.trainer
+        if self.step == t.steps or (t.save_every and self.step % t.save_every == 0):
+            self.save()
+        return metrics
+
+    def finish(self, accuracy_before: float | None) -> None:
+        """Held-out accuracy after training (beside the one before), HF export, close logs."""
+        after = self.evaluate()
+        rank0 = torch.distributed.get_rank() == 0
+        if after is not None:
+            self.writer.write(self.step, {"eval/accuracy": after})
+            if rank0:
+                before = "n/a (resumed)" if accuracy_before is None else f"{accuracy_before:.3f}"
+                print(f"held-out accuracy: before {before}  after {after:.3f}", flush=True)
+        if self.cfg.trainer.export_hf:
+            out = os.path.join(self.cfg.trainer.run_dir, "hf")
+            export_hf(self.actor.module, self.actor.info, self.groups, out,
+                      copy_from=self.cfg.model.tokenizer or self.cfg.model.path)
+            if rank0:
+                print(f"actor exported to {out}", flush=True)
+        self.writer.close()
+
+    def save(self) -> None:
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()}
+        self.checkpointer.save(self.step, self.trainable_roles(), state)
+
+    def reduce(self, values: dict[str, float]) -> dict[str, float]:
+        return dp_sum(values, self.groups.dp if self.groups.dp_size > 1 else None)

@@ -1,0 +1,69 @@
+"""Prompts -> engine -> a :class:`Rollout`: token batch plus the texts rewards read."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.data import PromptBatch
+from megarl.roles.batch import SampleBatch
+from megarl.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+
+
+@dataclass
+class Rollout:
+    """One DP rank's samples of one step (n per prompt, grouped by prompt)."""
+
+    batch: SampleBatch
+    prompts: list[str]
+    responses: list[str]
+    answers: list
+    extras: list[dict]
+    group_ids: torch.Tensor  # (B,) dataset index of the prompt
+    finish_reasons: list[str]
+    scores: torch.Tensor | None = None  # (B,)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> SampleBatch:
+    """Right-padded prompt+response ids, response mask and rollout log-probs, (B, L)."""
+    seqs = [r.prompt_ids + r.response_ids for r in results]
+    width = max(len(s) for s in seqs)
+    batch = len(results)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, width)
+    rollout_lp = torch.zeros(batch, width)
+    for i, r in enumerate(results):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        ids[i, : p + n] = torch.tensor(seqs[i])
+        mask[i, p : p + n] = 1.0
+        rollout_lp[i, p : p + n] = torch.tensor(r.logprobs)
+    lengths = torch.tensor([len(s) for s in seqs])
+    return SampleBatch(ids.to(device), mask.to(device), lengths.to(device),
+                       {"rollout_logprobs": rollout_lp.to(device)})
+
+
+def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: SamplingParams,
+                     tokenizer, pad_id: int, device) -> Rollout:
+    results = engine.generate(prompts.prompt_ids, params)
+    items = [prompts.items[r.prompt_index] for r in results]
+    return Rollout(
+        batch=to_sample_batch(results, pad_id, device),
+        prompts=[it.prompt_text for it in items],
+        responses=tokenizer.batch_decode([r.response_ids for r in results], skip_special_tokens=True),
+        answers=[it.answer for it in items],
+        extras=[it.extra for it in items],
+        group_ids=torch.tensor([it.index for it in items], device=device),
+        finish_reasons=[r.finish_reason for r in results],
+    )
+
+
+def response_metrics(rollout: Rollout) -> dict[str, float]:
+    """Sums (and maxima) over this rank; the trainer reduces them over DP."""
+    lengths = rollout.batch.response_mask.sum(-1)
+    return {
+        "response/length_sum": float(lengths.sum()),
+        "response/clipped": float(sum(f == "length" for f in rollout.finish_reasons)),
+        "response/count": float(len(lengths)),
+        "prompt/length_sum": float((rollout.batch.lengths - lengths).sum()),
+    }
