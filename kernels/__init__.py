@@ -1,0 +1,43 @@
+"""Fused kernels for megarl: each op is `<op>_ref` (spec), Triton kernels, host function.
+
+Call the public functions; `backend="auto"` runs Triton on CUDA and vectorized
+PyTorch on CPU (see `dispatch.py`; "triton" on CPU needs TRITON_INTERPRET=1
+set before this package is imported).
+"""
+from megarl.kernels.bucket import BucketLayout, bucket_layout, pack, pack_ref, unpack, unpack_into, unpack_into_ref
+from megarl.kernels.dispatch import BACKENDS, HAS_TRITON, choose, interpret_mode, triton_usable
+from megarl.kernels.gae import gae, gae_ref, gae_torch
+from megarl.kernels.group_advantage import group_advantage, group_advantage_ref, group_advantage_torch
+from megarl.kernels.linear_logprob import linear_logprob, linear_logprob_ref
+from megarl.kernels.logprob import logprob_entropy, logprob_entropy_ref
+from megarl.kernels.reshard import (
+    fc1_merge,
+    fc1_merge_ref,
+    fc1_split,
+    fc1_split_ref,
+    merge_interleaved,
+    merge_interleaved_ref,
+    pad_vocab,
+    padded_vocab_size,
+    qkv_merge,
+    qkv_merge_ref,
+    qkv_split,
+    qkv_split_ref,
+    split_interleaved,
+    split_interleaved_ref,
+    tp_concat,
+    tp_split,
+    unpad_vocab,
+)
+
+__all__ = [
+    "BACKENDS", "HAS_TRITON", "choose", "interpret_mode", "triton_usable",
+    "gae", "gae_ref", "gae_torch",
+    "group_advantage", "group_advantage_ref", "group_advantage_torch",
+    "logprob_entropy", "logprob_entropy_ref", "linear_logprob", "linear_logprob_ref",
+    "qkv_split", "qkv_merge", "qkv_split_ref", "qkv_merge_ref",
+    "fc1_split", "fc1_merge", "fc1_split_ref", "fc1_merge_ref",
+    "split_interleaved", "merge_interleaved", "split_interleaved_ref", "merge_interleaved_ref",
+    "padded_vocab_size", "pad_vocab", "unpad_vocab", "tp_split", "tp_concat",
+    "BucketLayout", "bucket_layout", "pack", "pack_ref", "unpack", "unpack_into", "unpack_into_ref",
+]

@@ -4,6 +4,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")

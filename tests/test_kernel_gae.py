@@ -1,0 +1,136 @@
+"""megarl.kernels.gae: Triton and vectorized torch against the per-timestep spec.
+
+On CPU the Triton path runs in the interpreter (TRITON_INTERPRET=1 must be set
+before megarl.kernels is imported, hence the top of this file). Shapes are
+small and odd: prime T, ragged row blocks and T chunks, empty and all-masked
+rows. Not covered here: speed (benchmarks/bench_kernels.py).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from megarl.kernels import gae, gae_ref, triton_usable  # noqa: E402
+
+gae_mod = importlib.import_module("megarl.kernels.gae")  # the module (the package attribute is the function)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)),
+                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 before importing megarl.kernels")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-5, rtol=1e-5)}
+
+
+def _inputs(B, T, dtype=torch.float32, seed=0):
+    """Random rewards/values and a mask with padding tails, holes, and an all-masked row."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(B, T, generator=g).to(dtype)
+    v = torch.randn(B, T, generator=g).to(dtype)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]  # (B, T) response then padding
+    mask &= torch.rand(B, T, generator=g) > 0.2  # holes (e.g. tool-output tokens)
+    if B > 1:
+        mask[1] = False
+    return r.to(DEVICE), v.to(DEVICE), mask.to(DEVICE)
+
+
+def test_ref_by_hand():
+    """T=4, mask [1, 0, 1, 0], gamma=0.5, lam=0.5 (gamma*lam = 0.25).
+
+    t=2: next real none -> delta = r2 - v2 = 1 - 2 = -1, A2 = -1, R2 = 1.
+    t=0: next real is t=2 -> delta = r0 + 0.5 * v2 - v0 = 1 + 1 - 1 = 1,
+         A0 = 1 + 0.25 * (-1) = 0.75, R0 = 1.75. Masked t=1, 3 give 0.
+    """
+    r = torch.tensor([[1.0, 9.0, 1.0, 9.0]])
+    v = torch.tensor([[1.0, 9.0, 2.0, 9.0]])
+    m = torch.tensor([[1, 0, 1, 0]])
+    adv, ret = gae_ref(r, v, m, 0.5, 0.5)
+    assert torch.equal(adv, torch.tensor([[0.75, 0.0, -1.0, 0.0]]))
+    assert torch.equal(ret, torch.tensor([[1.75, 0.0, 1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 13), (5, 37), (2, 131)])
+@pytest.mark.parametrize("whiten", [False, True])
+def test_matches_ref(backend, B, T, whiten):
+    r, v, m = _inputs(B, T)
+    want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 0.99, 0.95, whiten)
+    got = gae(r, v, m, 0.99, 0.95, whiten=whiten, backend=backend)
+    for w, g in zip(want, got):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.cpu(), w, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_inputs(backend):
+    r, v, m = _inputs(4, 29, torch.bfloat16)
+    want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 1.0, 0.9, True)
+    for w, g in zip(want, gae(r, v, m, 1.0, 0.9, whiten=True, backend=backend)):
+        torch.testing.assert_close(g.cpu(), w, **TOL[torch.bfloat16])
+
+
+@needs_triton
+@pytest.mark.parametrize("whiten", [False, True])
+def test_triton_chunked_carry(monkeypatch, whiten):
+    """TILE=32 forces 32-step chunks: T=97 is 4 chunks (ragged last), carries cross chunk edges."""
+    monkeypatch.setattr(gae_mod, "TILE", 32)
+    r, v, m = _inputs(3, 97, seed=1)
+    want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 0.97, 0.9, whiten)
+    for w, g in zip(want, gae(r, v, m, 0.97, 0.9, whiten=whiten, backend="triton")):
+        torch.testing.assert_close(g.cpu(), w, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
+def test_masked_positions_do_not_leak(backend):
+    """Changing rewards/values at masked positions changes nothing (they are skipped)."""
+    r, v, m = _inputs(4, 23, seed=2)
+    noise = torch.randn(r.shape, device=DEVICE) * 100
+    a1, r1 = gae(r, v, m, 0.99, 0.95, backend=backend)
+    a2, r2 = gae(torch.where(m, r, noise), torch.where(m, v, -noise), m, 0.99, 0.95, backend=backend)
+    torch.testing.assert_close(a1, a2, atol=0, rtol=0)
+    torch.testing.assert_close(r1, r2, atol=0, rtol=0)
+    assert (a1[~m] == 0).all() and (r1[~m] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
+def test_whiten_moments(backend):
+    """Whitened advantages have mean 0 and unbiased var 1 over real tokens."""
+    r, v, m = _inputs(6, 41, seed=3)
+    adv, _ = gae(r, v, m, 1.0, 1.0, whiten=True, backend=backend)
+    real = adv[m]
+    assert abs(real.mean().item()) < 1e-5 and abs(real.var().item() - 1) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
+@pytest.mark.parametrize("B,T", [(0, 7), (4, 0), (3, 5)])
+def test_empty_and_all_masked(backend, B, T):
+    r, v, _ = _inputs(max(B, 1), max(T, 1))
+    r, v = r[:B, :T], v[:B, :T]
+    m = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
+    for out in gae(r, v, m, 0.99, 0.95, whiten=True, backend=backend):
+        assert out.shape == (B, T) and (out == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gamma,lam", [(0.0, 0.5), (0.9, 0.0), (1.0, 1.0)])
+def test_degenerate_coefficients(backend, gamma, lam):
+    r, v, m = _inputs(3, 17, seed=4)
+    want = gae_ref(r.cpu(), v.cpu(), m.cpu(), gamma, lam)
+    for w, g in zip(want, gae(r, v, m.float(), gamma, lam, backend=backend)):  # float mask too
+        torch.testing.assert_close(g.cpu(), w, **TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_full_size():
+    """B=64, T=2048 (one tile per row) and T=5000 (chunked) against the vectorized torch path."""
+    for B, T in [(64, 2048), (16, 5000)]:
+        r, v, m = _inputs(B, T, seed=5)
+        for w, g in zip(gae(r, v, m, 0.99, 0.95, True, backend="torch"),
+                        gae(r, v, m, 0.99, 0.95, True, backend="triton")):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
