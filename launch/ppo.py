@@ -18,6 +18,8 @@ def main(argv):
 
     trainer = PPOTrainer(cfg)
     before = trainer.evaluate() if trainer.step == 0 else None
+    if before is not None:
+        trainer.writer.write(0, {"eval/accuracy": before})
     bar = tqdm(total=cfg.trainer.steps, initial=trainer.step, disable=rank != 0, dynamic_ncols=True)
     while trainer.step < cfg.trainer.steps:
         rollout = trainer.generate()

@@ -68,9 +68,9 @@ class Policy(ModelRole):
             if cfg.entropy_coef:
                 loss = loss + entropy_loss(ent, mask, cfg.entropy_coef, sums)[0]
             if cfg.kl_loss_coef:
-                kl = kl_loss(lp, t["ref_logprobs"], mask, cfg.kl_loss_estimator, sums)
+                kl, kl_m = kl_loss(lp, t["ref_logprobs"], mask, cfg.kl_loss_estimator, sums)
                 loss = loss + cfg.kl_loss_coef * kl
-                m["kl_loss"] = kl.detach()
+                m["kl_loss"] = kl_m["kl"]
             count = mask.sum() if by_tokens else (mask.sum(-1) > 0).sum()
             tokens = mask.sum()
             metrics = {f"actor/{k}": v * tokens for k, v in m.items()}  # token-weighted sums

@@ -1,4 +1,4 @@
-"""Regenerate the tiny CPU task: a char-level tokenizer and an addition dataset.
+"""Regenerate the tiny CPU task: a char-level tokenizer and a digit-reversal dataset.
 
     python megarl/assets/tiny/make_assets.py          # writes next to this file
     python megarl/assets/tiny/make_assets.py --out D  # writes into D
@@ -19,8 +19,9 @@ SEED = 1234
 NUM_TEST = 200
 NUM_TRAIN = 2000
 NUM_SFT = 4000
-SFT_OFF_BY_ONE = 0.6  # fraction of SFT rows answering a+b+1 instead of a+b
-MAX_OPERAND = 99
+SFT_WRONG = 0.6  # fraction of SFT rows answering the digits unreversed
+DIGITS = "123456789"  # no 0: a reversed answer never has a leading zero
+LENGTHS = (3, 4, 5)
 
 PAD, EOT, IM_START, IM_END, UNK = (
     "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>")
@@ -75,27 +76,28 @@ def _pin_tokenizer_config(out_dir: Path) -> None:
         jinja.unlink()  # one source of truth: tokenizer_config.json
 
 
-def split_pairs(rng: random.Random) -> tuple[list, list, list]:
-    """Disjoint (a, b) pairs for test, RL train and SFT."""
-    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
-    rng.shuffle(pairs)
-    test = pairs[:NUM_TEST]
-    train = pairs[NUM_TEST:NUM_TEST + NUM_TRAIN]
-    sft = pairs[NUM_TEST + NUM_TRAIN:NUM_TEST + NUM_TRAIN + NUM_SFT]
-    return test, train, sft
+def split_strings(rng: random.Random) -> tuple[list, list, list]:
+    """Disjoint digit strings for test, RL train and SFT."""
+    seen: set[str] = set()
+    picked: list[str] = []
+    while len(picked) < NUM_TEST + NUM_TRAIN + NUM_SFT:
+        s = "".join(rng.choice(DIGITS) for _ in range(rng.choice(LENGTHS)))
+        if s not in seen:
+            seen.add(s)
+            picked.append(s)
+    return picked[:NUM_TEST], picked[NUM_TEST:NUM_TEST + NUM_TRAIN], picked[NUM_TEST + NUM_TRAIN:]
 
 
-def prompt_of(a: int, b: int) -> str:
-    return f"{a}+{b}=?"
+def prompt_of(digits: str) -> str:
+    return f"reverse {digits}"
 
 
-def sft_rows(pairs: list, rng: random.Random) -> list[dict]:
-    """Exactly round(SFT_OFF_BY_ONE * n) rows answer a+b+1; the rest a+b."""
-    n_wrong = round(SFT_OFF_BY_ONE * len(pairs))
-    wrong = set(rng.sample(range(len(pairs)), n_wrong))
-    return [{"prompt": prompt_of(a, b),
-             "response": f"#### {a + b + (1 if i in wrong else 0)}"}
-            for i, (a, b) in enumerate(pairs)]
+def sft_rows(strings: list, rng: random.Random) -> list[dict]:
+    """Exactly round(SFT_WRONG * n) rows answer the digits unreversed; the rest reversed."""
+    n_wrong = round(SFT_WRONG * len(strings))
+    wrong = set(rng.sample(range(len(strings)), n_wrong))
+    return [{"prompt": prompt_of(d), "response": f"#### {d if i in wrong else d[::-1]}"}
+            for i, d in enumerate(strings)]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -106,8 +108,8 @@ def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_tokenizer(out_dir / "tokenizer")
     rng = random.Random(SEED)
-    test, train, sft = split_pairs(rng)
-    rl = lambda pairs: [{"prompt": prompt_of(a, b), "answer": str(a + b)} for a, b in pairs]
+    test, train, sft = split_strings(rng)
+    rl = lambda strings: [{"prompt": prompt_of(d), "answer": d[::-1]} for d in strings]
     write_jsonl(out_dir / "test.jsonl", rl(test))
     write_jsonl(out_dir / "train.jsonl", rl(train))
     write_jsonl(out_dir / "sft.jsonl", sft_rows(sft, rng))
