@@ -47,11 +47,13 @@ def test_dataset_files():
     prompts = [{r["prompt"] for r in x} for x in (test, train, sft)]
     assert not (prompts[0] & prompts[1]) and not (prompts[0] & prompts[2])
     for r in test + train:
-        a, b = map(int, r["prompt"][:-2].split("+"))
-        assert r["answer"] == str(a + b)
-    off = [int(r["response"].removeprefix("#### ")) - sum(map(int, r["prompt"][:-2].split("+")))
-           for r in sft]
-    assert set(off) == {0, 1} and sum(off) == 2400  # exactly 60% off by one
+        digits = r["prompt"].removeprefix("reverse ")
+        assert r["answer"] == digits[::-1] and "0" not in digits and 3 <= len(digits) <= 5
+    digits = [r["prompt"].removeprefix("reverse ") for r in sft]
+    assert all(r["response"] in ("#### " + d, "#### " + d[::-1]) for r, d in zip(sft, digits))
+    palindromes = sum(d == d[::-1] for d in digits)
+    copies = sum(r["response"] == "#### " + d and d != d[::-1] for r, d in zip(sft, digits))
+    assert 2400 - palindromes <= copies <= 2400  # 60% of rows were made wrong
 
 
 def test_make_assets_reproduces_shipped_files(tmp_path):
@@ -65,4 +67,5 @@ def test_make_assets_reproduces_shipped_files(tmp_path):
     for name in ("train.jsonl", "test.jsonl", "sft.jsonl",
                  "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == asset_path(f"tiny/{name}").read_bytes(), name
-    assert sum(f.stat().st_size for f in asset_path("tiny").rglob("*") if f.is_file()) < 1_000_000
+    data = [f for f in asset_path("tiny").rglob("*") if f.is_file() and "sft" not in f.parent.name]
+    assert sum(f.stat().st_size for f in data) < 1_000_000  # the checkpoint in sft/ is ~4 MB
