@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megarl.algos.masked import masked_whiten
+from megarl.kernels import gae as fused_gae
+from megarl.kernels import group_advantage as fused_group_advantage
 
 GROUP_MODES = ("std", "mean", "rloo")
 
@@ -30,23 +31,11 @@ def gae_advantages(
         A_t     = delta_t + gamma * lam * A'
     returns = A + values (before whitening). whiten: masked whitening of A.
     Returns (advantages (B, T), returns (B, T)), 0 at masked positions.
+    Runs the fused scan of ``megarl.kernels.gae`` (Triton on CUDA, a vectorized
+    scan on CPU); ``megarl.kernels.gae_ref`` is the per-timestep loop it replaces.
     """
-    real = mask.bool()
-    B, T = values.shape
-    adv = torch.zeros_like(values)
-    next_v = values.new_zeros(B)  # (B,)
-    next_a = values.new_zeros(B)  # (B,)
-    for t in reversed(range(T)):
-        delta = rewards[:, t] + gamma * next_v - values[:, t]
-        a = torch.where(real[:, t], delta + gamma * lam * next_a, 0.0)
-        adv[:, t] = a
-        next_v = torch.where(real[:, t], values[:, t], next_v)  # skipped: carry on
-        next_a = torch.where(real[:, t], a, next_a)
-    returns = torch.where(real, adv + values, 0.0)
-    m = mask.to(values.dtype)
-    if whiten:
-        adv = masked_whiten(adv, m)
-    return adv, returns
+    adv, ret = fused_gae(rewards, values, mask, gamma, lam, whiten=whiten)  # fp32
+    return adv.to(values.dtype), ret.to(values.dtype)
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
@@ -99,6 +88,11 @@ def group_normalized_scores(scores: Tensor, group_ids: Tensor, mode: str = "std"
 def group_advantages(
     scores: Tensor, group_ids: Tensor, mask: Tensor, mode: str = "std", eps: float = 1e-6
 ) -> Tensor:
-    """group_normalized_scores broadcast over the response: (B,) -> (B, T) * mask."""
-    adv = group_normalized_scores(scores, group_ids, mode, eps)
-    return adv[:, None] * mask.to(adv.dtype)
+    """group_normalized_scores broadcast over the response: (B,) -> (B, T) * mask.
+
+    Runs ``megarl.kernels.group_advantage`` (two Triton launches on CUDA).
+    """
+    if mode not in GROUP_MODES:
+        raise ValueError(f"unknown group mode {mode!r}; available: {', '.join(GROUP_MODES)}")
+    s = scores if scores.is_floating_point() else scores.float()
+    return fused_group_advantage(s, group_ids, mask, mode=mode, eps=eps).to(s.dtype)  # fp32 inside
