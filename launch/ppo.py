@@ -24,10 +24,11 @@ def main(argv):
     while trainer.step < cfg.trainer.steps:
         rollout = trainer.generate()
         trainer.score(rollout)
-        trainer.prepare(rollout)
-        trainer.advantages(rollout)
-        trainer.update(rollout)
-        trainer.sync_weights()
+        if not cfg.trainer.rollout_only:
+            trainer.prepare(rollout)
+            trainer.advantages(rollout)
+            trainer.update(rollout)
+            trainer.sync_weights()
         metrics = trainer.log_and_save(rollout)
         if cfg.trainer.eval_every and trainer.step % cfg.trainer.eval_every == 0:
             metrics["eval/accuracy"] = trainer.evaluate()

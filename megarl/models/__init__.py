@@ -6,16 +6,25 @@
 - ``export_hf(model, info, groups, out_dir)``: back to a HF directory.
 - ``load_value_model``: a critic / reward model from *ForSequenceClassification or *ForCausalLM.
 - ``run_pipeline`` / ``forward_logits``: micro-batches through megatron's schedule.
-"""
-from megarl.models.builder import ModelOptions, build_gpt_model, transformer_config
-from megarl.models.exporter import export_hf
-from megarl.models.hf_config import SUPPORTED, ModelConfigError, ModelInfo, read_hf_config
-from megarl.models.loader import LoadReport, load_hf_checkpoint
-from megarl.models.pipeline import forward_logits, run_pipeline
-from megarl.models.value_head import ValueHead, init_value_head, load_value_model
 
-__all__ = [
-    "SUPPORTED", "LoadReport", "ModelConfigError", "ModelInfo", "ModelOptions", "ValueHead",
-    "build_gpt_model", "export_hf", "forward_logits", "init_value_head", "load_hf_checkpoint",
-    "load_value_model", "read_hf_config", "run_pipeline", "transformer_config",
-]
+Names resolve lazily, so ``megarl.models.hf_config`` (plain JSON) imports
+without megatron-core.
+"""
+import importlib
+
+_EXPORTS = {
+    "ModelOptions": "builder", "build_gpt_model": "builder", "transformer_config": "builder",
+    "export_hf": "exporter",
+    "SUPPORTED": "hf_config", "ModelConfigError": "hf_config", "ModelInfo": "hf_config",
+    "read_hf_config": "hf_config",
+    "LoadReport": "loader", "load_hf_checkpoint": "loader",
+    "forward_logits": "pipeline", "run_pipeline": "pipeline",
+    "ValueHead": "value_head", "init_value_head": "value_head", "load_value_model": "value_head",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megarl.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megarl.models.{_EXPORTS[name]}"), name)

@@ -26,16 +26,16 @@ from megarl.models.hf_config import ModelInfo, sliding_window_check
 from megarl.models.sdpa_attention import SDPAAttention
 from megarl.models.value_head import ValueHead
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class ModelOptions:
     """How to build the Megatron model (the checkpoint fixes its shape)."""
 
-    attention_backend: str = "sdpa"  # "sdpa" | "local" (megatron's unfused DotProductAttention)
+    attention_backend: str = "sdpa"  # local spec only: "sdpa" | "local" (megatron's unfused one)
     layer_spec: str = "auto"  # "auto" (TE if it imports) | "local" | "te"
-    params_dtype: str = "fp32"  # "fp32" | "bf16"
+    params_dtype: str = "fp32"  # "fp32" | "bf16" | "fp16"
     make_vocab_size_divisible_by: int = 128  # vocab pads to a multiple of this * tp
     seq_length: Optional[int] = None  # longest sequence of the run; None: max_position_embeddings
     sequence_parallel: bool = False  # needs the TE spec (torch norms do not support it)
@@ -49,6 +49,10 @@ class ModelOptions:
             raise ValueError(f"model.params_dtype={self.params_dtype!r}: use one of {sorted(_DTYPES)}")
         if self.layer_spec == "te" and not have_te():
             raise ValueError("model.layer_spec='te' but transformer_engine does not import; use 'local'")
+        if self.sequence_parallel and not uses_te(self):
+            raise ValueError("parallel.sequence_parallel needs the TE layer spec (torch norms reject it)")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError("model.make_vocab_size_divisible_by must be >= 1")
 
 
 def have_te() -> bool:
@@ -80,7 +84,8 @@ def transformer_config(info: ModelInfo, groups: ParallelGroups, opts: ModelOptio
         init_method_std=info.init_std,
         tensor_model_parallel_size=groups.tp_size, pipeline_model_parallel_size=groups.pp_size,
         context_parallel_size=groups.cp_size, sequence_parallel=opts.sequence_parallel,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         variable_seq_lengths=groups.pp_size > 1,  # the schedule sends shapes before tensors
         moe_token_dispatcher_type="alltoall",  # no MoE; the default "allgather" rejects the line above
         use_cpu_initialization=not torch.cuda.is_available(),

@@ -74,8 +74,9 @@ def gather_hf_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
 
 def hf_config_for_export(info: ModelInfo) -> dict:
     cfg = dict(info.hf_config, architectures=[info.hf_architecture()])
-    if info.value_head:
-        cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if info.value_head and len(cfg.get("id2label") or {}) != 1:  # one label: num_labels = 1
+        cfg.pop("num_labels", None)
+        cfg.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return cfg
 
 

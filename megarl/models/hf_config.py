@@ -150,6 +150,13 @@ def _check_plain_linears(cfg: dict, family: Family) -> None:
 def read_hf_config(source: str | dict) -> ModelInfo:
     """A HF model directory (or its config.json dict) -> ModelInfo."""
     cfg = load_config_json(source) if isinstance(source, str) else dict(source)
+    try:
+        return _info(cfg)
+    except KeyError as e:
+        raise ModelConfigError(f"config.json lacks the key {e.args[0]!r}") from None
+
+
+def _info(cfg: dict) -> ModelInfo:
     arch, family_name, value_head = _split_arch(cfg)
     family = FAMILIES[family_name]
     _check_plain_linears(cfg, family)

@@ -18,7 +18,9 @@ from megarl.distributed.groups import ParallelGroups
 from megarl.models import layouts
 from megarl.models.hf_config import ModelInfo
 from megarl.models.safetensors_io import CheckpointReader
-from megarl.models.weight_map import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, expected_hf_names, model_rules
+from megarl.models.weight_map import (
+    GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, expected_hf_names, model_rules,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +93,13 @@ def load_hf_checkpoint(
             param = params[name]
             shard = read_shard(reader, rule, info, groups, param.shape[0])
             if shard.shape != param.shape:
-                raise ValueError(f"{name}: checkpoint gives {tuple(shard.shape)}, model has {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint gives {tuple(shard.shape)}, model has {tuple(param.shape)}"
+                )
             param.copy_(shard)
             report.loaded.append(name)
     reader.close()
     report.unused = sorted(reader.names() - expected_hf_names(info))
-    if report.unused:
+    if report.unused and groups.tp_rank == groups.pp_rank == groups.dp_rank == 0:
         log.warning("checkpoint tensors not used by %s: %s", info.hf_architecture(), ", ".join(report.unused))
     return report

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megarl.models.hf_config import ModelConfigError
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -31,7 +33,7 @@ class CheckpointReader:
             with safe_open(os.path.join(path, SINGLE), framework="pt") as f:
                 self.files = {name: SINGLE for name in f.keys()}
         else:
-            raise FileNotFoundError(f"{path!r} has neither {SINGLE} nor {INDEX}")
+            raise ModelConfigError(f"{path!r} has neither {SINGLE} nor {INDEX} (only safetensors load)")
         self._handles = {}
 
     def names(self) -> set[str]:

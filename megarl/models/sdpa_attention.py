@@ -93,9 +93,10 @@ class SDPAAttention(MegatronModule):
 
     def _packed(self, query, key, value, causal, dropout, params: PackedSeqParams):
         """query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn], one SDPA per sequence."""
-        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        out = torch.zeros(query.shape[0], self.num_heads, self.head_dim, dtype=query.dtype, device=query.device)
+        # with padded cu_seqlens, each sequence's real tokens lead its padded slot
+        cu_q = _first(params.cu_seqlens_q_padded, params.cu_seqlens_q)
+        cu_kv = _first(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
+        out = query.new_zeros(query.shape[0], self.num_heads, self.head_dim)
         bounds = zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_kv.tolist()[:-1], cu_kv.tolist()[1:])
         for q0, q1, k0, k1 in bounds:
             if q1 == q0:
@@ -119,3 +120,7 @@ class SDPAAttention(MegatronModule):
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
             scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1],
         )
+
+
+def _first(*tensors):
+    return next(t for t in tensors if t is not None)

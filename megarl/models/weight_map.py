@@ -40,7 +40,8 @@ LAYER_RULES = {
     "mlp.linear_fc1.weight": (GATE_UP, ("mlp.gate_proj.weight", "mlp.up_proj.weight"), None),
     "mlp.linear_fc2.weight": (ROW, ("mlp.down_proj.weight",), None),
 }
-EMBED, FINAL_NORM, LM_HEAD, SCORE = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "score.weight"
+EMBED, FINAL_NORM = "model.embed_tokens.weight", "model.norm.weight"
+LM_HEAD, SCORE = "lm_head.weight", "score.weight"
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 

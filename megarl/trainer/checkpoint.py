@@ -23,10 +23,19 @@ from megatron.core import dist_checkpointing
 _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _role_state(role, loading: bool) -> dict:
+def _stepped(optimizer) -> bool:
+    """Whether Adam has state yet (a role may not have been updated, e.g. during critic warmup)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return all(len(getattr(o, "optimizer", o).state) > 0 for o in inner)
+
+
+def _role_state(role, loading: bool, with_optimizer: bool) -> dict:
     model_sd = role.module.sharded_state_dict()
-    opt_sd = role.trainable.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_OPT_METADATA)
-    return {"model": model_sd, "optimizer": opt_sd, "scheduler": role.trainable.scheduler.state_dict()}
+    state = {"model": model_sd, "scheduler": role.trainable.scheduler.state_dict()}
+    if with_optimizer:
+        state["optimizer"] = role.trainable.optimizer.sharded_state_dict(
+            model_sd, is_loading=loading, metadata=_OPT_METADATA)
+    return state
 
 
 def _prime_optimizer(role) -> None:
@@ -57,9 +66,12 @@ class Checkpointer:
         if self.rank == 0:
             os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         dist.barrier()
+        stepped = {}
         for name, role in roles.items():
             os.makedirs(os.path.join(path, name), exist_ok=True)
-            dist_checkpointing.save(_role_state(role, loading=False), os.path.join(path, name))
+            stepped[name] = _stepped(role.trainable.optimizer)
+            dist_checkpointing.save(_role_state(role, False, stepped[name]), os.path.join(path, name))
+        state = dict(state, optimizer_saved=stepped)
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                    os.path.join(path, "rng", f"rank_{self.rank}.pt"))
@@ -84,16 +96,20 @@ class Checkpointer:
     def load(self, step: int, roles: dict) -> dict:
         """Restores ``roles`` and RNG in place; returns the saved trainer state."""
         path = self._dir(step)
+        with open(os.path.join(path, "state.json")) as f:
+            state = json.load(f)
         for name, role in roles.items():
-            _prime_optimizer(role)
-            loaded = dist_checkpointing.load(_role_state(role, loading=True), os.path.join(path, name))
+            with_optimizer = state["optimizer_saved"][name]
+            if with_optimizer:
+                _prime_optimizer(role)
+            loaded = dist_checkpointing.load(_role_state(role, True, with_optimizer), os.path.join(path, name))
             role.module.load_state_dict(loaded["model"])
-            with torch.no_grad():
-                role.trainable.optimizer.load_state_dict(loaded["optimizer"])
+            if with_optimizer:
+                with torch.no_grad():
+                    role.trainable.optimizer.load_state_dict(loaded["optimizer"])
             role.trainable.scheduler.load_state_dict(loaded["scheduler"])
         rng = torch.load(os.path.join(path, "rng", f"rank_{self.rank}.pt"), weights_only=False)
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        with open(os.path.join(path, "state.json")) as f:
-            return json.load(f)
+        return state

@@ -157,8 +157,8 @@ def step_metrics(tr, rollout) -> dict[str, float]:
 
 def _maxima(tr, rollout) -> dict[str, float]:
     b = rollout.batch
-    t = torch.tensor([float(b.response_mask.sum(-1).max()),
-                      float(((b.tensors["rollout_logprobs"] - b.tensors["old_logprobs"]).abs() * b.response_mask).max())],
+    mismatch = b.tensors["rollout_logprobs"] - b.tensors.get("old_logprobs", b.tensors["rollout_logprobs"])
+    t = torch.tensor([float(b.response_mask.sum(-1).max()), float((mismatch.abs() * b.response_mask).max())],
                      dtype=torch.float64)
     if tr.groups.dp_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tr.groups.dp)

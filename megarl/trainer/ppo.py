@@ -27,7 +27,8 @@ from megarl.trainer.checkpoint import Checkpointer
 from megarl.trainer.evaluate import held_out_accuracy
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
-from megarl.trainer.scoring import build_reward, score_rollout
+from megarl.trainer.dump import load_rollout, save_rollout
+from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
 
 
 def _kl_controller(cfg: Config):
@@ -107,6 +108,11 @@ class PPOTrainer:
     def generate(self) -> Rollout:
         self.timer = PhaseTimer()
         self.step_start = time.perf_counter()
+        t = self.cfg.trainer
+        if t.replay_rollouts:
+            rollout = load_rollout(t.replay_rollouts, self.step + 1, self.groups.dp_rank, self.device)
+            rollout.metrics.update(response_metrics(rollout))
+            return rollout
         with self.timer("rollout"):
             prompts = self.sampler.next_batch(self.train_set)
             self.engine.resume_memory()
@@ -119,8 +125,14 @@ class PPOTrainer:
         return rollout
 
     def score(self, rollout: Rollout) -> None:
+        """Rewards (kept as they are for replayed rollouts that carry scores); dumps if asked."""
         with self.timer("reward"):
-            rollout.metrics.update(score_rollout(self.reward, rollout))
+            if rollout.scores is None or not self.cfg.trainer.replay_rollouts:
+                rollout.metrics.update(score_rollout(self.reward, rollout))
+            else:
+                rollout.metrics.update(score_metrics(rollout.scores))
+        if self.cfg.trainer.dump_rollouts:
+            save_rollout(rollout, self.cfg.trainer.dump_rollouts, self.step + 1, self.groups)
 
     def prepare(self, rollout: Rollout) -> None:
         """Old and reference log-probs and values, with the weights that generated."""
@@ -149,7 +161,7 @@ class PPOTrainer:
         metrics = phases.step_metrics(self, rollout)
         self.writer.write(self.step, metrics)
         t = self.cfg.trainer
-        if self.step == t.steps or (t.save_every and self.step % t.save_every == 0):
+        if not t.rollout_only and (self.step == t.steps or (t.save_every and self.step % t.save_every == 0)):
             self.save()
         return metrics
 

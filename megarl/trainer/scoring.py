@@ -33,15 +33,16 @@ def score_rollout(reward: CompositeReward, rollout: Rollout) -> dict[str, float]
     out = reward(samples, rm_batch=rollout.batch)
     device = rollout.batch.input_ids.device
     rollout.scores = out.total.float().to(device)
-    n = len(samples)
     metrics = {f"reward/{k}_sum": float(v.sum()) for k, v in out.terms.items()}
     metrics.update({f"reward/{k}": v for k, v in out.metrics.items() if k.endswith("failures")})
-    metrics.update({
-        "score/sum": float(rollout.scores.sum()),
-        "score/sq_sum": float((rollout.scores.double() ** 2).sum()),
-        "score/count": float(n),
-    })
+    metrics.update(score_metrics(rollout.scores))
     return metrics
+
+
+def score_metrics(scores: torch.Tensor) -> dict[str, float]:
+    """Local sums for the score mean and std."""
+    return {"score/sum": float(scores.sum()), "score/sq_sum": float((scores.double() ** 2).sum()),
+            "score/count": float(len(scores))}
 
 
 def finish_score_metrics(m: dict[str, float]) -> dict[str, float]:

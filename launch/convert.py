@@ -1,0 +1,89 @@
+"""Convert Hugging Face checkpoints to megatron-core distributed checkpoints and back.
+
+    torchrun --nproc_per_node 2 launch/convert.py hf-to-mcore --hf DIR --out DIR --tp 2
+    torchrun --nproc_per_node 2 launch/convert.py mcore-to-hf --ckpt DIR --out DIR --tp 2
+
+The world size must be a multiple of tp * pp. mcore-to-hf reads the model's
+metadata (megarl_model.json) from the checkpoint; tokenizer files are copied
+from --hf-config-from, else from the directory the checkpoint was converted
+from (when it still exists). Bad input prints one line and exits with 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF directory -> megatron-core distributed checkpoint")
+    to_mcore.add_argument("--hf", required=True, help="Hugging Face model directory")
+    to_mcore.add_argument("--dtype", choices=_DTYPES, default="fp32", help="parameter dtype")
+    to_hf = sub.add_parser("mcore-to-hf", help="megatron-core distributed checkpoint -> HF directory")
+    to_hf.add_argument("--ckpt", required=True, help="distributed checkpoint written by hf-to-mcore")
+    to_hf.add_argument("--hf-config-from", default=None,
+                       help="HF directory whose config.json and tokenizer files to use")
+    for p in (to_mcore, to_hf):
+        p.add_argument("--out", required=True, help="output directory")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    return parser.parse_args(argv)
+
+
+def check_input(args) -> "ModelInfo":  # noqa: F821 - imported lazily below
+    """The model to build; raises ModelConfigError on bad input (before any process group)."""
+    from megarl.models.hf_config import ModelInfo, read_hf_config
+    from megarl.models.mcore_ckpt import load_mcore_meta
+
+    if args.command == "hf-to-mcore":
+        info = read_hf_config(args.hf)
+        from megarl.models.safetensors_io import CheckpointReader  # imports torch
+
+        CheckpointReader(args.hf).close()  # safetensors present and readable
+        return info
+    meta = load_mcore_meta(args.ckpt)
+    if args.hf_config_from:
+        info = read_hf_config(args.hf_config_from)
+        return info.as_value_model() if meta["value_head"] and not info.value_head else info
+    return ModelInfo.from_json(meta)
+
+
+def main(args) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.models import ModelOptions, build_gpt_model, export_hf, load_hf_checkpoint
+    from megarl.models.mcore_ckpt import load_mcore, load_mcore_meta, save_mcore
+
+    info = check_input(args)
+    init_distributed()
+    groups = build_parallel_groups(tp=args.tp, pp=args.pp)
+    model_parallel_cuda_manual_seed(0)
+    if args.command == "hf-to-mcore":
+        model = build_gpt_model(info, groups, ModelOptions(params_dtype=args.dtype))
+        load_hf_checkpoint(model, args.hf, info, groups)
+        save_mcore(model, info, groups, args.out, source=os.path.abspath(args.hf), params_dtype=args.dtype)
+    else:
+        meta = load_mcore_meta(args.ckpt)
+        model = build_gpt_model(info, groups, ModelOptions(params_dtype=meta["params_dtype"]))
+        load_mcore(model, groups, args.ckpt)
+        source = args.hf_config_from or meta.get("source")
+        copy_from = source if source and os.path.isdir(source) else None
+        export_hf(model, info, groups, args.out, copy_from=copy_from)
+
+
+if __name__ == "__main__":  # guard: dist_checkpointing's manager re-imports __main__
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megarl.models.hf_config import ModelConfigError
+
+    arguments = parse_args()
+    try:
+        check_input(arguments)
+        main(arguments)
+    except (ModelConfigError, ValueError) as e:
+        print(f"convert.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,112 @@
+"""``launch/convert.py``: HF -> megatron-core distributed checkpoint -> HF, bitwise.
+
+A tiny random Qwen2ForCausalLM (QKV bias, tied embeddings, vocab 300 padded
+to 512 at TP2) goes HF -> mcore at TP2 -> HF at TP2, and the same mcore
+checkpoint -> HF at TP1 in one process (another layout, whose padded vocab
+is 384: megatron-core loads the overlapping rows). Conversion only moves and
+reshapes bytes, so every exported tensor equals the source bitwise (names,
+dtypes, values) and config.json is unchanged. Each run is a real
+``torchrun --nproc_per_node 2`` subprocess. Bad input (missing directory, no
+config.json, unsupported architecture, no safetensors) exits 2 with one
+stderr line and no traceback.
+
+Not covered: bf16 conversion, PP layouts through the script (the loader and
+exporter cover PP in test_models_parity.py), value models.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_helpers import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "convert.py")
+
+
+def torchrun(*args, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), SCRIPT, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def convert(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def read_hf_dir(path):
+    """Tensors (single file, or the files an index lists) and config.json of a HF directory."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = set(json.load(open(index))["weight_map"].values()) if os.path.exists(index) else {"model.safetensors"}
+    tensors = {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
+    return tensors, json.load(open(os.path.join(path, "config.json")))
+
+
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("convert")
+    src, ckpt = str(root / "hf"), str(root / "mcore")
+    make_tiny_checkpoint(src, "Qwen2ForCausalLM", seed=3)
+    torchrun("hf-to-mcore", "--hf", src, "--out", ckpt, "--tp", "2")
+    torchrun("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "tp2"), "--tp", "2")
+    torchrun("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "tp1"), nproc=1)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp1"])
+def test_round_trip_is_bitwise(round_trip, layout):
+    src, src_config = read_hf_dir(round_trip / "hf")
+    out, out_config = read_hf_dir(round_trip / layout)
+    assert sorted(out) == sorted(src) and "lm_head.weight" not in out
+    for name, t in src.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
+    assert out_config == src_config
+    assert os.path.exists(round_trip / layout / "generation_config.json")  # copied from the source
+
+
+def test_metadata_beside_checkpoint(round_trip):
+    meta = json.load(open(round_trip / "mcore" / "megarl_model.json"))
+    assert meta["arch"] == "Qwen2ForCausalLM" and meta["saved_tp"] == 2
+    assert meta["hf_config"]["vocab_size"] == 300
+
+
+def _bad_inputs(tmp_path):
+    no_config = tmp_path / "empty"
+    no_config.mkdir()
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    no_weights = tmp_path / "noweights"
+    no_weights.mkdir()
+    llama = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, intermediate_size=128, vocab_size=300)
+    (no_weights / "config.json").write_text(json.dumps(llama))
+    return {
+        "does not exist": ["hf-to-mcore", "--hf", str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
+        "no config.json": ["hf-to-mcore", "--hf", str(no_config), "--out", str(tmp_path / "o")],
+        "not supported": ["hf-to-mcore", "--hf", str(gpt2), "--out", str(tmp_path / "o")],
+        "safetensors": ["hf-to-mcore", "--hf", str(no_weights), "--out", str(tmp_path / "o")],
+        "megarl_model.json": ["mcore-to-hf", "--ckpt", str(no_config), "--out", str(tmp_path / "o")],
+    }
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    for needle, args in _bad_inputs(tmp_path).items():
+        done = convert(*args)
+        assert done.returncode == 2, (needle, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+def test_help():
+    done = convert("--help")
+    assert done.returncode == 0 and "hf-to-mcore" in done.stdout
