@@ -25,8 +25,25 @@ _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 def _stepped(optimizer) -> bool:
     """Whether Adam has state yet (a role may not have been updated, e.g. during critic warmup)."""
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return all(len(getattr(o, "optimizer", o).state) > 0 for o in inner)
+    return all(len(inner.state) > 0 for inner in _inner_optimizers(optimizer))
+
+
+def _inner_optimizers(optimizer) -> list:
+    return [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def adam_step(optimizer) -> float:
+    """torch Adam's step count (megatron-core's dp_reshardable format does not restore it)."""
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            return float(state["step"])
+    return 0.0
+
+
+def set_adam_step(optimizer, step: float) -> None:
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def _role_state(role, loading: bool, with_optimizer: bool) -> dict:
@@ -71,7 +88,8 @@ class Checkpointer:
             os.makedirs(os.path.join(path, name), exist_ok=True)
             stepped[name] = _stepped(role.trainable.optimizer)
             dist_checkpointing.save(_role_state(role, False, stepped[name]), os.path.join(path, name))
-        state = dict(state, optimizer_saved=stepped)
+        steps = {name: adam_step(role.trainable.optimizer) for name, role in roles.items()}
+        state = dict(state, optimizer_saved=stepped, adam_steps=steps)
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                    os.path.join(path, "rng", f"rank_{self.rank}.pt"))
@@ -107,6 +125,7 @@ class Checkpointer:
             if with_optimizer:
                 with torch.no_grad():
                     role.trainable.optimizer.load_state_dict(loaded["optimizer"])
+                set_adam_step(role.trainable.optimizer, state["adam_steps"][name])
             role.trainable.scheduler.load_state_dict(loaded["scheduler"])
         rng = torch.load(os.path.join(path, "rng", f"rank_{self.rank}.pt"), weights_only=False)
         torch.set_rng_state(rng["cpu"])
