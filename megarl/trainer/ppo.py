@@ -11,11 +11,11 @@ import time
 
 import torch
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from transformers import AutoTokenizer
 
 from megarl.algos import AdaptiveKLController, FixedKLController
 from megarl.config import Config
 from megarl.config_checks import uses_critic, uses_ref
+from megarl.data.tokenizer import load_tokenizer
 from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
 from megarl.distributed import build_parallel_groups, device
 from megarl.models.exporter import export_hf
@@ -47,7 +47,7 @@ class PPOTrainer:
         self.groups = g = build_parallel_groups(p.tp, p.pp, p.cp)
         model_parallel_cuda_manual_seed(cfg.trainer.seed)
         self.device = device()
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._build_data()
         self.optimizer_steps = cfg.trainer.steps * cfg.actor.ppo_epochs * (
@@ -79,6 +79,8 @@ class PPOTrainer:
                                      seed=cfg.data.seed)
 
     def _stop_ids(self) -> list[int]:
+        if self.cfg.rollout.ignore_eos:
+            return []
         eos = self.tokenizer.eos_token_id
         return ([eos] if eos is not None else []) + list(self.cfg.rollout.stop_token_ids)
 
@@ -103,7 +105,8 @@ class PPOTrainer:
     def sampling_params(self) -> SamplingParams:
         r = self.cfg.rollout
         seed = (r.seed * 1_000_003 + self.step) * 1009 + self.groups.dp_rank  # same in a TP x PP replica
-        return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop_token_ids), r.n, seed)
+        stops = () if r.ignore_eos else tuple(r.stop_token_ids)
+        return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, stops, r.n, seed)
 
     def generate(self) -> Rollout:
         self.timer = PhaseTimer()
@@ -161,7 +164,8 @@ class PPOTrainer:
         metrics = phases.step_metrics(self, rollout)
         self.writer.write(self.step, metrics)
         t = self.cfg.trainer
-        if not t.rollout_only and (self.step == t.steps or (t.save_every and self.step % t.save_every == 0)):
+        last = self.step == t.steps and t.save_last
+        if not t.rollout_only and (last or (t.save_every and self.step % t.save_every == 0)):
             self.save()
         return metrics
 

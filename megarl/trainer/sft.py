@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from transformers import AutoTokenizer
 
 from megarl.config import Config
+from megarl.data.tokenizer import load_tokenizer
 from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
 from megarl.distributed import build_parallel_groups, device
 from megarl.models.builder import build_gpt_model
@@ -64,7 +64,7 @@ def run_sft(cfg: Config, log) -> Policy:
     groups = build_parallel_groups(p.tp, p.pp, p.cp)
     model_parallel_cuda_manual_seed(cfg.trainer.seed)
     tokenizer_dir = cfg.model.tokenizer or cfg.model.path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     data_cfg = PromptDataConfig.from_section(cfg.data, s.train_path)
     data = load_prompt_dataset(data_cfg, tokenizer)
     sampler = PromptSampler(len(data), s.batch_size // groups.dp_size, groups.dp_rank, groups.dp_size, cfg.data.seed)

@@ -1,0 +1,25 @@
+"""Tokenizer loading that honours the directory's own tokenizer class.
+
+transformers 5's ``AutoTokenizer`` builds the model family's tokenizer class
+(from config.json's ``model_type``) even when ``tokenizer_config.json`` names
+``PreTrainedTokenizerFast``; for a custom ``tokenizer.json`` (megarl's tiny
+character tokenizer, the synthetic benchmark tokenizers) that silently drops
+characters. A directory that names the generic fast class gets exactly it.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+_GENERIC = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            if json.load(f).get("tokenizer_class") in _GENERIC:
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
