@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -48,7 +47,7 @@ def make_parity_checkpoint(path: str) -> None:
 def hf_logits(path: str, ids: torch.Tensor, dtype) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     with torch.no_grad():
         return model(ids).logits.float()
 
@@ -114,11 +113,11 @@ def main() -> None:
     groups = build_parallel_groups(tp=args.tp)
     model_parallel_cuda_manual_seed(0)
     result = {"gpu": torch.cuda.get_device_name(), "tp": args.tp}
-    with tempfile.TemporaryDirectory() as tmp:
-        if dist.get_rank() == 0:
-            make_parity_checkpoint(tmp)
-        dist.barrier()
-        result["parity_bf16"] = parity(groups, tmp)
+    path = "/tmp/megarl_parity_ckpt"  # one path for every rank of this host
+    if dist.get_rank() == 0:
+        make_parity_checkpoint(path)
+    dist.barrier()
+    result["parity_bf16"] = parity(groups, path)
     if not args.parity_only:
         result["throughput"] = [throughput(groups, b) for b in ("local", "sdpa")]
     if dist.get_rank() == 0:

@@ -13,16 +13,17 @@ NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 run() { local name=$1; shift; echo "== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; echo "== $name exit $?"; tail -n "${TAILN:-25}" "$OUT/$name.log"; }
 case "${1:-models}" in
-  models)
+  models|parity)
+    [ "$1" = parity ] || {
     T=120 run gpu_tests python3 -m pytest -q -m gpu tests/test_kernel_gae.py tests/test_kernel_logprob.py tests/test_kernel_group_advantage.py tests/test_kernel_reshard.py
-    T=240 run kernels python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json"
+    T=240 run kernels python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json"; }
     T=200 run models_tp1 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/bench_models.py --out "$OUT/models_tp1.json"
     if [ "$NGPU" -ge 2 ]; then
       T=120 run models_tp2 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_models.py --parity-only --tp 2 --out "$OUT/models_tp2.json"
     fi ;;
-  ppo)
-    T=330 run ppo_1p5b python3 benchmarks/bench_ppo.py --config yaml/qwen2.5-1.5b.yaml --shape qwen2.5-1.5b --nproc 1 --steps 4 --out "$OUT/ppo_1p5b.json" "${@:2}"
-    if [ "$NGPU" -ge 2 ]; then
-      T=230 run ppo_7b_tp2 python3 benchmarks/bench_ppo.py --config yaml/llama7b.yaml --shape llama2-7b --layers 8 --rm --nproc 2 --steps 3 --out "$OUT/ppo_7b_tp2.json" data.batch_size=64 actor.mini_batch_size=64 actor.micro_batch_size=16 critic.micro_batch_size=16 reward.model.micro_batch_size=16
+  ppo|ppo7b)
+    [ "$1" = ppo7b ] || T=330 run ppo_1p5b python3 benchmarks/bench_ppo.py --config yaml/qwen2.5-1.5b.yaml --shape qwen2.5-1.5b --nproc 1 --steps 4 --out "$OUT/ppo_1p5b.json" "${@:2}"
+    if [ "$NGPU" -ge 2 ] && [ "$1" = ppo7b ]; then
+      T=400 run ppo_7b_tp2 python3 benchmarks/bench_ppo.py --config yaml/llama7b.yaml --shape llama2-7b --layers 8 --rm --nproc 2 --steps 3 --out "$OUT/ppo_7b_tp2.json" data.batch_size=64 actor.mini_batch_size=64 actor.micro_batch_size=16 critic.micro_batch_size=16 reward.model.micro_batch_size=16
     fi ;;
 esac

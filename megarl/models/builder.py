@@ -138,4 +138,6 @@ def build_gpt_model(
     )
     if info.value_head and groups.is_last_stage:
         model.output_layer = ValueHead(config, groups)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())  # local-spec norms are built on the CPU
     return model
