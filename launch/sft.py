@@ -16,7 +16,9 @@ def main(argv):
     from megarl.trainer.sft import run_sft
 
     def log(step, total, m):
-        if rank == 0 and (step % 20 == 0 or step == total):
+        if rank == 0 and step == 0:
+            print(f"sft rows: {m['rows']} ({m['too_long']} longer than sft.max_len skipped)", flush=True)
+        elif rank == 0 and (step % 20 == 0 or step == total):
             print(f"sft step {step}/{total}  nll {m['nll'] / max(m['tokens'], 1):.4f}  "
                   f"grad_norm {m['grad_norm']:.3f}  lr {m['lr']:.2e}", flush=True)
 

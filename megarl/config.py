@@ -62,7 +62,7 @@ class OptimConfig:
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
-    engine: Literal["native", "sglang"] = opt("native", "native: the actor's own Megatron weights; sglang: SGLang engine per TP group")
+    engine: Literal["native"] = opt("native", "native: decoding on the actor's own Megatron weights (an SGLang adapter is planned)")
     n: int = opt(1, "responses sampled per prompt")
     max_new_tokens: int = opt(16, "response length limit")
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
@@ -72,7 +72,6 @@ class RolloutConfig:
     ignore_eos: bool = opt(False, "never stop early: every response is max_new_tokens long (benchmarks)")
     max_batch: int = opt(256, "sequences decoded together per engine")
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
-    gpu_memory_utilization: float = opt(0.5, "sglang: fraction of GPU memory for its KV cache")
 
 
 @dataclass

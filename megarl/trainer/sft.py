@@ -23,13 +23,28 @@ from megarl.roles.optim import build_trainable
 from megarl.roles.policy import Policy, token_logprobs
 
 
+def sft_sequence(item, tokenizer) -> list[int]:
+    """Prompt ids + response ids + eos."""
+    response = tokenizer(item.extra["response"], add_special_tokens=False)["input_ids"]
+    return item.prompt_ids + response + [tokenizer.eos_token_id]
+
+
+def within_length(data, tokenizer, max_len: int) -> list[int]:
+    """Indices of rows with a response whose full sequence fits in ``max_len``."""
+    keep = []
+    for i in range(len(data)):
+        item = data[i]
+        if "response" not in item.extra:
+            raise ValueError(f"{item.source}: SFT row has no 'response'; add one")
+        if len(sft_sequence(item, tokenizer)) <= max_len:
+            keep.append(i)
+    return keep
+
+
 def sft_batch(items, tokenizer, pad_id: int, dev) -> SampleBatch:
-    """Prompt ids + response ids + eos, right-padded; the mask covers response and eos."""
-    seqs, starts = [], []
-    for it in items:
-        response = tokenizer(it.extra["response"], add_special_tokens=False)["input_ids"]
-        seqs.append(it.prompt_ids + response + [tokenizer.eos_token_id])
-        starts.append(len(it.prompt_ids))
+    """Prompt + response + eos, right-padded; the mask covers response and eos."""
+    seqs = [sft_sequence(it, tokenizer) for it in items]
+    starts = [len(it.prompt_ids) for it in items]
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), width)
@@ -67,12 +82,15 @@ def run_sft(cfg: Config, log) -> Policy:
     tokenizer = load_tokenizer(tokenizer_dir)
     data_cfg = PromptDataConfig.from_section(cfg.data, s.train_path)
     data = load_prompt_dataset(data_cfg, tokenizer)
-    sampler = PromptSampler(len(data), s.batch_size // groups.dp_size, groups.dp_rank, groups.dp_size, cfg.data.seed)
+    rows = within_length(data, tokenizer, s.max_len)
+    log(0, 0, {"rows": len(data), "too_long": len(data) - len(rows)})
+    sampler = PromptSampler(len(rows), s.batch_size // groups.dp_size, groups.dp_rank, groups.dp_size, cfg.data.seed)
     steps = s.epochs * sampler.steps_per_epoch
     policy = build_policy(cfg, groups, steps)
     head, pad = nll_head(policy), tokenizer.pad_token_id or 0
     for step in range(steps):
-        batch = sft_batch(sampler.next_batch(data).items, tokenizer, pad, device())
+        items = [data[rows[i]] for i in next(sampler)]
+        batch = sft_batch(items, tokenizer, pad, device())
         micro = [batch.select(i) for i in batch.micro_batch_index(s.micro_batch_size)]
         m = policy.train_step(micro, head)
         log(step + 1, steps, m)
