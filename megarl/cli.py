@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import sys
 import types
 import typing
@@ -143,34 +144,69 @@ def load_config(argv: list[str], cls):
     return build(cls, tree)
 
 
-def help_text(cls, prefix: str = "") -> str:
-    """Every key with its type, default and doc, one per line."""
+def _help_type(tp) -> str:
+    """``Optional[str]`` -> "str | None"; ``Literal["a", "b"]`` -> "a | b"."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(map(str, args))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_help_type(a) if a is not type(None) else "None" for a in args)
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return _type_name(tp)
+
+
+def help_text(cls, prefix: str = "", defaults=None) -> str:
+    """Every key with its default, type and doc, one per line.
+
+    Defaults come from an instance, so a section whose default differs from its
+    class's (``critic.optim.lr``) shows the value that applies.
+    """
+    defaults = cls() if defaults is None else defaults
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
+        key, tp, default = f"{prefix}{f.name}", hints[f.name], getattr(defaults, f.name)
         if dataclasses.is_dataclass(tp):
             lines.append(f"\n[{key}] {f.metadata.get('doc', '')}")
-            lines.append(help_text(tp, key + "."))
+            lines.append(help_text(tp, key + ".", default))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
             default = [dataclasses.asdict(d) for d in default]
-        lines.append(f"  {key} = {default!r}  ({_type_name(tp)})  {f.metadata.get('doc', '')}")
+        lines.append(f"  {key} = {default!r}  ({_help_type(tp)})  {f.metadata.get('doc', '')}")
     return "\n".join(lines)
 
 
+_LOCAL_RANK_KEYS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+
+def _first_on_host() -> bool:
+    """True unless a launcher says this is not the host's first process.
+
+    Every rank reads the same config and fails alike; one line per host is
+    enough (a missing file on one host is still reported by that host).
+    """
+    local = next((os.environ[k] for k in _LOCAL_RANK_KEYS if k in os.environ), "0")
+    return local.strip() in ("", "0")
+
+
 def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
-    """Runs ``main(argv)``; a ConfigError becomes one stderr line and exit 2."""
+    """Runs ``main(argv)``; a ConfigError becomes one stderr line and exit 2.
+
+    Under a launcher only the first process of each host prints the line; every
+    process exits 2.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(usage)
-        if cls is not None:
-            print(help_text(cls))
+        text = usage + ("\n" + help_text(cls) if cls is not None else "")
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     try:
         main(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if _first_on_host():
+            print(f"config error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

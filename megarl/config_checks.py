@@ -127,8 +127,8 @@ def validate(cfg: Config, world_size: int) -> dict:
     """Runs every check; returns the policy's HF config for the caller."""
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
+    check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
     check_batches(cfg, world_size)
-    check_rollout(cfg)
     check_algorithm(cfg)
     check_paths(cfg)
     return hf

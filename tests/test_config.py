@@ -1,0 +1,209 @@
+"""Config loading (megarl.cli) and cross-field checks (megarl.config_checks), in process.
+
+Every user mistake must come back as one ConfigError line that names the key
+(and, for a misspelt key, the nearest real one). Not covered here: what the
+entry scripts print and their exit codes (tests/test_entry.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from megarl.cli import ConfigError, build, help_text, load_config, parse_override
+from megarl.config import Config, OptimConfig
+from megarl.config_checks import validate, validate_sft
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "yaml" / "tiny.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    """Default paths (megarl/assets/tiny/...) are relative to the checkout."""
+    monkeypatch.chdir(ROOT)
+
+
+def error_of(argv, cls=Config) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(argv, cls)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def check_error(overrides, world_size=2, base=(TINY,)) -> str:
+    cfg = load_config([*base, *overrides], Config)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# --- loading: keys, types, choices ------------------------------------------
+
+@pytest.mark.parametrize("argv, suggestion", [
+    (["actor.optim.lrr=1"], "did you mean 'lr'"),
+    (["trainer.stepz=3"], "did you mean 'steps'"),
+    (["rollout.temprature=0.5"], "did you mean 'temperature'"),
+    (["reward.terms=[{name: math, wieght: 1}]"], "did you mean 'weight'"),
+])
+def test_unknown_key_suggests_nearest(argv, suggestion):
+    msg = error_of(argv)
+    assert msg.startswith("unknown key '") and suggestion in msg
+
+
+def test_unknown_section_lists_sections():
+    msg = error_of(["foo=1"])
+    assert "unknown key 'foo'" in msg and "actor" in msg and "trainer" in msg
+
+
+@pytest.mark.parametrize("argv, key, expected", [
+    (["actor.optim.lr=fast"], "actor.optim.lr", "expected float"),
+    (["trainer.steps=1.5"], "trainer.steps", "expected int"),
+    (["trainer.steps=true"], "trainer.steps", "expected int"),
+    (["parallel.sequence_parallel=3"], "parallel.sequence_parallel", "expected bool"),
+    (["rollout.stop_token_ids=[1, x]"], "rollout.stop_token_ids[1]", "expected int"),
+    (["actor.optim.betas=0.9"], "actor.optim.betas", "expected a list"),
+    (["critic.optim=5"], "critic.optim", "expected a mapping"),
+])
+def test_wrong_type_names_key_and_type(argv, key, expected):
+    msg = error_of(argv)
+    assert msg.startswith(f"{key}:") and expected in msg
+
+
+def test_literal_choices_listed():
+    msg = error_of(["model.dtype=fp8"])
+    assert msg.startswith("model.dtype:") and "float32, bfloat16, float16" in msg
+    assert load_config(["model.dtype=bfloat16"], Config).model.dtype == "bfloat16"
+    assert "is not one of native" in error_of(["rollout.engine=vllm"])
+
+
+def test_scalar_coercions():
+    cfg = load_config(["actor.optim.lr=3e-4", "actor.optim.eps=1", "model.tokenizer=null"], Config)
+    assert cfg.actor.optim.lr == 3e-4 and isinstance(cfg.actor.optim.eps, float)
+    assert cfg.model.tokenizer is None
+
+
+def test_override_needs_equals_sign():
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config([TINY, "trainer.steps"], Config)
+    assert parse_override("data.eval_path=") == ("data.eval_path", "")
+
+
+# --- nesting and layering ---------------------------------------------------
+
+def test_nested_override_keeps_section_defaults():
+    cfg = load_config(["critic.optim.warmup_steps=3"], Config)
+    assert cfg.critic.optim.warmup_steps == 3
+    assert cfg.critic.optim.lr == 1e-5  # CriticConfig's own default, not OptimConfig's 1e-6
+    assert cfg.actor.optim == OptimConfig()
+    sft = load_config(["sft.optim.lr=0.5"], Config).sft.optim
+    assert (sft.lr, sft.warmup_steps, sft.decay) == (0.5, 10, "cosine")
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("critic:\n  optim:\n    lr: 0.002\ntrainer:\n  steps: 7\n")
+    cfg = load_config([str(path), "critic.optim.warmup_steps=3", "trainer.steps=9"], Config)
+    assert (cfg.critic.optim.lr, cfg.critic.optim.warmup_steps) == (0.002, 3)
+    assert cfg.trainer.steps == 9  # the command line wins over the file
+    assert cfg.trainer.run_dir == "runs/tiny"
+
+
+def test_repo_yaml_files_load():
+    for name in ("tiny", "tiny_grpo", "tiny_sft"):
+        load_config([str(ROOT / "yaml" / f"{name}.yaml")], Config)
+    tiny = load_config([TINY], Config)
+    assert tiny.rollout.n == 4 and tiny.actor.optim.lr == 2e-4 and tiny.critic.optim.lr == 1e-3
+
+
+def test_bad_yaml_reports_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  dtype: float32\n  path: [unclosed\ntrainer:\n  steps: 2\n")
+    msg = error_of([str(path)])
+    assert msg.startswith(f"{path}:") and "invalid YAML" in msg
+    line = int(msg[len(str(path)) + 1:].split(":")[0])
+    assert 3 <= line <= 5, msg  # PyYAML notices the unclosed list a line or two later
+
+
+def test_missing_yaml_and_non_mapping(tmp_path):
+    assert "not found" in error_of([str(tmp_path / "nope.yaml")])
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    assert "top level must be a mapping" in error_of([str(path)])
+
+
+# --- cross-field checks -----------------------------------------------------
+
+def test_tiny_configs_pass_validation():
+    assert validate(load_config([TINY], Config), 2)["num_hidden_layers"] == 4
+    validate(load_config([str(ROOT / "yaml" / "tiny_grpo.yaml")], Config), 2)
+    validate_sft(load_config([str(ROOT / "yaml" / "tiny_sft.yaml")], Config), 2)
+
+
+@pytest.mark.parametrize("overrides, world_size, needle", [
+    # world 3 with tp=2: 3 % 2 != 0
+    (["parallel.tp=2"], 3, "parallel.tp*pp*cp"),
+    # tiny model: 4 query heads, 2 key/value heads; tp=4 cannot split 2
+    (["parallel.tp=4"], 4, "parallel.tp=4 must divide"),
+    # tiny model: 4 layers; pp=3 leaves a ragged stage
+    (["parallel.pp=3"], 3, "parallel.pp=3 must divide num_hidden_layers (4)"),
+    (["parallel.tp=0"], 2, "parallel.tp must be >= 1"),
+    (["data.batch_size=33"], 2, "data.batch_size=33"),
+    (["actor.mini_batch_size=48"], 2, "actor.mini_batch_size=48 must divide"),
+    (["actor.micro_batch_size=5"], 2, "actor.micro_batch_size=5"),
+    (["critic.micro_batch_size=7"], 2, "critic.micro_batch_size=7"),
+    (["algorithm.advantage=grpo", "critic.enable=false", "rollout.n=1"], 2, "rollout.n >= 2"),
+    (["algorithm.advantage=rloo", "rollout.n=1"], 2, "rollout.n >= 2"),
+    (["critic.enable=false"], 2, "critic.enable=true"),
+    (["actor.dual_clip=0.5"], 2, "actor.dual_clip"),
+    (["rollout.top_p=0"], 2, "rollout.top_p"),
+    (["model.path=/nonexistent/model"], 2, "model.path: '/nonexistent/model' has no config.json"),
+    (["critic.path=/nonexistent/critic"], 2, "critic.path:"),
+    (["data.train_path=/nonexistent.jsonl"], 2, "data.train_path:"),
+    (["data.eval_path=/nonexistent.jsonl"], 2, "data.eval_path:"),
+])
+def test_impossible_combinations_name_the_key(overrides, world_size, needle):
+    assert needle in check_error(overrides, world_size)
+
+
+def test_invalid_hf_config_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 4,\n  oops}')
+    msg = check_error([f"model.path={tmp_path}"])
+    assert msg.startswith(f"{tmp_path / 'config.json'}:2:") and "invalid JSON" in msg
+
+
+def test_sft_batch_split():
+    cfg = load_config([str(ROOT / "yaml" / "tiny_sft.yaml"), "sft.micro_batch_size=5"], Config)
+    with pytest.raises(ConfigError, match="sft.batch_size=64"):
+        validate_sft(cfg, 2)
+
+
+# --- --help text ------------------------------------------------------------
+
+def _leaf_keys(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f.metadata.get("doc", "")
+
+
+def test_every_key_documented_in_help():
+    text = help_text(Config)
+    for key, doc in _leaf_keys(Config):
+        assert doc, f"{key} has no doc"
+        assert f"  {key} = " in text and doc in text, key
+    assert "  critic.optim.lr = 1e-05  (float)" in text  # the section's default, not OptimConfig's
+    assert "  sft.optim.decay = 'cosine'  (constant | cosine)" in text
+    assert "  model.tokenizer = None  (str | None)" in text
+
+
+def test_build_from_instance_round_trips():
+    cfg = load_config([TINY], Config)
+    assert build(Config, cfg) == cfg
