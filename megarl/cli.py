@@ -18,9 +18,13 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from megarl.errors import UserInputError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserInputError):
     """A user mistake in the config; printed as one line, exit code 2."""
+
+    kind = "config error"
 
 
 def _suggest(key: str, choices) -> str:
@@ -191,7 +195,8 @@ def _first_on_host() -> bool:
 
 
 def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
-    """Runs ``main(argv)``; a ConfigError becomes one stderr line and exit 2.
+    """Runs ``main(argv)``; a user mistake (ConfigError, DataError, a bad checkpoint
+    directory) becomes one stderr line and exit 2.
 
     Under a launcher only the first process of each host prints the line; every
     process exits 2.
@@ -206,7 +211,7 @@ def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
         sys.exit(0)
     try:
         main(argv)
-    except ConfigError as e:
+    except UserInputError as e:
         if _first_on_host():
-            print(f"config error: {e}", file=sys.stderr, flush=True)
+            print(f"{e.kind}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

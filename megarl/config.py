@@ -11,7 +11,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-ASSETS = "megarl/assets/tiny"
+from megarl.assets import TINY_DIR
+
+ASSETS = str(TINY_DIR)  # shipped with the package: defaults work from any directory
 
 
 def opt(default: Any, doc: str):

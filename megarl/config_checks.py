@@ -4,7 +4,6 @@ Each failure is a :class:`ConfigError` that names the key and the fix.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -77,8 +76,6 @@ def check_rollout(cfg: Config) -> None:
         raise ConfigError("rollout.n and rollout.max_new_tokens must be >= 1")
     if r.temperature < 0 or not 0 < r.top_p <= 1:
         raise ConfigError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
-    if r.engine == "sglang" and importlib.util.find_spec("sglang") is None:
-        raise ConfigError("rollout.engine=sglang but sglang is not installed; pip install megarl[sglang] or use native")
     if cfg.algorithm.advantage in GROUP_ADVANTAGES and r.n < 2:
         raise ConfigError(
             f"algorithm.advantage={cfg.algorithm.advantage} compares samples of one prompt; set rollout.n >= 2"

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from megarl.errors import DataError
 from megarl.assets import asset_path
 from megarl.data import PromptDataConfig, load_prompt_dataset
 
@@ -120,7 +121,7 @@ def test_two_files_concatenate(tmp_path, tok):
 def test_config_errors(tmp_path, tok):
     with pytest.raises(ValueError, match="data.paths is empty"):
         load([], tok)
-    with pytest.raises(FileNotFoundError, match="nope.jsonl: prompt data file not found"):
+    with pytest.raises(DataError, match="nope.jsonl: prompt data file not found"):
         load([tmp_path / "nope.jsonl"], tok)
 
 

@@ -76,3 +76,15 @@ def test_help_lists_keys_with_docs(script, key):
     assert key in p.stdout
     assert "  actor.optim.lr = 1e-06  (float)  peak learning rate" in p.stdout
     assert p.stdout.count("\n  ") > 100  # one line per key
+
+
+def test_data_error_names_file_and_line(tmp_path):
+    """A malformed prompt file found after start-up: one line naming file:line, exit 2."""
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"prompt": "reverse 123", "answer": "321"}\n{"answer": "1"}\n')
+    p = run(sys.executable, "launch/ppo.py", "yaml/tiny_grpo.yaml", f"data.train_path={bad}",
+            "data.eval_path=null", timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("data error:")]
+    assert errors == [f"data error: {bad}:2: row has neither 'prompt' nor 'messages'; add one of them"]
+    assert "Traceback" not in p.stderr + p.stdout

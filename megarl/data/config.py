@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from megarl.errors import DataError
 
 
 @dataclass
@@ -31,8 +32,8 @@ class PromptDataConfig:
     def validate(self) -> None:
         """Raise one clear line naming the bad key and the fix."""
         if isinstance(self.paths, str):
-            raise ValueError("data.paths is a string; write it as a list: data.paths=[...]")
+            raise DataError("data.paths is a string; write it as a list: data.paths=[...]")
         if not self.paths:
-            raise ValueError("data.paths is empty; set data.paths=[path/to/train.jsonl]")
+            raise DataError("data.paths is empty; set data.paths=[path/to/train.jsonl]")
         if self.max_prompt_len <= 0:
-            raise ValueError(f"data.max_prompt_len={self.max_prompt_len}; set a positive token count")
+            raise DataError(f"data.max_prompt_len={self.max_prompt_len}; set a positive token count")

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from megarl.data.config import PromptDataConfig
 from megarl.data.rows import RawRow, iter_records, parse_row
+from megarl.errors import DataError
 
 _TOKENIZE_CHUNK = 1024  # rows per tokenizer call; bounds peak memory of one call
 
@@ -92,7 +93,7 @@ def render_prompt(row: RawRow, tokenizer: Any, cfg: PromptDataConfig) -> tuple[s
     """Return (text to tokenize, chat messages or None)."""
     if not uses_chat_template(tokenizer, cfg):
         if row.prompt is None:
-            raise ValueError(
+            raise DataError(
                 f"{row.where}: row has 'messages' but chat templating is off "
                 "(data.apply_chat_template=false or the tokenizer has no chat_template); "
                 "use 'prompt' rows or a tokenizer with a chat template")
@@ -145,6 +146,6 @@ def load_prompt_dataset(cfg: PromptDataConfig, tokenizer: Any) -> PromptDataset:
                                 messages=messages, source=row.where))
     counts["kept"] = len(items)
     if not items:
-        raise ValueError(f"{cfg.paths}: no prompts left after filtering ({counts}); "
+        raise DataError(f"{cfg.paths}: no prompts left after filtering ({counts}); "
                          "check the files or raise data.max_prompt_len")
     return PromptDataset(items, counts)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+from megarl.errors import DataError
 
 KNOWN_KEYS = ("prompt", "messages", "answer", "ground_truth", "extra")
 
@@ -31,13 +32,13 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     """Yield (where, record); record is the decoded object or a ValueError."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: prompt data file not found; check data.paths")
+        raise DataError(f"{path}: prompt data file not found; check data.paths")
     if path.suffix == ".parquet":
         yield from _iter_parquet(path)
     elif path.suffix in (".jsonl", ".json"):
         yield from _iter_jsonl(path)
     else:
-        raise ValueError(f"{path}: unknown data file type {path.suffix!r}; use .jsonl or .parquet")
+        raise DataError(f"{path}: unknown data file type {path.suffix!r}; use .jsonl or .parquet")
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
@@ -64,14 +65,14 @@ def parse_row(where: str, rec: Any) -> RawRow:
     if isinstance(rec, Exception):
         raise rec
     if not isinstance(rec, dict):
-        raise ValueError(f"{where}: row is a {type(rec).__name__}, not an object; write one JSON object per line")
+        raise DataError(f"{where}: row is a {type(rec).__name__}, not an object; write one JSON object per line")
     prompt, messages = rec.get("prompt"), rec.get("messages")
     if prompt is None and messages is None:
-        raise ValueError(f"{where}: row has neither 'prompt' nor 'messages'; add one of them")
+        raise DataError(f"{where}: row has neither 'prompt' nor 'messages'; add one of them")
     if prompt is not None and messages is not None:
-        raise ValueError(f"{where}: row has both 'prompt' and 'messages'; keep one of them")
+        raise DataError(f"{where}: row has both 'prompt' and 'messages'; keep one of them")
     if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"{where}: 'prompt' is a {type(prompt).__name__}; it must be a string")
+        raise DataError(f"{where}: 'prompt' is a {type(prompt).__name__}; it must be a string")
     return RawRow(where=where, prompt=prompt,
                   messages=None if messages is None else _check_messages(where, messages),
                   answer=_pick_answer(where, rec), extra=_collect_extra(where, rec))
@@ -79,12 +80,12 @@ def parse_row(where: str, rec: Any) -> RawRow:
 
 def _check_messages(where: str, messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     out = []
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                 or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: messages[{j}] must be an object with string 'role' and 'content'")
+            raise DataError(f"{where}: messages[{j}] must be an object with string 'role' and 'content'")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -92,13 +93,13 @@ def _check_messages(where: str, messages: Any) -> list[dict[str, str]]:
 def _pick_answer(where: str, rec: dict) -> str | None:
     answer, gt = rec.get("answer"), rec.get("ground_truth")
     if answer is not None and gt is not None:
-        raise ValueError(f"{where}: row has both 'answer' and 'ground_truth'; keep one of them")
+        raise DataError(f"{where}: row has both 'answer' and 'ground_truth'; keep one of them")
     value = answer if answer is not None else gt
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise ValueError(f"{where}: 'answer' is a {type(value).__name__}; it must be a string or number")
+    raise DataError(f"{where}: 'answer' is a {type(value).__name__}; it must be a string or number")
 
 
 def _collect_extra(where: str, rec: dict) -> dict[str, Any]:
@@ -109,6 +110,6 @@ def _collect_extra(where: str, rec: dict) -> dict[str, Any]:
         except json.JSONDecodeError:
             pass
     if extra is not None and not isinstance(extra, dict):
-        raise ValueError(f"{where}: 'extra' is a {type(extra).__name__}; it must be an object")
+        raise DataError(f"{where}: 'extra' is a {type(extra).__name__}; it must be an object")
     unknown = {k: v for k, v in rec.items() if k not in KNOWN_KEYS}
     return {**unknown, **(extra or {})}  # explicit extra wins over loose columns

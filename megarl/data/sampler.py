@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from megarl.errors import DataError
 
 
 class PromptSampler:
@@ -47,7 +48,7 @@ class PromptSampler:
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"PromptSampler: dp_rank={self.dp_rank} not in [0, {self.dp_size})")
         if self.num_items < self.global_batch_size:
-            raise ValueError(f"PromptSampler: dataset has {self.num_items} prompts, fewer than one global "
+            raise DataError(f"PromptSampler: dataset has {self.num_items} prompts, fewer than one global "
                              f"batch ({self.batch_size} x {self.dp_size}); lower the batch size or add data")
 
     @property

@@ -18,9 +18,13 @@ import json
 import os
 from dataclasses import dataclass
 
+from megarl.errors import UserInputError
 
-class ModelConfigError(ValueError):
+
+class ModelConfigError(UserInputError):
     """A checkpoint or config that megarl cannot build a model for; the message says why."""
+
+    kind = "model error"
 
 
 @dataclass(frozen=True)

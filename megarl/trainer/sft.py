@@ -10,6 +10,7 @@ import torch
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megarl.config import Config
+from megarl.errors import DataError
 from megarl.data.tokenizer import load_tokenizer
 from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
 from megarl.distributed import build_parallel_groups, device
@@ -35,7 +36,7 @@ def within_length(data, tokenizer, max_len: int) -> list[int]:
     for i in range(len(data)):
         item = data[i]
         if "response" not in item.extra:
-            raise ValueError(f"{item.source}: SFT row has no 'response'; add one")
+            raise DataError(f"{item.source}: SFT row has no 'response'; add one")
         if len(sft_sequence(item, tokenizer)) <= max_len:
             keep.append(i)
     return keep
