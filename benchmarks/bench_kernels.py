@@ -232,15 +232,44 @@ def _sweep(label, module, settings, run):
     return out
 
 
-def sweeps(reps):
-    """Tuning evidence on the benchmark shapes (CUDA only)."""
+# GAE sweep: (KERNEL, PREFETCH, BLOCK_T, TILE, NUM_WARPS); TILE // BLOCK_T rows per program, tokens
+# per thread group VEC = min(16, TILE / (32 * NUM_WARPS)); "rev" is the first kernel (reversed loads).
+# The first GAE_SWEEP_WHITEN settings run with whiten=True too. About 3 s of compiles per setting.
+GAE_SWEEP = [("grouped", False, 2048, 2048, 4), ("grouped", False, 1024, 1024, 4), ("grouped", True, 1024, 1024, 4),
+             ("rev", False, 1024, 1024, 4), ("grouped", False, 2048, 2048, 8), ("grouped", False, 2048, 4096, 8),
+             ("grouped", True, 1024, 2048, 4), ("grouped", True, 512, 512, 4), ("grouped", True, 512, 512, 2),
+             ("rev", False, 2048, 2048, 4)]
+GAE_SWEEP_WHITEN = 4
+
+
+def gae_sweep(reps):
+    """Per-call device ms of the Triton GAE (B=512, T=2048 fp32) under each GAE_SWEEP setting."""
     B, T = 512, 2048
     sets = [(torch.randn(B, T, device=DEV), torch.randn(B, T, device=DEV), torch.rand(B, T, device=DEV) > 0.1)
             for _ in range(_copies(B * T * 9))]
-    gae_fns = [lambda s=s: K.gae(*s, 0.99, 0.95, backend="triton") for s in sets]
-    out = {"gae": _sweep("gae", "megarl.kernels.gae",
-                         [dict(TILE=t, NUM_WARPS=w) for t in (1024, 2048, 4096) for w in (4, 8)],
-                         lambda: graph_ms(gae_fns) or eager_ms(gae_fns, reps))}
+    keys = ("KERNEL", "PREFETCH", "BLOCK_T", "TILE", "NUM_WARPS")
+    out = []
+    for whiten, settings in ((False, GAE_SWEEP), (True, GAE_SWEEP[:GAE_SWEEP_WHITEN])):
+        fns = [lambda s=s, w=whiten: K.gae(*s, 0.99, 0.95, whiten=w, backend="triton") for s in sets]
+        rows = _sweep("gae" + ("_whiten" if whiten else ""), "megarl.kernels.gae",
+                      [dict(zip(keys, c)) for c in settings], lambda: graph_ms(fns) or eager_ms(fns, reps))
+        nbytes = B * T * (26 if whiten else 17)
+        for r in rows:
+            r["whiten"] = whiten
+            if "ms" in r:
+                r["frac_of_hbm_floor"] = nbytes / (r["ms"] * 1e-3) / HBM_BYTES_PER_S
+        best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"], default=None)
+        if best:
+            print(f"  sweep gae best (whiten={whiten}): {best}")
+        out += rows
+    return out
+
+
+def sweeps(reps):
+    """Tuning evidence on the benchmark shapes (CUDA only)."""
+    t0 = time.perf_counter()
+    out = {"gae": gae_sweep(reps)}
+    print(f"  (gae sweep {time.perf_counter() - t0:.0f} s)")
     N, V = 16384, 152064
     x = (torch.randn(N, V, device=DEV, dtype=torch.bfloat16) * 3).requires_grad_(True)
     tgt = torch.randint(0, V, (N,), device=DEV)

@@ -12,29 +12,66 @@ whiten=True replaces A by (A - mean) / sqrt(var + 1e-8), mean and unbiased var
 over all real tokens of the batch (n <= 1 real tokens: var = 0), and 0 again at
 masked positions. Accumulation is fp32; outputs are fp32.
 
-Kernel. Both recursions are linear, x_t = d_t + c_t * x_{t+1}, so each is an
-associative scan over pairs (c, d) with (c1, d1) then (c2, d2) composing to
-(c1*c2, d2 + c2*d1):
-    next value   nv_t = m_{t+1} ? v_{t+1} : nv_{t+1}    (c = 1 - m_{t+1}, d = m_{t+1} v_{t+1})
-    advantage    A_t  = m_t ? delta_t + gamma lam A_{t+1} : A_{t+1}
-One program owns BLOCK_B rows and walks T backwards in BLOCK_T chunks, loading
-each chunk in reversed time order (coalesced: a reversed contiguous run) so a
-forward `tl.associative_scan` runs backwards in time; the last element of a
-chunk's scan is the carry into the next (earlier) chunk. At T <= BLOCK_T a row
-is one load, one scan, one store.
+Kernel (`_gae_scan_kernel`). The state s_t = (A, W), the advantage and value of
+the first real token at or after t, obeys s_t = f_t(s_{t+1}) with f_t affine:
+    real t:   A <- (r_t - v_t) + gamma lam A + gamma W,   W <- v_t
+    masked t: identity
+Compositions keep the shape A <- p A + q W + a, W <- e W + w, so a span of
+tokens is a 5-tuple (p, q, e, a, w), and the next real value needs no shifted
+load: it is part of the state. One program owns BLOCK_B rows and walks T
+backwards in BLOCK_T chunks; a chunk row is N groups of VEC consecutive tokens,
+one group per thread, loaded in forward time order (16-byte vector loads):
+  1. in registers, each group's map f_k o ... o f_{k+VEC-1} (a backward walk);
+  2. one forward `tl.associative_scan` over the groups, ordered latest first,
+     of (inclusive, exclusive) pairs: the exclusive part is the map of all
+     later groups of the chunk, applied to the carry it gives the state after
+     each group (`_excl_combine`);
+  3. in registers, each group walked backwards from that state: A per token;
+     stores in 16-byte pieces that already have the scan's register layout.
+The state at the chunk's first token is the carry into the previous chunk;
+PREFETCH issues the previous chunk's loads before this chunk's work.
+
+Why not a reverse scan over tokens: Triton 3.6 lowers
+`tl.associative_scan(..., reverse=True)` with five butterfly shuffles per value
+per direction (an all-lane flip), so a token-level reverse scan of the 5-tuple
+on a 1 x 2048 tile with 4 warps compiles (sm_90) to 694 shuffles and 1544 SASS
+instructions per thread, against 39 and 728 here. Combine order: a forward
+scan calls combine(earlier, later) (`test_scan_combine_order`); here "earlier"
+is later in time, so the result is map2 o map1.
+
+`_gae_scan_rev_kernel` (KERNEL = "rev") is the first version: each chunk loaded
+in reversed time order (coalesced, scalar loads), a forward scan for the next
+real value, then one for A.
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl.kernels.dispatch import HAS_TRITON, choose, next_pow2, tl, triton
 
 WHITEN_EPS = 1e-8
 
-# Elements per program tile (BLOCK_B * BLOCK_T). 2048: a whole T=2048 row per
-# program -> B=512 gives 512 programs for 132 SMs with no loop-carried latency.
-# Not yet swept on H200: `benchmarks/bench_kernels.py` sweeps 1024/2048/4096.
-TILE = 2048
-# Warps per program: 4 (16 fp32 per thread at TILE=2048). Unswept, see TILE.
-NUM_WARPS = 4
+# Scan kernel: "grouped" (_gae_scan_kernel) or "rev" (_gae_scan_rev_kernel, the first
+# version). Swept on an H200 (2026-11-30, `benchmarks/bench_kernels.py --ops gae`), B=512
+# T=2048 fp32, per call in a CUDA graph, HBM floor 4.2 us:
+#   grouped, prefetch, BLOCK_T=TILE=512, 2 warps   7.2 us (58%)  <- chosen
+#   grouped, prefetch, BLOCK_T=TILE=512, 4 warps   7.4 us
+#   grouped, prefetch, BLOCK_T=TILE=1024, 4 warps  8.0 us
+#   grouped, BLOCK_T=TILE=2048, 4 warps            9.5 us (44%)
+#   grouped, BLOCK_T=2048, TILE=4096, 8 warps     10.4 us
+#   rev, BLOCK_T=TILE=1024, 4 warps               10.6 us;  rev at 2048: 13.2 us (32%)
+# With whitening the best was grouped, prefetch, BLOCK_T=TILE=1024, 4 warps: 13.2 us (49%).
+# Offline sm_90 compile (Triton 3.6, 1 x 2048 tile, 4 warps, no spills): grouped 104
+# registers, 728 SASS instructions, 39 shuffles; rev 151 registers, 2528, 334 shuffles.
+KERNEL = "grouped"
+# Longest chunk along T (power of 2): 512 (sweep above; chunks carry state backwards).
+BLOCK_T = 512
+# Elements per program (BLOCK_B * BLOCK_T); short rows get TILE // BLOCK_T rows each.
+TILE = 512
+# Warps per program: 2 (sweep above).
+NUM_WARPS = 2
+# Load chunk k-1 before working on chunk k (matters when T > BLOCK_T): on (sweep above).
+PREFETCH = True
+# Most tokens per thread group (power of 2, <= 16): the in-register walk's length.
+VEC_MAX = 16
 
 
 def gae_ref(rewards, values, mask, gamma: float, lam: float, whiten: bool = False):
@@ -91,6 +128,186 @@ def gae_torch(rewards, values, mask, gamma: float, lam: float, whiten: bool = Fa
     return adv, returns
 
 
+# After _split_vec's LOG halvings part i holds position bitrev(i): 4-bit reversal >> (4 - LOG), LOG <= 4.
+_BITREV16 = tl.constexpr((0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15)) if HAS_TRITON else None
+
+
+@triton.jit
+def _excl_combine(p1, q1, e1, a1, w1, P1, Q1, E1, A1, W1, p2, q2, e2, a2, w2, P2, Q2, E2, A2, W2):
+    # (p, q, e, a, w) is the map (A, W) -> (p A + q W + a, e W + w) of a span of groups; (P..W) the
+    # map of everything after the span's first group. Span 1 is later in time (scan order runs
+    # backwards in time): inclusive = map2 o map1, exclusive = excl2 o map1.
+    return (p2 * p1, p2 * q1 + q2 * e1, e2 * e1, a2 + p2 * a1 + q2 * w1, w2 + e2 * w1,
+            P2 * p1, P2 * q1 + Q2 * e1, E2 * e1, A2 + P2 * a1 + Q2 * w1, W2 + E2 * w1)
+
+
+@triton.jit
+def _pick(x, idx, at, axis: tl.constexpr):
+    # the slice idx == at of x along axis
+    return tl.sum(tl.where(idx == at, x, 0.0), axis=axis)
+
+
+@triton.jit
+def _split_vec(x, LOG: tl.constexpr):
+    # (..., 2**LOG), last dim in registers -> tuple of 2**LOG tensors (...), in time order
+    parts = (tl.reshape(x, x.shape[:-1] + [2] * LOG),)
+    for _ in tl.static_range(LOG):
+        halves = ()
+        for i in tl.static_range(len(parts)):
+            even, odd = tl.split(parts[i])
+            halves = halves + (even, odd)
+        parts = halves
+    ordered = ()
+    for i in tl.static_range(len(parts)):
+        ordered = ordered + (parts[_BITREV16[i] >> (4 - LOG)],)
+    return ordered
+
+
+@triton.jit
+def _join_vec(parts, LOG: tl.constexpr):
+    # inverse of _split_vec: tuple of 2**LOG tensors (...) -> (..., 2**LOG)
+    ordered = ()
+    for i in tl.static_range(len(parts)):
+        ordered = ordered + (tl.expand_dims(parts[_BITREV16[i] >> (4 - LOG)], len(parts[0].shape)),)
+    for _ in tl.static_range(LOG):
+        pairs = ()
+        for i in tl.static_range(len(ordered) // 2):
+            pairs = pairs + (tl.join(ordered[2 * i], ordered[2 * i + 1]),)
+        ordered = pairs
+    return tl.reshape(ordered[0], parts[0].shape + [1 << LOG])
+
+
+@triton.jit
+def _load_groups(r_ptr, v_ptr, m_ptr, base, t, row_ok, T):
+    # (BB, 1, 1) row offsets, (1, N, VEC) times -> r, v fp32 and the real-token mask, (BB, N, VEC)
+    ok = row_ok & (t >= 0) & (t < T)
+    r = tl.load(r_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
+    return r, v, tl.load(m_ptr + base + t, mask=ok, other=0) != 0
+
+
+@triton.jit
+def _group_maps(R, V, M, gamma, gamma_lam, VEC: tl.constexpr):
+    # each group's map f_0 o ... o f_{VEC-1} (R, V, M: VEC parts (BB, N)) -> (p, q, e, a, w), (BB, N)
+    p = tl.full(M[0].shape, 1.0, tl.float32)
+    q = tl.zeros(M[0].shape, tl.float32)
+    e = tl.full(M[0].shape, 1.0, tl.float32)
+    a = tl.zeros(M[0].shape, tl.float32)
+    w = tl.zeros(M[0].shape, tl.float32)
+    for i in tl.static_range(VEC):  # f_k o (maps after k), k = VEC - 1 - i
+        q = tl.where(M[VEC - 1 - i], gamma_lam * q + gamma * e, q)
+        p = tl.where(M[VEC - 1 - i], gamma_lam * p, p)
+        e = tl.where(M[VEC - 1 - i], 0.0, e)
+        a = tl.where(M[VEC - 1 - i], R[VEC - 1 - i] - V[VEC - 1 - i] + gamma_lam * a + gamma * w, a)
+        w = tl.where(M[VEC - 1 - i], V[VEC - 1 - i], w)
+    return p, q, e, a, w
+
+
+@triton.jit
+def _group_advantages(R, V, M, A, W, gamma, gamma_lam, VEC: tl.constexpr):
+    # walk each group backwards from the state (A, W) after it -> VEC parts of A (0 where masked)
+    out = ()
+    for i in tl.static_range(VEC):
+        A = tl.where(M[VEC - 1 - i], R[VEC - 1 - i] - V[VEC - 1 - i] + gamma_lam * A + gamma * W, A)
+        W = tl.where(M[VEC - 1 - i], V[VEC - 1 - i], W)
+        out = (tl.where(M[VEC - 1 - i], A, 0.0),) + out
+    return out
+
+
+@triton.jit
+def _store_groups(ptr, base, t_grp, row_ok, T, parts, VEC: tl.constexpr, SVEC: tl.constexpr,
+                  LOG_SVEC: tl.constexpr):
+    # VEC parts (BB, N) -> stores of SVEC-wide pieces at t_grp (1, N, 1) + offset, so each store
+    # already has the scan's register layout (a full VEC-wide store would go through shared memory)
+    k = tl.arange(0, SVEC)[None, None, :]
+    for s in tl.static_range(VEC // SVEC):
+        piece = ()
+        for i in tl.static_range(SVEC):
+            piece = piece + (parts[s * SVEC + i],)
+        t = t_grp + s * SVEC + k
+        tl.store(ptr + base + t, _join_vec(piece, LOG_SVEC), mask=row_ok & (t < T))
+
+
+@triton.jit
+def _tile_stats(sp, stride, a, m):
+    # per-tile count, mean, M2 of the real tokens' advantages at sp, sp + stride, sp + 2 stride
+    n = tl.sum(m.to(tl.float32))
+    mean = tl.sum(a) / tl.maximum(n, 1.0)
+    tl.store(sp, n)
+    tl.store(sp + stride, mean)
+    tl.store(sp + 2 * stride, tl.sum(tl.where(m, (a - mean) * (a - mean), 0.0)))
+
+
+@triton.jit
+def _group_stats(sp, stride, adv, M, VEC: tl.constexpr):
+    # _tile_stats over VEC parts (BB, N): summed in registers first, then one block reduction each
+    n = M[0].to(tl.float32)
+    s = adv[0]
+    for i in tl.static_range(1, VEC):
+        n += M[i].to(tl.float32)
+        s += adv[i]
+    n = tl.sum(n)
+    mean = tl.sum(s) / tl.maximum(n, 1.0)
+    m2 = tl.zeros(s.shape, tl.float32)
+    for i in tl.static_range(VEC):
+        m2 += tl.where(M[i], (adv[i] - mean) * (adv[i] - mean), 0.0)
+    tl.store(sp, n)
+    tl.store(sp + stride, mean)
+    tl.store(sp + 2 * stride, tl.sum(m2))
+
+
+@triton.jit
+def _gae_scan_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gamma, gamma_lam,
+                     BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, LOG_VEC: tl.constexpr,
+                     LOG_SVEC: tl.constexpr, WHITEN: tl.constexpr, PREFETCH: tl.constexpr):
+    VEC: tl.constexpr = 1 << LOG_VEC
+    N: tl.constexpr = BLOCK_T // VEC  # groups per chunk row
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)  # (BB,)
+    base = rows.to(tl.int64)[:, None, None] * T  # (BB, 1, 1)
+    row_ok = (rows < B)[:, None, None]
+    g = tl.arange(0, N)[None, :]  # (1, N) group index, the chunk's last group first
+    t_grp = (N - 1 - g[:, :, None]) * VEC  # (1, N, 1) group start within the chunk
+    t_in = t_grp + tl.arange(0, VEC)[None, None, :]  # (1, N, VEC) forward in time within a group
+    # A of the first real token after the chunk and its value, broadcast over groups (BB, N): kept
+    # in the scan's layout (a (BB,) carry broadcast here went through shared memory, sm_90)
+    a_carry = tl.zeros([BLOCK_B, N], dtype=tl.float32)
+    w_carry = tl.zeros([BLOCK_B, N], dtype=tl.float32)
+    n_chunks = tl.cdiv(T, BLOCK_T)
+    if PREFETCH:
+        r_nx, v_nx, m_nx = _load_groups(r_ptr, v_ptr, m_ptr, base, (n_chunks - 1) * BLOCK_T + t_in, row_ok, T)
+    for ci in range(n_chunks):
+        t0 = (n_chunks - 1 - ci) * BLOCK_T  # chunks from the end of the row
+        if PREFETCH:
+            r, v, m = r_nx, v_nx, m_nx
+            r_nx, v_nx, m_nx = _load_groups(r_ptr, v_ptr, m_ptr, base, t0 - BLOCK_T + t_in, row_ok, T)
+        else:
+            r, v, m = _load_groups(r_ptr, v_ptr, m_ptr, base, t0 + t_in, row_ok, T)
+        R = _split_vec(r, LOG_VEC)
+        V = _split_vec(v, LOG_VEC)
+        M = _split_vec(m, LOG_VEC)
+        p, q, e, a, w = _group_maps(R, V, M, gamma, gamma_lam, VEC)
+        one = tl.full(p.shape, 1.0, tl.float32)
+        zero = tl.zeros(p.shape, tl.float32)
+        p, q, e, a, w, xp, xq, xe, xa, xw = tl.associative_scan(
+            (p, q, e, a, w, one, zero, one, zero, zero), 1, _excl_combine)
+        A = xa + xp * a_carry + xq * w_carry  # (BB, N) state after each group
+        W = xw + xe * w_carry
+        if ci + 1 < n_chunks:  # state at the chunk's first token: the carry into the previous chunk
+            a_first = _pick(a + p * a_carry + q * w_carry, g, N - 1, 1)[:, None]
+            w_carry = tl.broadcast_to(_pick(w + e * w_carry, g, N - 1, 1)[:, None], (BLOCK_B, N))
+            a_carry = tl.broadcast_to(a_first, (BLOCK_B, N))
+        adv = _group_advantages(R, V, M, A, W, gamma, gamma_lam, VEC)
+        ret = ()
+        for i in tl.static_range(VEC):
+            ret = ret + (tl.where(M[i], adv[i] + V[i], 0.0),)
+        _store_groups(adv_ptr, base, t0 + t_grp, row_ok, T, adv, VEC, 1 << LOG_SVEC, LOG_SVEC)
+        _store_groups(ret_ptr, base, t0 + t_grp, row_ok, T, ret, VEC, 1 << LOG_SVEC, LOG_SVEC)
+        if WHITEN:
+            _group_stats(stats_ptr + pid * n_chunks + ci, tl.num_programs(0) * n_chunks, adv, M, VEC)
+
+
+# The first kernel (KERNEL = "rev").
 @triton.jit
 def _affine_combine(c1, d1, c2, d2):
     # apply x -> d1 + c1 x, then x -> d2 + c2 x (later time first)
@@ -104,8 +321,8 @@ def _last_col(x, j, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _gae_scan_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gamma, gamma_lam,
-                     BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, WHITEN: tl.constexpr):
+def _gae_scan_rev_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gamma, gamma_lam,
+                         BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, WHITEN: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)  # (BB,)
     base = rows.to(tl.int64)[:, None] * T  # (BB, 1)
@@ -133,54 +350,69 @@ def _gae_scan_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gam
         a = tl.where(m, a, 0.0)
         tl.store(adv_ptr + base + t, a, mask=ok)
         tl.store(ret_ptr + base + t, tl.where(m, a + v, 0.0), mask=ok)
-        if WHITEN:  # per-tile (count, mean, M2) for the whitening pass
-            n = tl.sum(m.to(tl.float32))
-            mean = tl.sum(a) / tl.maximum(n, 1.0)
-            m2 = tl.sum(tl.where(m, (a - mean) * (a - mean), 0.0))
-            sp = stats_ptr + (pid * n_chunks + ci) * 3
-            tl.store(sp, n)
-            tl.store(sp + 1, mean)
-            tl.store(sp + 2, m2)
+        if WHITEN:
+            _tile_stats(stats_ptr + pid * n_chunks + ci, tl.num_programs(0) * n_chunks, a, m)
 
 
 @triton.jit
-def _whiten_kernel(adv_ptr, m_ptr, stats_ptr, n_tiles, B, T, eps,
-                   BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    # global mean / unbiased var from the per-tile partials (Chan et al. merge)
+def _merged_moments(stats_ptr, n_tiles, eps, BLOCK_S: tl.constexpr):
+    # global mean and 1 / std from the per-tile partials (Chan et al. merge); stats_ptr holds
+    # (3, n_tiles): counts, means, M2s
     s = tl.arange(0, BLOCK_S)
     n_tot = 0.0
     sum_tot = 0.0
     for s0 in range(0, n_tiles, BLOCK_S):
         ok = s0 + s < n_tiles
-        n = tl.load(stats_ptr + (s0 + s) * 3, mask=ok, other=0.0)
+        n = tl.load(stats_ptr + s0 + s, mask=ok, other=0.0)
         n_tot += tl.sum(n)
-        sum_tot += tl.sum(n * tl.load(stats_ptr + (s0 + s) * 3 + 1, mask=ok, other=0.0))
+        sum_tot += tl.sum(n * tl.load(stats_ptr + n_tiles + s0 + s, mask=ok, other=0.0))
     mean = sum_tot / tl.maximum(n_tot, 1.0)
     m2_tot = 0.0
     for s0 in range(0, n_tiles, BLOCK_S):
         ok = s0 + s < n_tiles
-        n = tl.load(stats_ptr + (s0 + s) * 3, mask=ok, other=0.0)
-        dm = tl.load(stats_ptr + (s0 + s) * 3 + 1, mask=ok, other=0.0) - mean
-        m2_tot += tl.sum(tl.load(stats_ptr + (s0 + s) * 3 + 2, mask=ok, other=0.0) + n * dm * dm)
-    rstd = 1.0 / tl.sqrt(m2_tot / tl.maximum(n_tot - 1.0, 1.0) + eps)
+        n = tl.load(stats_ptr + s0 + s, mask=ok, other=0.0)
+        dm = tl.load(stats_ptr + n_tiles + s0 + s, mask=ok, other=0.0) - mean
+        m2_tot += tl.sum(tl.load(stats_ptr + 2 * n_tiles + s0 + s, mask=ok, other=0.0) + n * dm * dm)
+    return mean, 1.0 / tl.sqrt(m2_tot / tl.maximum(n_tot - 1.0, 1.0) + eps)
+
+
+@triton.jit
+def _load_adv(adv_ptr, m_ptr, base, t, row_ok, T):
+    ok = row_ok & (t < T)
+    return tl.load(adv_ptr + base + t, mask=ok, other=0.0), tl.load(m_ptr + base + t, mask=ok, other=0) != 0
+
+
+@triton.jit
+def _whiten_kernel(adv_ptr, m_ptr, stats_ptr, n_tiles, B, T, eps,
+                   BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     base = rows.to(tl.int64)[:, None] * T  # (BB, 1)
+    row_ok = (rows < B)[:, None]
+    j = tl.arange(0, BLOCK_T)[None, :]
+    a, m = _load_adv(adv_ptr, m_ptr, base, j, row_ok, T)  # issued first: the merge hides its latency
+    mean, rstd = _merged_moments(stats_ptr, n_tiles, eps, BLOCK_S)
     for t0 in range(0, T, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)[None, :]
-        ok = (rows < B)[:, None] & (t < T)
-        a = tl.load(adv_ptr + base + t, mask=ok, other=0.0)
-        m = tl.load(m_ptr + base + t, mask=ok, other=0) != 0
-        tl.store(adv_ptr + base + t, tl.where(m, (a - mean) * rstd, 0.0), mask=ok)
+        a_nx, m_nx = _load_adv(adv_ptr, m_ptr, base, t0 + BLOCK_T + j, row_ok, T)
+        tl.store(adv_ptr + base + t0 + j, tl.where(m, (a - mean) * rstd, 0.0), mask=row_ok & (t0 + j < T))
+        a, m = a_nx, m_nx
 
 
 def _tile(B: int, T: int):
-    """(BLOCK_B, BLOCK_T) with BLOCK_B * BLOCK_T <= TILE, rows first along T."""
-    block_t = min(next_pow2(T), TILE)
+    """(block_b, block_t): block_t <= min(BLOCK_T, TILE), block_b * block_t <= TILE, T first."""
+    block_t = min(next_pow2(T), BLOCK_T, TILE)
     return max(1, min(next_pow2(B), TILE // block_t)), block_t
+
+
+def _log_vec(block_b: int, block_t: int) -> int:
+    """log2 of the tokens per thread group: the tile spread over all threads, at most VEC_MAX (<= 16)."""
+    per_thread = max(1, block_b * block_t // (32 * NUM_WARPS))
+    return (min(per_thread, VEC_MAX, block_t, 16)).bit_length() - 1
 
 
 def gae_triton(rewards, values, mask, gamma: float, lam: float, whiten: bool = False):
     """Triton GAE: one scan launch, plus one whitening launch when whiten=True."""
+    if KERNEL not in ("grouped", "rev"):
+        raise ValueError(f"megarl.kernels.gae.KERNEL={KERNEL!r}; expected 'grouped' or 'rev'")
     B, T = values.shape
     r, v = rewards.contiguous(), values.contiguous()
     m = mask.contiguous()
@@ -193,8 +425,13 @@ def gae_triton(rewards, values, mask, gamma: float, lam: float, whiten: bool = F
     grid = (triton.cdiv(B, block_b),)
     n_tiles = grid[0] * triton.cdiv(T, block_t)
     stats = torch.empty(n_tiles * 3 if whiten else 1, dtype=torch.float32, device=v.device)
-    _gae_scan_kernel[grid](r, v, m, adv, ret, stats, B, T, float(gamma), float(gamma * lam),
-                           BLOCK_B=block_b, BLOCK_T=block_t, WHITEN=whiten, num_warps=NUM_WARPS)
+    args = (r, v, m, adv, ret, stats, B, T, float(gamma), float(gamma * lam))
+    tiles = dict(BLOCK_B=block_b, BLOCK_T=block_t, WHITEN=whiten, num_warps=NUM_WARPS)
+    if KERNEL == "grouped":
+        log_vec = _log_vec(block_b, block_t)
+        _gae_scan_kernel[grid](*args, LOG_VEC=log_vec, LOG_SVEC=min(log_vec, 2), PREFETCH=PREFETCH, **tiles)
+    else:
+        _gae_scan_rev_kernel[grid](*args, **tiles)
     if whiten:
         _whiten_kernel[grid](adv, m, stats, n_tiles, B, T, WHITEN_EPS, BLOCK_B=block_b,
                              BLOCK_T=block_t, BLOCK_S=min(next_pow2(n_tiles), 1024), num_warps=NUM_WARPS)

@@ -3,7 +3,10 @@
 On CPU the Triton path runs in the interpreter (TRITON_INTERPRET=1 must be set
 before megarl.kernels is imported, hence the top of this file). Shapes are
 small and odd: prime T, ragged row blocks and T chunks, empty and all-masked
-rows. Not covered here: speed (benchmarks/bench_kernels.py).
+rows, masked runs across chunk edges; both scan kernels (KERNEL "grouped", with
+and without PREFETCH, and "rev") and thread-group widths VEC 1..16. Not covered
+here: speed (benchmarks/bench_kernels.py), and the GPU lowering itself (the
+interpreter runs the kernels' Python; `-m gpu` runs them compiled).
 """
 import os
 
@@ -17,12 +20,15 @@ import importlib  # noqa: E402
 import pytest  # noqa: E402
 
 from megarl.kernels import gae, gae_ref, triton_usable  # noqa: E402
+from megarl.kernels.dispatch import tl, triton  # noqa: E402
 
 gae_mod = importlib.import_module("megarl.kernels.gae")  # the module (the package attribute is the function)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)),
                                   reason="Triton needs CUDA or TRITON_INTERPRET=1 before importing megarl.kernels")
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+# (KERNEL, PREFETCH) of megarl.kernels.gae
+VARIANTS = [("grouped", False), ("grouped", True), ("rev", False)]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-5, rtol=1e-5)}
 
 
@@ -74,15 +80,85 @@ def test_bf16_inputs(backend):
         torch.testing.assert_close(g.cpu(), w, **TOL[torch.bfloat16])
 
 
+def _use(monkeypatch, variant, **consts):
+    """Point megarl.kernels.gae at one scan kernel and tiling for this test."""
+    kernel, prefetch = variant
+    for k, v in dict(KERNEL=kernel, PREFETCH=prefetch, **consts).items():
+        monkeypatch.setattr(gae_mod, k, v)
+
+
 @needs_triton
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("B,T", [(3, 13), (2, 131)])
 @pytest.mark.parametrize("whiten", [False, True])
-def test_triton_chunked_carry(monkeypatch, whiten):
-    """TILE=32 forces 32-step chunks: T=97 is 4 chunks (ragged last), carries cross chunk edges."""
-    monkeypatch.setattr(gae_mod, "TILE", 32)
-    r, v, m = _inputs(3, 97, seed=1)
+def test_variants_match_ref(monkeypatch, variant, B, T, whiten):
+    """Each scan kernel at the shipped tiling (one chunk per row here)."""
+    _use(monkeypatch, variant)
+    r, v, m = _inputs(B, T, seed=6)
+    want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 0.99, 0.95, whiten)
+    for w, g in zip(want, gae(r, v, m, 0.99, 0.95, whiten=whiten, backend="triton")):
+        torch.testing.assert_close(g.cpu(), w, **TOL[torch.float32])
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("whiten", [False, True])
+@pytest.mark.parametrize("block_t,tile,num_warps,T", [
+    (32, 64, 1, 97),  # 2-row tiles (B=3: ragged), 4 chunks (last ragged), VEC 2
+    (16, 16, 4, 53),  # 1-row tiles, 4 chunks, VEC 1
+    (256, 256, 1, 557),  # VEC 8 (32 groups of 8 per chunk), 3 chunks
+    (512, 512, 1, 1031),  # VEC 16, 3 chunks
+])
+def test_triton_chunked_carry(monkeypatch, variant, whiten, block_t, tile, num_warps, T):
+    """Small BLOCK_T forces several chunks per row (prime T): carries cross chunk edges."""
+    _use(monkeypatch, variant, BLOCK_T=block_t, TILE=tile, NUM_WARPS=num_warps)
+    r, v, m = _inputs(3, T, seed=1)
     want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 0.97, 0.9, whiten)
     for w, g in zip(want, gae(r, v, m, 0.97, 0.9, whiten=whiten, backend="triton")):
         torch.testing.assert_close(g.cpu(), w, **TOL[torch.float32])
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_carry_across_masked_chunks(monkeypatch, variant):
+    """Real tokens far apart: the next real value and advantage cross whole masked chunks.
+
+    Row 0 is real at t = 0, 5, 199 only, so t=5 bootstraps from v_199 across five
+    all-masked 32-token chunks; row 1 is real at t = 0 only (no next real token);
+    row 2 at t = 31, 32 (the two sides of a chunk edge).
+    """
+    _use(monkeypatch, variant, BLOCK_T=32, TILE=32, NUM_WARPS=1)
+    r, v, _ = _inputs(3, 200, seed=7)
+    m = torch.zeros(3, 200, dtype=torch.bool, device=DEVICE)
+    m[0, [0, 5, 199]] = True
+    m[1, 0] = True
+    m[2, [31, 32]] = True
+    want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 0.9, 0.8)
+    for w, g in zip(want, gae(r, v, m, 0.9, 0.8, backend="triton")):
+        torch.testing.assert_close(g.cpu(), w, **TOL[torch.float32])
+
+
+@triton.jit
+def _first(a, b):
+    return a
+
+
+@triton.jit
+def _scan_first_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    tl.store(out_ptr + tl.arange(0, N), tl.associative_scan(x, 0, _first))
+
+
+@needs_triton
+def test_scan_combine_order():
+    """A forward tl.associative_scan calls combine(earlier, later): `_excl_combine` relies on it.
+
+    With combine(a, b) = a every output is x[0]; the other order would give x itself.
+    """
+    x = torch.arange(1.0, 65.0, device=DEVICE)
+    out = torch.empty_like(x)
+    _scan_first_kernel[(1,)](x, out, N=64)
+    assert (out == 1.0).all()
 
 
 @pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
@@ -127,9 +203,12 @@ def test_degenerate_coefficients(backend, gamma, lam):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_full_size():
-    """B=64, T=2048 (one tile per row) and T=5000 (chunked) against the vectorized torch path."""
-    for B, T in [(64, 2048), (16, 5000)]:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_full_size(monkeypatch, variant):
+    """B=64, T=2048 (one chunk per row), T=5000 (chunked, prime-free but ragged) and T=1031
+    (prime) against the vectorized torch path, compiled for the GPU at the shipped tiling."""
+    _use(monkeypatch, variant)
+    for B, T in [(64, 2048), (16, 5000), (5, 1031)]:
         r, v, m = _inputs(B, T, seed=5)
         for w, g in zip(gae(r, v, m, 0.99, 0.95, True, backend="torch"),
                         gae(r, v, m, 0.99, 0.95, True, backend="triton")):

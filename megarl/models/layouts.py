@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from megarl.kernels import fc1_split, qkv_merge, qkv_split
+
 
 def chunk_range(total: int, rank: int, size: int) -> tuple[int, int]:
     """Rows ``[start, end)`` of shard ``rank`` when ``total`` splits evenly ``size`` ways."""
@@ -26,22 +28,14 @@ def chunk_range(total: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """q ``[G*h*d, ...]``, k, v ``[G*d, ...]`` -> Megatron's fused ``[G*(h+2)*d, ...]``."""
-    rest = q.shape[1:]
-    qg = q.reshape(groups, -1, *rest)  # [G, h*d, ...]
-    kg = k.reshape(groups, -1, *rest)  # [G, d, ...]
-    vg = v.reshape(groups, -1, *rest)  # [G, d, ...]
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+    """q ``[G*h*d, ...]``, k, v ``[G*d, ...]`` -> Megatron's fused ``[G*(h+2)*d, ...]``
+    (one pass: ``megarl.kernels.qkv_merge``; ``qkv_merge_ref`` is its torch.cat reference)."""
+    return qkv_merge(q, k, v, groups)
 
 
 def split_qkv(qkv: torch.Tensor, groups: int, heads: int) -> tuple[torch.Tensor, ...]:
     """Inverse of :func:`interleave_qkv`: fused ``[G*(h+2)*d, ...]`` -> q, k, v."""
-    rest = qkv.shape[1:]
-    per_group = qkv.reshape(groups, -1, *rest)  # [G, (h+2)*d, ...]
-    h = heads // groups
-    d = per_group.shape[1] // (h + 2)
-    q, k, v = per_group.split([h * d, d, d], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+    return qkv_split(qkv, heads, groups)
 
 
 def qkv_ranges(groups: int, heads: int, head_dim: int, rank: int, size: int) -> tuple:
@@ -54,8 +48,7 @@ def qkv_ranges(groups: int, heads: int, head_dim: int, rank: int, size: int) -> 
 
 def split_gate_up(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """TP shards of ``linear_fc1`` ``[2*F/tp, h]`` each -> full gate ``[F, h]``, up ``[F, h]``."""
-    halves = [s.chunk(2, dim=0) for s in shards]
-    return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+    return fc1_split(torch.cat(shards), tp_size=len(shards))
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
