@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def clean_env() -> dict:
 
 
 def probe_lines(stdout: str) -> list[str]:
-    return sorted(line for line in stdout.splitlines() if line.startswith("rank="))
+    """The probes' reports, sorted (the launcher may interleave the two ranks' output)."""
+    return sorted(re.findall(r"rank=\d+ world=\d+ local=\d+ launcher=\w+ sum=\d+", stdout))
 
 
 # --- environment dicts ------------------------------------------------------

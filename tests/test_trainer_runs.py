@@ -67,3 +67,23 @@ def test_short_grpo_run_learns(tmp_path):
     scores = [rows[s]["score/mean"] for s in range(1, 13)]
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.2, scores
     assert rows[12]["eval/accuracy"] > rows[0]["eval/accuracy"] + 0.2, out[-500:]
+
+
+def test_reward_model_and_remax_step(tmp_path):
+    """One step with a reward-model term (a random Qwen2ForSequenceClassification scored at
+    the last token, clipped to [0, 5]) beside the math term, and the ReMax estimator (an
+    extra greedy rollout per prompt as the baseline): the run finishes and logs both terms."""
+    import transformers
+
+    rm_dir = tmp_path / "rm"
+    cfg = transformers.Qwen2Config(vocab_size=57, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                                   pad_token_id=0, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(rm_dir)
+    ppo("yaml/tiny_grpo.yaml", tmp_path / "run", *SMALL, "trainer.export_hf=false", "trainer.save_last=false",
+        "algorithm.advantage=remax", f"reward.model.path={rm_dir}", "reward.model.clip=[0,5]",
+        "reward.model.micro_batch_size=4", steps=1)
+    row = metrics(tmp_path / "run")[1]
+    assert 0.0 <= row["reward/rm/mean"] <= 5.0 and "reward/math/mean" in row
+    assert row["reward/rm/failures"] == 0.0

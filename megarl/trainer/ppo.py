@@ -15,8 +15,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megarl.algos import AdaptiveKLController, FixedKLController
 from megarl.config import Config
 from megarl.config_checks import uses_critic, uses_ref
-from megarl.data.tokenizer import load_tokenizer
 from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
+from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
 from megarl.models.exporter import export_hf
 from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model

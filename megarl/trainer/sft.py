@@ -11,8 +11,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megarl.config import Config
 from megarl.errors import DataError
-from megarl.data.tokenizer import load_tokenizer
 from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
+from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
 from megarl.models.builder import build_gpt_model
 from megarl.models.exporter import export_hf
