@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("rollout", "reward", "old_logprobs", "ref_logprobs", "values", "advantage",
@@ -43,7 +42,7 @@ def start_smi(path: str):
         return None
 
 
-def utilization(path: str, since: float, start: float) -> float | None:
+def utilization(path: str, since: float) -> float | None:
     """Mean GPU utilization (%) of the samples after the warm-up fraction ``since`` of the run."""
     rows = [line.split(",") for line in open(path) if line.count(",") == 2]
     rows = rows[int(len(rows) * since):]
@@ -80,7 +79,6 @@ def main() -> None:
     subprocess.run(["rm", "-rf", f"{args.work}/run"])
     smi_path = os.path.join(args.work, "smi.csv")
     smi = start_smi(smi_path)
-    start = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            "launch/ppo.py", args.config, *extra, *overrides]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
@@ -91,7 +89,7 @@ def main() -> None:
               "overrides": overrides, "returncode": code}
     if code == 0:
         result["median"] = summarize(f"{args.work}/run")
-        result["sm_utilization_pct"] = utilization(smi_path, 1 / args.steps, start) if smi else None
+        result["sm_utilization_pct"] = utilization(smi_path, 1 / args.steps) if smi else None
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,19 +1,18 @@
 """Roles from the run config: build the Megatron stage, load HF weights, wrap for training."""
 from __future__ import annotations
 
-import torch
-
 from megarl.config import Config, OptimConfig
 from megarl.distributed import ParallelGroups
 from megarl.models.builder import ModelOptions, build_gpt_model
 from megarl.models.hf_config import read_hf_config
 from megarl.models.loader import load_hf_checkpoint
+from megarl.models.value_head import load_value_model
 from megarl.roles.optim import build_trainable
 from megarl.roles.policy import Policy
 from megarl.roles.value import Critic, RewardModel
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-SCORE = "score.weight"
+VALUE_HEAD_INIT_STD = 1e-3  # a value head started from a causal LM: small, seeded, same on every rank
 
 
 def model_options(cfg: Config) -> ModelOptions:
@@ -27,27 +26,16 @@ def model_options(cfg: Config) -> ModelOptions:
     )
 
 
-def _init_value_head(module, seed: int) -> None:
-    """A value head started from a causal LM: small random weights, same on every rank."""
-    head = getattr(module, "output_layer", None)
-    if head is None:
-        return
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        w = torch.randn(head.weight.shape, generator=gen) * 1e-3
-        head.weight.copy_(w.to(head.weight.dtype))
-
-
 def build_module(path: str, cfg: Config, groups: ParallelGroups, value_head: bool = False):
     """(module, info): this rank's stage of the checkpoint at ``path``, weights loaded."""
     info = read_hf_config(path)
-    from_lm = value_head and not info.value_head
-    if from_lm:
-        info = info.as_value_model()
+    if value_head:
+        info = info.as_value_model() if not info.value_head else info
+        module = build_gpt_model(info, groups, model_options(cfg))
+        load_value_model(module, path, info, groups, seed=cfg.trainer.seed, std=VALUE_HEAD_INIT_STD)
+        return module, info
     module = build_gpt_model(info, groups, model_options(cfg))
-    load_hf_checkpoint(module, path, info, groups, allow_missing=(SCORE,) if from_lm else ())
-    if from_lm:
-        _init_value_head(module, cfg.trainer.seed)
+    load_hf_checkpoint(module, path, info, groups)
     return module, info
 
 

@@ -67,6 +67,8 @@ class PPOTrainer:
         self.timer = PhaseTimer()
         self.metrics: dict[str, float] = {}
         self._resume()
+        if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
+            self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
 
     # -- setup ---------------------------------------------------------------
     def _build_data(self) -> None:

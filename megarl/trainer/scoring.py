@@ -55,7 +55,3 @@ def finish_score_metrics(m: dict[str, float]) -> dict[str, float]:
         out[k[: -len("_sum")] + "/mean"] = m.pop(k) / n
     out.update({k: v for k, v in m.items() if k.startswith("reward/")})
     return out
-
-
-def as_tensor(x, device) -> torch.Tensor:
-    return torch.as_tensor(x, device=device)
