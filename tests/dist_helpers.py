@@ -9,16 +9,11 @@ rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megarl.distributed.ranks import free_port
 
 
 def _worker(rank, world_size, port, fn, args, queue):

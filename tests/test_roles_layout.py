@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_helpers import spawn
-from tiny_hf import make_causal_lm
+from megarl.models.tiny import make_tiny_checkpoint
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -70,7 +70,7 @@ def _update(rank, ckpt, tp, pp, max_tokens):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    make_causal_lm(path, "llama")
+    make_tiny_checkpoint(str(path), "LlamaForCausalLM", seed=0, vocab_size=57, eos_token_id=3)
     return str(path)
 
 

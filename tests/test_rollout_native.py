@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_helpers import spawn
-from tiny_hf import make_causal_lm
+from megarl.models.tiny import make_tiny_checkpoint
 
 PROMPTS = [[7, 8, 9, 10, 11, 12], [13, 14], [20, 21, 22, 23], [30]]
 MAX_NEW = 8
@@ -48,7 +48,7 @@ def _rollout(rank, ckpt, tp, pp):
 @pytest.fixture(scope="module")
 def ckpt_and_hf(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    model = make_causal_lm(path, "llama", seed=1)
+    model = make_tiny_checkpoint(str(path), "LlamaForCausalLM", seed=1, vocab_size=57, eos_token_id=3)
     expected = []
     for p in PROMPTS:
         out = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False,

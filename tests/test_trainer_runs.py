@@ -73,14 +73,10 @@ def test_reward_model_and_remax_step(tmp_path):
     """One step with a reward-model term (a random Qwen2ForSequenceClassification scored at
     the last token, clipped to [0, 5]) beside the math term, and the ReMax estimator (an
     extra greedy rollout per prompt as the baseline): the run finishes and logs both terms."""
-    import transformers
+    from megarl.models.tiny import make_tiny_checkpoint
 
     rm_dir = tmp_path / "rm"
-    cfg = transformers.Qwen2Config(vocab_size=57, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                                   pad_token_id=0, max_position_embeddings=128)
-    torch.manual_seed(0)
-    transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(rm_dir)
+    make_tiny_checkpoint(str(rm_dir), "Qwen2ForSequenceClassification", vocab_size=57)
     ppo("yaml/tiny_grpo.yaml", tmp_path / "run", *SMALL, "trainer.export_hf=false", "trainer.save_last=false",
         "algorithm.advantage=remax", f"reward.model.path={rm_dir}", "reward.model.clip=[0,5]",
         "reward.model.micro_batch_size=4", steps=1)

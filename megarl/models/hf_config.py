@@ -77,8 +77,9 @@ class ModelInfo:
 
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
         """Vocab rounded up to a multiple of ``divisible_by * tp`` (rows past vocab_size are zero)."""
-        step = divisible_by * tp
-        return -(-self.vocab_size // step) * step
+        from megarl.kernels import padded_vocab_size  # lazy: keeps config reading light
+
+        return padded_vocab_size(self.vocab_size, divisible_by, tp)
 
     def as_value_model(self) -> "ModelInfo":
         """The same backbone with a value head (for a critic started from a causal LM)."""

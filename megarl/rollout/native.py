@@ -143,10 +143,10 @@ class NativeEngine:
         return packed[0].long(), packed[1].float()
 
     def _results(self, chunk, tokens, logprobs, stops) -> list[GenerationResult]:
-        results = []
+        results, stop_set = [], set(stops.tolist())
         for row, (prompt_index, prompt) in enumerate(chunk):
             ids, lps = tokens[row].tolist(), logprobs[row].tolist()
-            end = next((i + 1 for i, tok in enumerate(ids) if tok in set(stops.tolist())), None)
+            end = next((i + 1 for i, tok in enumerate(ids) if tok in stop_set), None)
             finish = "stop" if end is not None else "length"
             end = end or len(ids)
             results.append(GenerationResult(prompt, ids[:end], lps[:end], finish, prompt_index))
