@@ -72,7 +72,12 @@ class RolloutConfig:
     top_k: int = opt(-1, "top-k sampling; -1 disables")
     stop_token_ids: list[int] = opt([], "extra stop tokens besides the tokenizer's eos")
     ignore_eos: bool = opt(False, "never stop early: every response is max_new_tokens long (benchmarks)")
-    max_batch: int = opt(256, "sequences decoded together per engine")
+    max_batch: int = opt(256, "sequences decoding at once per engine (continuous batching refills finished slots)")
+    max_num_batched_tokens: int = opt(8192, "prompt tokens per chunked-prefill step")
+    page_size: int = opt(16, "tokens per KV-cache page (a power of two, 8..128)")
+    kv_cache_gb: float = opt(0.0, "KV-cache budget in GiB; 0: rollout.kv_cache_fraction of free memory")
+    kv_cache_fraction: float = opt(0.5, "share of free device memory (CPU: available RAM) the KV cache may take")
+    cuda_graphs: bool = opt(True, "replay the decode step as CUDA graphs (CUDA, pp=1); false: eager")
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
 
 

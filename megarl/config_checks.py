@@ -76,6 +76,12 @@ def check_rollout(cfg: Config) -> None:
         raise ConfigError("rollout.n and rollout.max_new_tokens must be >= 1")
     if r.temperature < 0 or not 0 < r.top_p <= 1:
         raise ConfigError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
+    if r.max_batch < 1 or r.max_num_batched_tokens < 1:
+        raise ConfigError("rollout.max_batch and rollout.max_num_batched_tokens must be >= 1")
+    if r.page_size not in (8, 16, 32, 64, 128):
+        raise ConfigError(f"rollout.page_size={r.page_size} must be a power of two in 8..128")
+    if r.kv_cache_gb < 0 or not 0 < r.kv_cache_fraction <= 1:
+        raise ConfigError("rollout.kv_cache_gb must be >= 0 and rollout.kv_cache_fraction in (0, 1]")
     if cfg.algorithm.advantage in GROUP_ADVANTAGES and r.n < 2:
         raise ConfigError(
             f"algorithm.advantage={cfg.algorithm.advantage} compares samples of one prompt; set rollout.n >= 2"

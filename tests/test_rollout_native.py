@@ -1,13 +1,21 @@
-"""Native rollout: greedy equals ``transformers`` greedy; sampled log-probs equal training's.
+"""Native rollout with continuous batching: greedy == ``transformers`` greedy; seeds; training log-probs.
 
-A random Llama-shaped checkpoint (GQA, 57-token vocab padded to 128 per TP rank)
-is loaded into the actor at TP1, TP2 and PP2. Greedy decoding of prompts of
-different lengths (left-padded into one batch) must give, token for token, what
-``transformers`` ``generate`` gives for each prompt alone — this checks the KV
-cache, the left-padding masks and the vocabulary-padding mask. Sampled
-responses (temperature 0.7, top-k/top-p on) carry the engine's log-prob of each
-token under logits / 0.7; the actor's training forward over the same tokens
-must give the same numbers (fp32, 1e-5). Not covered: SGLang, bf16.
+A random Llama-shaped checkpoint (GQA, 57-token vocab padded to 128 per TP
+rank) is loaded into the actor at TP1, TP2 and PP2, and the engine is made to
+exercise every scheduling path at once: 7 prompts of lengths 1..23 (chunked
+prefill under an 8-token budget), at most 3 sequences decoding (slots refill
+as others finish), an EOS id picked so that some responses stop early and
+others run to the limit, and a page pool of 6 pages of 8 tokens (room for
+the longest sequence alone), which forces preemption and recompute. Greedy
+responses must equal, token for token, ``transformers`` ``generate`` on each
+prompt alone.
+
+Seeds: sampled responses depend only on the request's seed — the same prompt
+and seed give the same tokens alone or among other requests, in another
+position. Log-probs: the engine's log-prob of each sampled token (temperature
+0.7, top-k 20, top-p 0.9, n = 2, prefix-shared prompts) equals the actor's
+training forward over the same tokens (fp32, 1e-5). Not covered: CUDA graphs
+(GPU test), SGLang, bf16.
 """
 import pytest
 import torch
@@ -15,18 +23,31 @@ import torch
 from dist_helpers import spawn
 from megarl.models.tiny import make_tiny_checkpoint
 
-PROMPTS = [[7, 8, 9, 10, 11, 12], [13, 14], [20, 21, 22, 23], [30]]
-MAX_NEW = 8
+PROMPTS = [[7, 8, 9, 10, 11, 12], [13, 14], list(range(20, 43)), [30], [5, 6, 7, 8, 9, 10, 11, 12, 13],
+           [40, 41, 42], list(range(10, 22))]
+MAX_NEW = 10
+PAGE = 8
 
 
-def _rollout(rank, ckpt, tp, pp):
+def _engine(actor, groups, eos, pages: int, max_batch: int):
+    from megarl.rollout.native import EngineOptions, NativeEngine
+    from megarl.rollout.pages import KVLayout
+
+    st_cfg = actor.module.config
+    layout = KVLayout(len(actor.module.decoder.layers), st_cfg.num_query_groups // groups.tp_size,
+                      st_cfg.kv_channels, PAGE, st_cfg.params_dtype)
+    budget_gb = pages * layout.page_bytes() / 2**30
+    options = EngineOptions(max_batch=max_batch, page_size=PAGE, max_num_batched_tokens=8, kv_cache_gb=budget_gb)
+    return NativeEngine(actor.module, groups, actor.info.vocab_size, [eos], 0, options)
+
+
+def _rollout(rank, ckpt, tp, pp, eos):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
     from megarl.rollout.engine import SamplingParams
-    from megarl.rollout.native import NativeEngine
     from megarl.trainer.rollout import to_sample_batch
 
     init_distributed()
@@ -35,34 +56,55 @@ def _rollout(rank, ckpt, tp, pp):
     cfg = Config()
     cfg.model.path = ckpt
     actor = build_actor(cfg, groups, optimizer_steps=1)
-    engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [3], 0, max_batch=3)
+    engine = _engine(actor, groups, eos, pages=6, max_batch=3)
     greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_k=20, top_p=0.9, n=2, seed=3)
-    sampled = engine.generate(PROMPTS, params)
+    preemptions = engine.stats["rollout/preemptions"]
+
+    roomy = _engine(actor, groups, eos, pages=64, max_batch=16)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_k=20, top_p=0.9, n=2)
+    sampled = roomy.generate(PROMPTS, params, seeds=list(range(100, 107)))
+    alone = roomy.generate([PROMPTS[4]], params, seeds=[104])
     batch = to_sample_batch(sampled, 0, "cpu")
-    train = actor.logprobs(batch, micro_batch_size=3, temperature=0.7)["logprobs"]
+    train = actor.logprobs(batch, micro_batch_size=4, temperature=0.7)["logprobs"]
     diff = ((train - batch.tensors["rollout_logprobs"]).abs() * batch.response_mask).max()
-    return [r.response_ids for r in greedy], float(diff), [r.response_ids for r in sampled]
+    return {"greedy": [r.response_ids for r in greedy], "finish": [r.finish_reason for r in greedy],
+            "preemptions": preemptions, "diff": float(diff),
+            "sampled": [r.response_ids for r in sampled], "alone": [r.response_ids for r in alone]}
+
+
+def _greedy_no_stop(model, prompt):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(MAX_NEW):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
 def ckpt_and_hf(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     model = make_tiny_checkpoint(str(path), "LlamaForCausalLM", seed=1, vocab_size=57, eos_token_id=3)
-    expected = []
-    for p in PROMPTS:
-        out = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False,
-                             eos_token_id=3, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
-    return str(path), expected
+    # EOS: a token greedy emits mid-response for some prompts (they stop early), not for all
+    free = [_greedy_no_stop(model, p) for p in PROMPTS]
+    counts = torch.bincount(torch.tensor([t for f in free for t in f[1:-2]]), minlength=57)
+    counts[0] = 0  # not the pad id
+    eos = int(counts.argmax())
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                               eos_token_id=eos)[0, len(p):].tolist() for p in PROMPTS]
+    assert any(len(e) < MAX_NEW for e in expected) and any(len(e) == MAX_NEW for e in expected)
+    return str(path), eos, expected
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_greedy_matches_transformers_and_logprobs_match_training(ckpt_and_hf, tp, pp):
-    ckpt, expected = ckpt_and_hf
-    results = spawn(_rollout, tp * pp, ckpt, tp, pp)
-    greedy, diff, sampled = results[0]
-    assert greedy == expected
-    assert diff < 1e-5
+def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
+    ckpt, eos, expected = ckpt_and_hf
+    results = spawn(_rollout, tp * pp, ckpt, tp, pp, eos)
+    r = results[0]
+    assert r["greedy"] == expected
+    assert r["finish"] == ["stop" if eos in e else "length" for e in expected]
+    assert r["preemptions"] > 0  # the 7-page pool cannot hold every sequence
+    assert r["diff"] < 1e-5
+    assert r["alone"] == r["sampled"][8:10]  # prompt 4's two samples, same seed, alone
+    assert len({tuple(s) for s in r["sampled"]}) > len(PROMPTS)  # samples of a prompt differ
     for other in results[1:]:  # every rank of the replica decodes the same tokens
-        assert other[0] == greedy and other[2] == sampled
+        assert other["greedy"] == r["greedy"] and other["sampled"] == r["sampled"]

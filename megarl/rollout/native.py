@@ -1,153 +1,257 @@
-"""megarl's native rollout engine: decoding on the actor's own Megatron modules.
+"""megarl's native rollout engine: continuous batching on the actor's own Megatron weights.
 
-The engine holds a reference to this rank's GPTModel stage (the very module
-the optimizer updates), so taking new weights costs nothing when rollout and
-training layouts match. Prompts are left-padded into one static batch; RoPE
-depends only on relative positions, so a left-padded prompt whose pad keys
-are masked attends exactly as the unpadded one. A megatron-core
-``StaticInferenceContext`` holds the KV cache.
+Per ``generate`` call: requests (``n`` per prompt, each with its own seed) go
+to a :class:`~megarl.rollout.scheduler.Scheduler` over a paged KV cache;
+each step it plans a chunked prefill or a decode, the stage forward
+(:mod:`megarl.rollout.stage`) runs it, and the fused sampler
+(``megarl.kernels.sampling``) picks each request's next token from its seed and
+token index alone — so a request's tokens do not depend on the batch it ran
+in. Decode steps replay CUDA graphs where CUDA is used (``graphs.py``);
+every other step, and every step on CPU, runs eagerly (the tested reference).
 
-TP ranks gather the last-position logits and sample with one seeded
-generator; with PP, hidden states go stage to stage and the last stage
-broadcasts the sampled tokens to its pipeline group.
+With TP every rank of the group runs the same scheduler and gathers the
+logits; with PP hidden states go stage to stage and the last stage broadcasts
+the sampled tokens to its pipeline group.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarl.distributed import ParallelGroups
+from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.engine import GenerationResult, SamplingParams
-from megarl.rollout.sampling import sample
+from megarl.rollout.graphs import DecodeGraphs
+from megarl.rollout.pages import KVCache, KVLayout, pages_for, pool_pages
+from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
+from megarl.rollout.stage import ForwardBatch, StageForward
+
+_MASK64 = (1 << 64) - 1
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) token ids padded on the left and (B, P) bool "is a real token"."""
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
-    real = torch.zeros((len(prompts), width), dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
-        real[i, width - len(p):] = True
-    return tokens, real
+def mix_seed(*words: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over their sequence)."""
+    x = 0x9E3779B97F4A7C15
+    for w in words:
+        x = (x ^ (w & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 29
+    return x >> 1
 
 
-def prefill_mask(real: torch.Tensor) -> torch.Tensor:
-    """(B, 1, P, P) megatron mask (True = blocked): causal, pad keys blocked.
+@dataclass(frozen=True)
+class EngineOptions:
+    """Sizes of the engine (from ``rollout.*``)."""
 
-    A pad query may still see itself, so no softmax row is empty (NaN-free).
-    """
-    width = real.size(1)
-    causal = torch.ones(width, width, dtype=torch.bool, device=real.device).triu(1)  # (P, P)
-    blocked = causal[None] | ~real[:, None, :]  # (B, P, P)
-    blocked &= ~torch.eye(width, dtype=torch.bool, device=real.device)[None]
-    return blocked[:, None]
+    max_batch: int = 256  # sequences decoding at once (CUDA-graph batch sizes go up to it)
+    page_size: int = 16
+    max_num_batched_tokens: int = 8192  # new tokens per prefill step
+    kv_cache_gb: float = 0.0  # KV budget; 0: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.5
+    cuda_graphs: bool = True
+    max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: model max
 
 
 class NativeEngine:
     """Rollout on the actor's Megatron stage, all TP/PP peers decoding together."""
 
     def __init__(self, module, groups: ParallelGroups, vocab_size: int, eos_ids: list[int],
-                 pad_id: int, max_batch: int = 256):
-        self.module = module  # the unwrapped GPTModel stage this rank trains
-        self.groups = groups
+                 pad_id: int, options: EngineOptions = EngineOptions()):
+        self.module, self.groups, self.options = module, groups, options
         self.vocab_size = vocab_size  # real vocabulary; padded rows are never sampled
-        self.eos_ids = list(eos_ids)
-        self.pad_id = pad_id
-        self.max_batch = max_batch
+        self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.device = next(module.parameters()).device
+        self.stage = StageForward(module, groups, vocab_size)
+        cfg = module.config
+        self.layout = KVLayout(len(self.stage.layers), self.stage.kv_heads, self.stage.head_dim,
+                               options.page_size, cfg.params_dtype)
+        self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
+        self.cache: KVCache | None = None
+        use_graphs = options.cuda_graphs and self.device.type == "cuda" and groups.pp_size == 1
+        self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
+        self.stats: dict[str, float] = {}
 
     # -- RolloutEngine -------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        requests = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        results = []
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[GenerationResult]:
+        """``params.n`` results per prompt, grouped by prompt, in order.
+
+        Sample ``j`` of prompt ``i`` draws from seed ``mix_seed(seeds[i], j)``
+        (``seeds`` default: ``mix_seed(params.seed, i)``).
+        """
+        base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
+        seqs = [Sequence(i * params.n + j, i, list(p), mix_seed(base[i], j))
+                for i, p in enumerate(prompts) for j in range(params.n)]
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        if longest > self.module.max_sequence_length:
+            raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's "
+                             f"{self.module.max_sequence_length} positions; lower rollout.max_new_tokens")
+        sched = self._scheduler(seqs, params, longest)
+        rows = _SamplingRows(params, self.device)
         was_training = self.module.training
         self.module.eval()
+        steps = {"prefill": 0, "decode": 0, "graph": 0}
         try:
             with torch.no_grad():
-                for start in range(0, len(requests), self.max_batch):
-                    chunk = requests[start:start + self.max_batch]
-                    results += self._generate_batch(chunk, params, generator)
+                while sched.has_work():
+                    plan = sched.next_step()
+                    tokens, logprobs = self._step(plan, rows, steps)
+                    sched.commit(plan, tokens, logprobs)
         finally:
             self.module.train(was_training)
-        return results
+        self._record(sched, steps)
+        return [self._result(s) for s in sorted(sched.done, key=lambda s: s.rid)]
 
     def update_weights(self) -> dict:
-        """The engine reads the training weights in place: nothing to move."""
+        """The engine reads the training weights in place: nothing to move (graphs check pointers)."""
+        if self.graphs is not None:
+            self.graphs.check_weights()
         return {"weight_sync/bytes": 0.0, "weight_sync/zero_copy": 1.0}
 
     def release_memory(self) -> None:
+        """Gives the KV cache back before training, unless CUDA graphs hold its address."""
+        if self.graphs is None or not self.graphs.captured:
+            self.cache = None
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # KV caches live only inside generate()
+            torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        pass
+        pass  # the cache is (re)allocated by generate, sized for its requests
 
-    # -- decoding ------------------------------------------------------------
-    def _generate_batch(self, chunk, params: SamplingParams, generator) -> list[GenerationResult]:
-        prompts = [p for _, p in chunk]
-        tokens, real = left_pad(prompts, self.pad_id, self.device)  # (B, P)
-        batch, width = tokens.shape
-        total = width + params.max_new_tokens
-        context = StaticInferenceContext(batch, total)
-        keys_real = torch.ones(batch, total, dtype=torch.bool, device=self.device)
-        keys_real[:, :width] = real
-        stops = torch.tensor(self.eos_ids + list(params.stop_token_ids), device=self.device)
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        out_tokens, out_logprobs = [], []
-        logits = self._step(tokens, prefill_mask(real), context)
-        for t in range(params.max_new_tokens):
-            next_tokens, logprobs = self._sample_and_share(logits, params, generator, batch)
-            next_tokens = torch.where(done, self.pad_id, next_tokens)
-            out_tokens.append(next_tokens)
-            out_logprobs.append(logprobs)
-            keys_real[:, width + t] = ~done
-            done |= torch.isin(next_tokens, stops)
-            if bool(done.all()) or t == params.max_new_tokens - 1:
-                break
-            decode_mask = ~keys_real[:, None, None, : width + t + 1]  # (B, 1, 1, K)
-            logits = self._step(next_tokens[:, None], decode_mask, context)
-        return self._results(chunk, torch.stack(out_tokens, 1), torch.stack(out_logprobs, 1), stops)
+    # -- steps ---------------------------------------------------------------
+    def _scheduler(self, seqs: list[Sequence], params: SamplingParams, longest: int) -> Scheduler:
+        o = self.options
+        stops = set(self.eos_ids) | set(params.stop_token_ids)
+        prompt_tokens = sum(len(s.prompt) for s in seqs[:: params.n])
+        needed = prompt_tokens + len(seqs) * (params.max_new_tokens + o.page_size)
+        self._ensure_cache(needed, longest, min(o.max_batch, len(seqs)))
+        max_pages = pages_for(max(longest, self.max_len), o.page_size)
+        sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens,
+                          max_pages, params.max_new_tokens, stops)
+        for start in range(0, len(seqs), params.n):
+            sched.add_group(seqs[start:start + params.n])
+        return sched
 
-    def _step(self, input_ids: torch.Tensor, mask: torch.Tensor, context) -> torch.Tensor | None:
-        """One forward of this stage; (B, V) fp32 last-position logits on the last stage."""
-        g = self.groups
-        batch, seq = input_ids.shape
-        if not g.is_first_stage:
-            hidden = torch.empty(seq, batch, self.module.config.hidden_size,
-                                 dtype=self.module.config.params_dtype, device=self.device)
-            dist.recv(hidden, group=g.pp, group_src=g.pp_rank - 1)
-            self.module.set_input_tensor(hidden)
-        offset = context.sequence_len_offset
-        positions = torch.arange(offset, offset + seq, device=self.device).expand(batch, seq)
-        out = self.module(input_ids, positions, mask, inference_context=context,
-                          runtime_gather_output=True)
-        context.sequence_len_offset += seq
-        if not g.is_last_stage:
-            dist.send(out.contiguous(), group=g.pp, group_dst=g.pp_rank + 1)
-            return None
-        return out[:, -1, : self.vocab_size].float()  # (B, V)
+    def _ensure_cache(self, needed_tokens: int, longest: int, max_seqs: int) -> None:
+        budget = self._budget_bytes()
+        pages = pool_pages(self.layout, budget, needed_tokens, max_seqs)
+        if pages < pages_for(longest, self.layout.page_size) + 1:
+            gb = (pages_for(longest, self.layout.page_size) + 1) * self.layout.page_bytes() / 2**30
+            raise ValueError(f"the KV cache budget ({budget / 2**30:.2f} GB) cannot hold one sequence of "
+                             f"{longest} tokens; raise rollout.kv_cache_gb to at least {gb:.2f}")
+        if self.cache is not None and self.cache.pool.num_pages >= pages:
+            self.cache.pool.reset()
+            return
+        if self.graphs is not None:
+            self.graphs.drop()  # they hold the old cache's address
+        self.cache = None
+        self.cache = KVCache(self.layout, pages, self.device)
 
-    def _sample_and_share(self, logits, params, generator, batch: int):
-        """Last stage samples; the pipeline group receives tokens and log-probs."""
-        g = self.groups
-        if g.is_last_stage:
-            tokens, logprobs = sample(logits, params, generator)
-            packed = torch.stack([tokens.double(), logprobs.double()])  # (2, B)
+    def _budget_bytes(self) -> float:
+        o = self.options
+        if o.kv_cache_gb > 0:
+            return o.kv_cache_gb * 2**30
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            held = self.cache.data.numel() * self.cache.data.element_size() if self.cache is not None else 0
+            return o.kv_cache_fraction * (free + held)
+        import psutil
+
+        return o.kv_cache_fraction * psutil.virtual_memory().available
+
+    def _step(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
+        steps["decode" if plan.decode else "prefill"] += 1
+        if plan.copies[0]:
+            self.cache.copy_pages(*plan.copies)
+        if plan.decode and self.graphs is not None and self.graphs.fits(plan):
+            steps["graph"] += 1
+            return self.graphs.run(plan, rows)
+        batch = self.to_device(plan)
+        out = self._forward(batch, torch.as_tensor(plan.sample_rows, device=self.device))
+        return self._sample_and_share(out, plan, rows)
+
+    def to_device(self, plan: StepPlan) -> ForwardBatch:
+        dev = self.device
+
+        def put(a, dtype):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype, non_blocking=True)
+
+        q_lens = np.diff(plan.cu_seqlens_q)
+        return ForwardBatch(
+            put(plan.input_ids, torch.long), put(plan.positions, torch.long), put(plan.slot_mapping, torch.long),
+            put(plan.block_table, torch.int32), put(plan.seq_lens, torch.int32),
+            put(plan.cu_seqlens_q, torch.int32), int(q_lens.max()), plan.decode,
+        )
+
+    def _forward(self, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor | None:
+        """This stage's forward; (S, V_padded) logits of the sampled rows on the last stage."""
+        g, st = self.groups, self.stage
+        if g.is_first_stage:
+            x = st.embed(batch.input_ids)
         else:
-            packed = torch.empty(2, batch, dtype=torch.float64, device=self.device)
+            x = torch.empty(batch.input_ids.shape[0], st.hidden, dtype=st.dtype, device=self.device)
+            dist.recv(x, group=g.pp, group_src=g.pp_rank - 1)
+        x = st.layers_forward(x, batch, self.cache)
+        if not g.is_last_stage:
+            dist.send(x, group=g.pp, group_dst=g.pp_rank + 1)
+            return None
+        return st.logits(x[sample_rows])
+
+    def sample(self, logits: torch.Tensor, rows: "_SamplingRows", seeds, offsets):
+        s = logits.shape[0]
+        return sample_tokens(logits, rows.temperature[:s], rows.top_k[:s], rows.top_p[:s], seeds, offsets,
+                             vocab_size=self.vocab_size)
+
+    def _sample_and_share(self, logits, plan: StepPlan, rows: "_SamplingRows"):
+        """Last stage samples; its pipeline group receives tokens and log-probs (numpy, (S,))."""
+        g, s = self.groups, len(plan.sampled)
+        if s == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        if g.is_last_stage:
+            seeds = torch.as_tensor(plan.seeds, device=self.device)
+            offsets = torch.as_tensor(plan.offsets, device=self.device)
+            tokens, logprobs = self.sample(logits, rows.grow(s), seeds, offsets)
+            packed = torch.stack([tokens.double(), logprobs.double()])  # (2, S)
+        else:
+            packed = torch.empty(2, s, dtype=torch.float64, device=self.device)
         if g.pp_size > 1:
             dist.broadcast(packed, group=g.pp, group_src=g.pp_size - 1)
-        return packed[0].long(), packed[1].float()
+        packed = packed.cpu().numpy()
+        return packed[0].astype(np.int64), packed[1].astype(np.float32)
 
-    def _results(self, chunk, tokens, logprobs, stops) -> list[GenerationResult]:
-        results, stop_set = [], set(stops.tolist())
-        for row, (prompt_index, prompt) in enumerate(chunk):
-            ids, lps = tokens[row].tolist(), logprobs[row].tolist()
-            end = next((i + 1 for i, tok in enumerate(ids) if tok in stop_set), None)
-            finish = "stop" if end is not None else "length"
-            end = end or len(ids)
-            results.append(GenerationResult(prompt, ids[:end], lps[:end], finish, prompt_index))
-        return results
+    # -- results -------------------------------------------------------------
+    def _record(self, sched: Scheduler, steps: dict) -> None:
+        cache = self.cache
+        self.stats = {
+            "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
+            "rollout/graph_steps": float(steps["graph"]), "rollout/preemptions": float(sched.preemptions),
+            "rollout/kv_cache_gb": cache.data.numel() * cache.data.element_size() / 2**30,
+        }
+        if self.device.type == "cuda":
+            self.stats["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    @staticmethod
+    def _result(seq: Sequence) -> GenerationResult:
+        return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.prompt_index)
+
+
+class _SamplingRows:
+    """Per-row sampling settings of one generate call (every request shares ``params``)."""
+
+    def __init__(self, params: SamplingParams, device, rows: int = 256):
+        self.params, self.device = params, device
+        self._fill(rows)
+
+    def _fill(self, rows: int) -> None:
+        p, dev = self.params, self.device
+        self.temperature = torch.full((rows,), float(p.temperature), device=dev)
+        self.top_k = torch.full((rows,), int(p.top_k), dtype=torch.int32, device=dev)
+        self.top_p = torch.full((rows,), float(p.top_p), device=dev)
+
+    def grow(self, rows: int) -> "_SamplingRows":
+        if rows > self.temperature.shape[0]:
+            self._fill(rows)
+        return self

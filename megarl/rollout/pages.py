@@ -1,0 +1,123 @@
+"""Paged KV cache: one pool of fixed-size pages, reference-counted, and the tensor behind it.
+
+A sequence's keys and values live in pages listed in its block table: token
+``j`` sits in page ``table[j // page_size]`` at row ``j % page_size``. Pages are
+shared by reference count: the ``n`` samples of one prompt point at the same
+prompt pages (the prompt is prefilled once), and a sample that is about to
+write into a shared, partly filled page first copies it (copy-on-write). The
+same mechanism lets a later multi-turn loop keep a conversation's pages alive
+between turns (hold a reference, extend the table) instead of recomputing them.
+
+Page 0 is scratch: never handed out, it receives the writes of padded rows of
+a CUDA-graph batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SCRATCH_PAGE = 0
+
+
+class OutOfPages(Exception):
+    """The pool has fewer free pages than asked for (the scheduler preempts)."""
+
+
+class PagePool:
+    """Free list and reference counts of ``num_pages`` pages (page 0 reserved)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"a page pool needs at least 2 pages (one is scratch), got {num_pages}")
+        self.num_pages = num_pages
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free again (a new generate call reusing the storage)."""
+        self.refs = np.zeros(self.num_pages, dtype=np.int32)
+        self.refs[SCRATCH_PAGE] = 1 << 30  # never freed
+        self._free = list(range(self.num_pages - 1, 0, -1))  # pop() hands out low ids first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfPages(f"asked for {count} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(count)]
+        self.refs[pages] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder of ``pages``."""
+        np.add.at(self.refs, pages, 1)
+
+    def release(self, pages: list[int]) -> None:
+        """One holder fewer; pages nobody holds go back to the free list."""
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self._free.append(page)
+            elif self.refs[page] < 0:
+                raise RuntimeError(f"page {page} released more often than held")
+
+    def shared(self, page: int) -> bool:
+        return self.refs[page] > 1
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of this rank's cache: its pipeline stage's layers, its TP share of the KV heads."""
+
+    layers: int
+    kv_heads: int  # per TP rank
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers, keys and values."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.page_size * self.kv_heads * self.head_dim * item
+
+
+class KVCache:
+    """The pool's storage: (layers, 2, pages, page_size, kv_heads, head_dim), allocated per generate."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device):
+        self.layout = layout
+        shape = (layout.layers, 2, num_pages, layout.page_size, layout.kv_heads, layout.head_dim)
+        self.data = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.pool = PagePool(num_pages)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 0]  # (pages, page_size, kv_heads, head_dim)
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 1]
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy-on-write: pages ``src`` -> ``dst`` in every layer, keys and values."""
+        if src:
+            s = torch.tensor(src, device=self.data.device)
+            d = torch.tensor(dst, device=self.data.device)
+            self.data[:, :, d] = self.data[:, :, s]
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def pool_pages(layout: KVLayout, budget_bytes: float, needed_tokens: int, max_seqs: int) -> int:
+    """Pages to allocate: what the requests can use at most, capped by the budget.
+
+    ``needed_tokens`` is the sum over requests of prompt + max_new_tokens (an
+    upper bound: shared prompt pages make it less); the budget wins when smaller,
+    and the scheduler then preempts instead of running out of memory.
+    """
+    need = pages_for(needed_tokens, layout.page_size) + max_seqs + 1  # + partial pages + scratch
+    fits = int(budget_bytes // layout.page_bytes())
+    return max(2, min(need, fits))

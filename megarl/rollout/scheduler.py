@@ -1,0 +1,273 @@
+"""Continuous batching over a paged KV cache: who runs in the next forward.
+
+Every rank of a TP x PP replica runs an identical scheduler on identical inputs
+(prompts, sampled tokens), so they agree on every step without talking.
+
+A step is either a **prefill** (chunks of waiting sequences, at most
+``max_tokens`` new tokens; a long prompt takes several steps) or a **decode**
+(one token for every running sequence). Prefill goes first whenever a waiting
+sequence fits: finished sequences free slots and pages, and the freed room is
+refilled at once. The ``n`` samples of a prompt are one **group**: the leader
+is prefilled once and the others fork from it, sharing its pages. When a
+decode step needs more pages than are free, the most recently admitted
+sequences are **preempted**: their pages are released and they wait, at the
+front of the queue, to be recomputed from their tokens — never an OOM.
+
+Hot state is per slot in numpy arrays (block table, length, last token), so a
+decode step costs a few vector ops, not a Python loop over the batch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megarl.rollout.pages import PagePool, pages_for
+
+
+@dataclass
+class Sequence:
+    """One response being generated."""
+
+    rid: int  # output position
+    prompt_index: int
+    prompt: list[int]
+    seed: int
+    generated: list[int] = field(default_factory=list)  # set back when preempted or finished
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose K/V are in the cache
+    slot: int = -1
+    forks: list["Sequence"] = field(default_factory=list)  # siblings waiting on this prefill
+    finish: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@dataclass
+class StepPlan:
+    """One forward: packed new tokens of N sequences and the rows to sample (numpy)."""
+
+    decode: bool
+    seqs: list[Sequence]  # (N,) sequences fed this step
+    input_ids: np.ndarray  # (T,) int64
+    positions: np.ndarray  # (T,) int64
+    slot_mapping: np.ndarray  # (T,) int64 cache row of each new token: page * page_size + offset
+    block_table: np.ndarray  # (N, max_pages) int32
+    seq_lens: np.ndarray  # (N,) int32 keys per sequence after this step
+    cu_seqlens_q: np.ndarray  # (N + 1,) int32
+    sample_rows: np.ndarray  # (S,) int64 packed token whose logits each sample uses
+    sampled: list[Sequence]  # (S,) who receives each sample
+    seeds: np.ndarray  # (S,) int64
+    offsets: np.ndarray  # (S,) int64 index of the token being sampled in its response
+    copies: tuple[list[int], list[int]] = ((), ())  # copy-on-write pages (src, dst) before the step
+
+
+class Scheduler:
+    """Queues, slots and pages for one ``generate`` call."""
+
+    def __init__(self, pool: PagePool, page_size: int, max_seqs: int, max_tokens: int,
+                 max_pages: int, max_new: int, stop_ids: set[int]):
+        self.pool, self.page_size = pool, page_size
+        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.max_new, self.stop_ids = max_new, set(stop_ids)
+        self.table = np.zeros((max_seqs, max_pages), dtype=np.int32)  # SCRATCH_PAGE where unused
+        self.lens = np.zeros(max_seqs, dtype=np.int64)  # tokens per slot (prompt + generated)
+        self.last = np.zeros(max_seqs, dtype=np.int64)
+        self.free_slots = list(range(max_seqs - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.done: list[Sequence] = []
+        self.preemptions = 0
+
+    # -- queue ---------------------------------------------------------------
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """The samples of one prompt: the first is prefilled, the rest fork from it."""
+        leader, *rest = seqs
+        leader.forks = rest
+        self.waiting.append(leader)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def next_step(self) -> StepPlan:
+        plan = self._plan_prefill() if self.waiting else None
+        if plan is None:
+            if not self.running:
+                raise RuntimeError("the KV cache cannot hold one waiting sequence; raise rollout.kv_cache_gb")
+            plan = self._plan_decode()
+        return plan
+
+    # -- prefill -------------------------------------------------------------
+    def _admit(self, seq: Sequence) -> bool:
+        """Slots for a waiting sequence and its forks; False when they do not fit."""
+        if seq.slot >= 0:
+            return True
+        group = 1 + len(seq.forks)
+        if len(self.free_slots) < group:
+            return False
+        seq.slot = self.free_slots.pop()
+        for f in seq.forks:
+            f.slot = self.free_slots.pop()
+        return True
+
+    def _plan_prefill(self) -> StepPlan | None:
+        chunks, budget = [], self.max_tokens
+        for seq in list(self.waiting):
+            if budget == 0:
+                break
+            tokens = len(seq.tokens)
+            take = min(tokens - seq.cached, budget)
+            grow = pages_for(seq.cached + take, self.page_size) - len(seq.pages)
+            # keep a page of headroom per decoding sequence (and per fork) so decode rarely preempts
+            reserve = len(self.running) + len(seq.forks)
+            if self.pool.free - grow < reserve and (chunks or self.running):
+                break
+            if grow > self.pool.free or not self._admit(seq):
+                break
+            seq.pages += self.pool.alloc(grow)
+            self._set_table(seq)
+            chunks.append((seq, seq.cached, seq.cached + take))
+            budget -= take
+            if seq.cached + take < tokens:
+                break  # the rest of this prompt goes in the next step
+        return self._prefill_plan(chunks) if chunks else None
+
+    def _prefill_plan(self, chunks) -> StepPlan:
+        ids, pos, cu, sample_rows, sampled = [], [], [0], [], []
+        for seq, start, end in chunks:
+            tokens = seq.tokens
+            ids += tokens[start:end]
+            pos += range(start, end)
+            cu.append(cu[-1] + end - start)
+            if end == len(tokens):  # prompt complete: sample for it and its forks
+                group = [seq] + seq.forks
+                sample_rows += [cu[-1] - 1] * len(group)
+                sampled += group
+        seqs = [c[0] for c in chunks]
+        positions = np.array(pos, dtype=np.int64)
+        slots = np.array([s.slot for s in seqs])
+        seq_of_token = np.repeat(slots, np.diff(cu))
+        return StepPlan(
+            decode=False, seqs=seqs, input_ids=np.array(ids, dtype=np.int64), positions=positions,
+            slot_mapping=self._cache_rows(seq_of_token, positions),
+            block_table=self.table[slots], seq_lens=np.array([c[2] for c in chunks], dtype=np.int32),
+            cu_seqlens_q=np.array(cu, dtype=np.int32), sample_rows=np.array(sample_rows, dtype=np.int64),
+            sampled=sampled, seeds=np.array([s.seed for s in sampled], dtype=np.int64),
+            offsets=np.array([len(s.generated) for s in sampled], dtype=np.int64),
+        )
+
+    # -- decode --------------------------------------------------------------
+    def _plan_decode(self) -> StepPlan:
+        copies = self._pages_for_decode()
+        seqs = self.running
+        slots = np.array([s.slot for s in seqs])
+        positions = self.lens[slots] - 1  # the last sampled token is fed; its K/V land here
+        n = len(seqs)
+        return StepPlan(
+            decode=True, seqs=list(seqs), input_ids=self.last[slots], positions=positions,
+            slot_mapping=self._cache_rows(slots, positions), block_table=self.table[slots],
+            seq_lens=self.lens[slots].astype(np.int32), cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
+            sample_rows=np.arange(n, dtype=np.int64), sampled=list(seqs),
+            seeds=np.array([s.seed for s in seqs], dtype=np.int64),
+            offsets=self.lens[slots] - np.array([len(s.prompt) for s in seqs]), copies=copies,
+        )
+
+    def _pages_for_decode(self) -> tuple[list[int], list[int]]:
+        """A page for every sequence whose next token starts one or lands in a shared page."""
+        while True:
+            needs = self._decode_page_needs()
+            if len(needs) <= self.pool.free:
+                break
+            self._preempt(self.running[-1])
+        src, dst = [], []
+        for seq, index in needs:
+            page = self.pool.alloc(1)[0]
+            if index < len(seq.pages):  # shared partial page: copy, then write the copy
+                src.append(seq.pages[index])
+                dst.append(page)
+                self.pool.release([seq.pages[index]])
+                seq.pages[index] = page
+            else:
+                seq.pages.append(page)
+            self.table[seq.slot, index] = page
+        return src, dst
+
+    def _decode_page_needs(self) -> list[tuple[Sequence, int]]:
+        needs = []
+        shared_seen: dict[int, int] = {}  # the last holder of a shared page may keep it
+        for seq in self.running:
+            index = (self.lens[seq.slot] - 1) // self.page_size
+            if index >= len(seq.pages):
+                needs.append((seq, index))
+            elif self.pool.shared(seq.pages[index]):
+                page = seq.pages[index]
+                shared_seen[page] = shared_seen.get(page, 0) + 1
+                if shared_seen[page] < self.pool.refs[page]:
+                    needs.append((seq, index))
+        return needs
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Release ``seq``'s pages and slot; it waits at the front to be recomputed."""
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages, seq.cached = [], 0
+        self._free_slot(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    # -- results -------------------------------------------------------------
+    def commit(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """Records the forward (cached tokens) and the sampled tokens (S,)."""
+        for seq, start, end in zip(plan.seqs, plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:]):
+            seq.cached += int(end - start)
+        if not plan.decode:
+            self._start_decoding(plan)
+        slots = np.array([s.slot for s in plan.sampled], dtype=np.int64)
+        self.lens[slots] += 1
+        self.last[slots] = tokens
+        for seq, tok, lp in zip(plan.sampled, tokens.tolist(), logprobs.tolist()):
+            seq.generated.append(tok)
+            seq.logprobs.append(lp)
+            if tok in self.stop_ids:
+                seq.finish = "stop"
+            elif len(seq.generated) >= self.max_new:
+                seq.finish = "length"
+        finished = [s for s in plan.sampled if s.finish]
+        for seq in finished:
+            self.running.remove(seq)
+            self.pool.release(seq.pages)
+            seq.pages = []
+            self._free_slot(seq)
+            self.done.append(seq)
+
+    def _start_decoding(self, plan: StepPlan) -> None:
+        """Prefilled sequences (and their forks, sharing the pages) start decoding."""
+        for seq in plan.seqs:
+            if seq.cached < len(seq.tokens):
+                continue
+            self.waiting.remove(seq)
+            for member in [seq] + seq.forks:
+                if member is not seq:
+                    member.pages, member.cached = list(seq.pages), seq.cached
+                    self.pool.share(seq.pages)
+                    self._set_table(member)
+                self.lens[member.slot] = len(member.tokens)
+                self.running.append(member)
+            seq.forks = []
+
+    # -- helpers -------------------------------------------------------------
+    def _set_table(self, seq: Sequence) -> None:
+        self.table[seq.slot, : len(seq.pages)] = seq.pages
+
+    def _free_slot(self, seq: Sequence) -> None:
+        self.table[seq.slot] = 0
+        self.free_slots.append(seq.slot)
+        seq.slot = -1
+
+    def _cache_rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        pages = self.table[slots, positions // self.page_size].astype(np.int64)
+        return pages * self.page_size + positions % self.page_size

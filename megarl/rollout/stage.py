@@ -1,0 +1,188 @@
+"""The rollout forward of one pipeline stage, on the actor's own Megatron parameters.
+
+:class:`StageForward` holds references to the parameters of this rank's
+GPTModel stage (the very tensors the optimizer updates in place: no copy) and
+runs the Llama-family decoder over a packed batch of new tokens with a paged KV
+cache: embedding (vocab-parallel), per layer RMSNorm -> fused QKV -> (QK norm)
+-> RoPE -> K/V written to the cache -> paged attention -> output projection
+(all-reduced over TP) -> residual -> RMSNorm -> SwiGLU MLP (all-reduced) ->
+residual; final norm and the vocab-parallel head on the last stage.
+
+It is megatron-core's computation, op for op, written as functions: megatron's
+modules are built for [s, b, h] training batches with their own static KV
+cache, and each call walks ~15 modules per layer in Python. Here one decode
+step is a fixed sequence of tensor ops on fixed-shape inputs, which is what a
+CUDA graph captures. Local-spec names (``input_layernorm.weight``) and TE's
+fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
+training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors of one step (a :class:`~megarl.rollout.scheduler.StepPlan`)."""
+
+    input_ids: torch.Tensor  # (T,) long
+    positions: torch.Tensor  # (T,) long
+    slot_mapping: torch.Tensor  # (T,) long flat cache row per token
+    block_table: torch.Tensor  # (N, max_pages) int32
+    seq_lens: torch.Tensor  # (N,) int32
+    cu_seqlens_q: torch.Tensor  # (N + 1,) int32
+    max_seqlen_q: int
+    decode: bool  # one token per sequence (T == N)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's parameters (references, never copies)."""
+
+    attn_norm: torch.Tensor  # (h,)
+    qkv: torch.Tensor  # (ng/tp * (np/ng + 2) * hn, h)
+    qkv_bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]  # (hn,)
+    k_norm: Optional[torch.Tensor]
+    proj: torch.Tensor  # (h, np/tp * hn)
+    mlp_norm: torch.Tensor  # (h,)
+    fc1: torch.Tensor  # (2 * ffn/tp, h): gate rows, then up rows
+    fc2: torch.Tensor  # (h, ffn/tp)
+
+
+def _norm_weight(layer, plain: str, fused: str) -> torch.Tensor:
+    module = layer
+    for name in plain.split("."):
+        module = getattr(module, name)
+    weight = getattr(module, "weight", None)
+    if weight is not None:
+        return weight
+    owner = layer
+    for name in fused.split("."):
+        owner = getattr(owner, name)
+    return owner  # TE: the norm is fused into the next linear
+
+
+def _layer_weights(layer) -> LayerWeights:
+    attn, mlp = layer.self_attention, layer.mlp
+    q_norm = getattr(attn, "q_layernorm", None)
+    k_norm = getattr(attn, "k_layernorm", None)
+    return LayerWeights(
+        attn_norm=_norm_weight(layer, "input_layernorm", "self_attention.linear_qkv.layer_norm_weight"),
+        qkv=attn.linear_qkv.weight, qkv_bias=getattr(attn.linear_qkv, "bias", None),
+        q_norm=getattr(q_norm, "weight", None), k_norm=getattr(k_norm, "weight", None),
+        proj=attn.linear_proj.weight,
+        mlp_norm=_norm_weight(layer, "pre_mlp_layernorm", "mlp.linear_fc1.layer_norm_weight"),
+        fc1=mlp.linear_fc1.weight, fc2=mlp.linear_fc2.weight,
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class StageForward:
+    """This rank's stage of the policy, as a function of a :class:`ForwardBatch` and the cache."""
+
+    def __init__(self, module, groups, vocab_size: int):
+        cfg = module.config
+        self.module, self.groups, self.vocab_size = module, groups, vocab_size
+        self.tp = groups.tp if groups.tp_size > 1 else None
+        self.eps = cfg.layernorm_epsilon
+        self.hidden = cfg.hidden_size
+        self.head_dim = cfg.kv_channels
+        self.heads = cfg.num_attention_heads // groups.tp_size
+        self.kv_heads = cfg.num_query_groups // groups.tp_size
+        self.scale = 1.0 / self.head_dim ** 0.5
+        self.dtype = cfg.params_dtype
+        self.layers = [_layer_weights(layer) for layer in module.decoder.layers]
+        self.first, self.last = groups.is_first_stage, groups.is_last_stage
+        self.embedding = module.embedding.word_embeddings if self.first else None
+        self.final_norm = module.decoder.final_layernorm.weight if self.last else None
+        self.head = self._head_weight(module) if self.last else None
+        self.cos, self.sin = self._rope_tables(module)  # (S_max, hn) in the model dtype
+
+    @staticmethod
+    def _head_weight(module) -> torch.Tensor:
+        if module.share_embeddings_and_output_weights:
+            return module.shared_embedding_or_output_weight()
+        return module.output_layer.weight  # (V/tp, h)
+
+    def _rope_tables(self, module):
+        """cos / sin of megatron's own RoPE frequencies, cast as megatron casts them."""
+        freqs = module.rotary_pos_emb(module.max_sequence_length)  # (S, 1, 1, hn) fp32
+        freqs = freqs.reshape(freqs.shape[0], -1)
+        return torch.cos(freqs).to(self.dtype), torch.sin(freqs).to(self.dtype)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Every tensor the forward reads (for the CUDA-graph pointer check)."""
+        out = [t for lw in self.layers for t in vars(lw).values() if t is not None]
+        extra = [self.embedding.weight if self.embedding is not None else None, self.final_norm, self.head]
+        return out + [t for t in extra if t is not None]
+
+    # -- the forward ---------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T,) -> (T, h), vocab-parallel: rows outside this shard are zero, then all-reduced."""
+        emb = self.embedding
+        if self.tp is None:
+            return F.embedding(ids, emb.weight)
+        outside = (ids < emb.vocab_start_index) | (ids >= emb.vocab_end_index)
+        local = torch.where(outside, 0, ids - emb.vocab_start_index)
+        out = F.embedding(local, emb.weight).masked_fill(outside[:, None], 0.0)
+        dist.all_reduce(out, group=self.tp)
+        return out
+
+    def layers_forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """(T, h) -> (T, h) through this stage's layers, writing their K/V into ``cache``."""
+        cos, sin = self.cos[batch.positions][:, None], self.sin[batch.positions][:, None]  # (T, 1, hn)
+        for i, lw in enumerate(self.layers):
+            x = x + self._attention(F.rms_norm(x, (self.hidden,), lw.attn_norm, self.eps),
+                                    lw, batch, cache.keys(i), cache.values(i), cos, sin)
+            x = x + self._mlp(F.rms_norm(x, (self.hidden,), lw.mlp_norm, self.eps), lw)
+        return x
+
+    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, cos, sin):
+        t, g = h.shape[0], self.heads // self.kv_heads
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias).view(t, self.kv_heads, g + 2, self.head_dim)
+        q = qkv[:, :, :g].reshape(t, self.heads, self.head_dim)  # (T, np, hn)
+        k, v = qkv[:, :, g], qkv[:, :, g + 1]  # (T, ng, hn)
+        if lw.q_norm is not None:
+            q = F.rms_norm(q, (self.head_dim,), lw.q_norm, self.eps)
+            k = F.rms_norm(k, (self.head_dim,), lw.k_norm, self.eps)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
+        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v.contiguous())
+        if batch.decode:
+            o = paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale)
+        else:
+            o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
+                                        batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
+        return self._all_reduce(F.linear(o.reshape(t, -1), lw.proj))
+
+    def _mlp(self, h, lw: LayerWeights):
+        gate, up = F.linear(h, lw.fc1).chunk(2, dim=-1)
+        return self._all_reduce(F.linear(F.silu(gate) * up, lw.fc2))
+
+    def _all_reduce(self, x):
+        if self.tp is not None:
+            dist.all_reduce(x, group=self.tp)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(S, h) last-stage hidden states -> (S, V_padded) logits gathered over TP."""
+        local = F.linear(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.head)  # (S, V/tp)
+        if self.tp is None:
+            return local
+        tp = self.groups.tp_size
+        parts = local.new_empty((tp,) + local.shape)
+        dist.all_gather_into_tensor(parts, local.contiguous(), group=self.tp)
+        return parts.permute(1, 0, 2).reshape(local.shape[0], -1)  # (S, tp * V/tp)

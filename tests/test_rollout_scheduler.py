@@ -1,0 +1,89 @@
+"""Scheduler and page pool without a model: fork sharing, copy-on-write, preemption, accounting.
+
+A fake "model" samples token ``(seed + offset) % 50 + 10`` (never a stop token
+unless asked), so every property below is exact: a prompt's ``n`` samples are
+prefilled once and share its pages; the shared partial page is copied once per
+sample but the last; a pool too small for every sequence preempts and
+recomputes instead of failing; at the end every page is free again and each
+response depends only on its seed.
+"""
+import numpy as np
+import pytest
+
+from megarl.rollout.pages import OutOfPages, PagePool, pages_for
+from megarl.rollout.scheduler import Scheduler, Sequence
+
+PAGE = 4
+
+
+def _fake_tokens(plan):
+    return (plan.seeds + plan.offsets) % 50 + 10
+
+
+def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=()):
+    pool = PagePool(pages)
+    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), max_new, set(stop))
+    seqs = [Sequence(i * n + j, i, list(p), seed=7 * i + 20 * j) for i, p in enumerate(prompts) for j in range(n)]
+    for i in range(len(prompts)):
+        sched.add_group(seqs[i * n:(i + 1) * n])
+    plans = []
+    while sched.has_work():
+        plan = sched.next_step()
+        plans.append(plan)
+        toks = _fake_tokens(plan)
+        sched.commit(plan, toks, np.zeros(len(toks), dtype=np.float32))
+    return sched, pool, plans, sorted(sched.done, key=lambda s: s.rid)
+
+
+def _expected(seq, max_new):
+    return [(seq.seed + k) % 50 + 10 for k in range(max_new)]
+
+
+def test_prefix_is_prefilled_once_and_partial_page_copied_on_write():
+    """Prompt of 6 tokens (pages: one full, one partial) and n = 4 samples.
+
+    Prefill feeds 6 tokens once (not 24); the first decode writes position 6 in
+    the shared partial page, so 3 of the 4 samples copy it (the last keeps it).
+    """
+    sched, pool, plans, done = _run([[1, 2, 3, 4, 5, 6]], n=4, max_new=5, pages=32)
+    prefill = [p for p in plans if not p.decode]
+    assert sum(len(p.input_ids) for p in prefill) == 6
+    assert len(prefill[0].sampled) == 4  # one forward row sampled for all four
+    first_decode = next(p for p in plans if p.decode)
+    assert len(first_decode.copies[0]) == 3
+    assert all(s.generated == _expected(s, 5) for s in done)
+    assert pool.free == 31  # everything back (page 0 is scratch)
+
+
+def test_small_pool_preempts_and_results_do_not_change():
+    """6 prompts x 2 samples of up to 12 tokens with room for ~3 sequences: preemption, same tokens."""
+    prompts = [[7] * (3 + i) for i in range(6)]
+    sched, pool, _, done = _run(prompts, n=2, max_new=12, pages=12, max_seqs=4, max_tokens=8)
+    big_sched, _, _, big_done = _run(prompts, n=2, max_new=12, pages=200, max_seqs=16)
+    assert sched.preemptions > 0 and big_sched.preemptions == 0
+    assert [s.generated for s in done] == [s.generated for s in big_done]
+    assert all(s.generated == _expected(s, 12) for s in done)
+    assert pool.free == 11
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    sched, _, plans, done = _run([[3] * 21, [4] * 5], n=1, max_new=2, pages=40, max_tokens=8)
+    assert all(len(p.input_ids) <= 8 for p in plans if not p.decode)
+    assert sum(len(p.input_ids) for p in plans if not p.decode) == 26
+    assert [len(s.generated) for s in done] == [2, 2]
+
+
+def test_stop_tokens_end_sequences_and_free_slots():
+    """Seeds chosen so sample 0 stops at its 2nd token: finish 'stop', the others run to length."""
+    stop = (0 + 1) % 50 + 10  # the token of (seed 0, offset 1); no other sample meets it
+    _, pool, _, done = _run([[1, 2], [3]], n=2, max_new=6, pages=20, stop=[stop])
+    assert done[0].finish == "stop" and done[0].generated == [10, stop]
+    assert [s.finish for s in done[1:]] == ["length"] * 3
+    assert pool.free == 19
+
+
+def test_pool_refuses_what_it_does_not_have():
+    pool = PagePool(3)  # page 0 is scratch: two to hand out
+    pool.alloc(2)
+    with pytest.raises(OutOfPages, match="asked for 1 pages, 0 free"):
+        pool.alloc(1)
