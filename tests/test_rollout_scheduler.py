@@ -22,8 +22,9 @@ def _fake_tokens(plan):
 
 def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=()):
     pool = PagePool(pages)
-    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), max_new, set(stop))
-    seqs = [Sequence(i * n + j, i, list(p), seed=7 * i + 20 * j) for i, p in enumerate(prompts) for j in range(n)]
+    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(stop))
+    seqs = [Sequence(i * n + j, i, list(p), seed=7 * i + 20 * j, max_new=max_new)
+            for i, p in enumerate(prompts) for j in range(n)]
     for i in range(len(prompts)):
         sched.add_group(seqs[i * n:(i + 1) * n])
     plans = []

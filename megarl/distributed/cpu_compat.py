@@ -124,6 +124,25 @@ def _patch_megatron_rng() -> None:
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
 
 
+@contextlib.contextmanager
+def paused():
+    """Runs code that never names CUDA without the device-rewriting mode.
+
+    The mode costs ~8 us per torch call; the rollout engine's CPU decode loop
+    makes tens of thousands of them and builds every tensor on its own device.
+    """
+    if not _installed:
+        yield
+        return
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if not isinstance(_get_current_function_mode(), CudaOnCpuMode):
+        yield  # another mode sits on top: leave the stack alone
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 def install() -> bool:
     """Activates the layer when CUDA is absent; returns whether it is active."""
     global _installed

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.distributed import ParallelGroups
+from megarl.distributed import ParallelGroups, cpu_compat
 from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.engine import GenerationResult, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
@@ -75,17 +75,19 @@ class NativeEngine:
         self.stats: dict[str, float] = {}
 
     # -- RolloutEngine -------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 seeds: list[int] | None = None) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[GenerationResult]:
         """``params.n`` results per prompt, grouped by prompt, in order.
 
         Sample ``j`` of prompt ``i`` draws from seed ``mix_seed(seeds[i], j)``
-        (``seeds`` default: ``mix_seed(params.seed, i)``).
+        (``seeds`` default: ``mix_seed(params.seed, i)``) and stops after
+        ``max_new_tokens[i]`` tokens (default ``params.max_new_tokens``).
         """
         base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
-        seqs = [Sequence(i * params.n + j, i, list(p), mix_seed(base[i], j))
+        limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
+        seqs = [Sequence(i * params.n + j, i, list(p), mix_seed(base[i], j), limits[i])
                 for i, p in enumerate(prompts) for j in range(params.n)]
-        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        longest = max(len(p) + m for p, m in zip(prompts, limits))
         if longest > self.module.max_sequence_length:
             raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's "
                              f"{self.module.max_sequence_length} positions; lower rollout.max_new_tokens")
@@ -95,7 +97,7 @@ class NativeEngine:
         self.module.eval()
         steps = {"prefill": 0, "decode": 0, "graph": 0}
         try:
-            with torch.no_grad():
+            with torch.no_grad(), cpu_compat.paused():
                 while sched.has_work():
                     plan = sched.next_step()
                     tokens, logprobs = self._step(plan, rows, steps)
@@ -112,43 +114,67 @@ class NativeEngine:
         return {"weight_sync/bytes": 0.0, "weight_sync/zero_copy": 1.0}
 
     def release_memory(self) -> None:
-        """Gives the KV cache back before training, unless CUDA graphs hold its address."""
-        if self.graphs is None or not self.graphs.captured:
+        """Gives the KV cache's memory back before training (a pinned cache keeps its address)."""
+        if self.cache is not None and self.cache.storage is not None:
+            self.cache.release()
+        elif self.cache is not None and self.graphs is None:
             self.cache = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        pass  # the cache is (re)allocated by generate, sized for its requests
+        """Maps a released pinned cache again (generate also does it when needed)."""
+        if self.cache is not None and self.cache.storage is not None:
+            self.cache.resume()
 
     # -- steps ---------------------------------------------------------------
     def _scheduler(self, seqs: list[Sequence], params: SamplingParams, longest: int) -> Scheduler:
         o = self.options
         stops = set(self.eos_ids) | set(params.stop_token_ids)
         prompt_tokens = sum(len(s.prompt) for s in seqs[:: params.n])
-        needed = prompt_tokens + len(seqs) * (params.max_new_tokens + o.page_size)
+        needed = prompt_tokens + sum(s.max_new + o.page_size for s in seqs)
         self._ensure_cache(needed, longest, min(o.max_batch, len(seqs)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
         sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens,
-                          max_pages, params.max_new_tokens, stops)
+                          max_pages, stops)
         for start in range(0, len(seqs), params.n):
             sched.add_group(seqs[start:start + params.n])
         return sched
 
     def _ensure_cache(self, needed_tokens: int, longest: int, max_seqs: int) -> None:
-        budget = self._budget_bytes()
-        pages = pool_pages(self.layout, budget, needed_tokens, max_seqs)
-        if pages < pages_for(longest, self.layout.page_size) + 1:
-            gb = (pages_for(longest, self.layout.page_size) + 1) * self.layout.page_bytes() / 2**30
-            raise ValueError(f"the KV cache budget ({budget / 2**30:.2f} GB) cannot hold one sequence of "
-                             f"{longest} tokens; raise rollout.kv_cache_gb to at least {gb:.2f}")
+        """A KV cache for this call: sized per call, or (with graphs) once for max_batch x max_len."""
+        if self.graphs is not None:  # graphs hold the address: one cache for the engine's life
+            needed_tokens, max_seqs = self.options.max_batch * self.max_len, self.options.max_batch
+            if self.cache is not None:
+                self._check_fits(self.cache.pool.num_pages, longest)
+                if self.cache.storage is not None:
+                    self.cache.resume()
+                self.cache.pool.reset()
+                return
+        pages = pool_pages(self.layout, self._budget_bytes(), needed_tokens, max_seqs)
+        self._check_fits(pages, longest)
         if self.cache is not None and self.cache.pool.num_pages >= pages:
             self.cache.pool.reset()
             return
-        if self.graphs is not None:
-            self.graphs.drop()  # they hold the old cache's address
         self.cache = None
-        self.cache = KVCache(self.layout, pages, self.device)
+        self.cache = self._new_cache(pages)
+
+    def _new_cache(self, pages: int) -> KVCache:
+        if self.graphs is None:
+            return KVCache(self.layout, pages, self.device)
+        try:
+            return KVCache(self.layout, pages, self.device, pinned=True)
+        except (OSError, RuntimeError, AttributeError) as e:  # no CUDA VMM: keep a plain cache for good
+            print(f"rollout: KV cache stays allocated between steps (CUDA virtual memory unavailable: {e})",
+                  flush=True)
+            return KVCache(self.layout, pages, self.device)
+
+    def _check_fits(self, pages: int, longest: int) -> None:
+        need = pages_for(longest, self.layout.page_size) + 1
+        if pages < need:
+            gb = need * self.layout.page_bytes() / 2**30
+            raise ValueError(f"the KV cache ({pages} pages of {self.layout.page_size} tokens) cannot hold one "
+                             f"sequence of {longest} tokens; raise rollout.kv_cache_gb to at least {gb:.2f}")
 
     def _budget_bytes(self) -> float:
         o = self.options
@@ -156,8 +182,7 @@ class NativeEngine:
             return o.kv_cache_gb * 2**30
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            held = self.cache.data.numel() * self.cache.data.element_size() if self.cache is not None else 0
-            return o.kv_cache_fraction * (free + held)
+            return o.kv_cache_fraction * free
         import psutil
 
         return o.kv_cache_fraction * psutil.virtual_memory().available
@@ -228,7 +253,7 @@ class NativeEngine:
         self.stats = {
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
             "rollout/graph_steps": float(steps["graph"]), "rollout/preemptions": float(sched.preemptions),
-            "rollout/kv_cache_gb": cache.data.numel() * cache.data.element_size() / 2**30,
+            "rollout/kv_cache_gb": cache.nbytes / 2**30,
         }
         if self.device.type == "cuda":
             self.stats["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -85,13 +85,39 @@ class KVLayout:
 
 
 class KVCache:
-    """The pool's storage: (layers, 2, pages, page_size, kv_heads, head_dim), allocated per generate."""
+    """The pool's storage: (layers, 2, pages, page_size, kv_heads, head_dim).
 
-    def __init__(self, layout: KVLayout, num_pages: int, device):
+    ``pinned``: the storage keeps one device address for its whole life
+    (:class:`~megarl.rollout.vmm.PinnedAddressBuffer`), so CUDA graphs that
+    read it stay valid while :meth:`release` gives the memory back between
+    generate calls; otherwise it is a plain tensor, dropped by its owner.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device, pinned: bool = False):
         self.layout = layout
         shape = (layout.layers, 2, num_pages, layout.page_size, layout.kv_heads, layout.head_dim)
-        self.data = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.storage = None
+        if pinned:
+            from megarl.rollout.vmm import PinnedAddressBuffer
+
+            self.storage = PinnedAddressBuffer(num_pages * layout.page_bytes(), torch.device(device))
+            self.data = self.storage.view(shape, layout.dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=layout.dtype, device=device)
         self.pool = PagePool(num_pages)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def release(self) -> None:
+        """Pinned storage: unmap the memory (the address stays)."""
+        self.storage.unmap()
+
+    def resume(self) -> None:
+        """Pinned storage: map memory again at the same address (contents undefined)."""
+        self.storage.map()
+        self.pool.reset()
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]  # (pages, page_size, kv_heads, head_dim)

@@ -34,6 +34,7 @@ class Sequence:
     prompt_index: int
     prompt: list[int]
     seed: int
+    max_new: int  # response length limit
     generated: list[int] = field(default_factory=list)  # set back when preempted or finished
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
@@ -70,10 +71,10 @@ class Scheduler:
     """Queues, slots and pages for one ``generate`` call."""
 
     def __init__(self, pool: PagePool, page_size: int, max_seqs: int, max_tokens: int,
-                 max_pages: int, max_new: int, stop_ids: set[int]):
+                 max_pages: int, stop_ids: set[int]):
         self.pool, self.page_size = pool, page_size
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
-        self.max_new, self.stop_ids = max_new, set(stop_ids)
+        self.stop_ids = set(stop_ids)
         self.table = np.zeros((max_seqs, max_pages), dtype=np.int32)  # SCRATCH_PAGE where unused
         self.lens = np.zeros(max_seqs, dtype=np.int64)  # tokens per slot (prompt + generated)
         self.last = np.zeros(max_seqs, dtype=np.int64)
@@ -234,7 +235,7 @@ class Scheduler:
             seq.logprobs.append(lp)
             if tok in self.stop_ids:
                 seq.finish = "stop"
-            elif len(seq.generated) >= self.max_new:
+            elif len(seq.generated) >= seq.max_new:
                 seq.finish = "length"
         finished = [s for s in plan.sampled if s.finish]
         for seq in finished:

@@ -23,23 +23,32 @@ def dp_sum(values: dict[str, float], group) -> dict[str, float]:
 
 
 class PhaseTimer:
-    """Wall time per named phase of a step (``timing/<phase>`` in seconds)."""
+    """Wall time (``timing/<phase>``, s) and, on CUDA, peak memory (``memory/<phase>_peak_gb``) per phase."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.peak_gb: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, phase: str):
-        if torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        if cuda:
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         yield
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_gb[phase] = max(self.peak_gb.get(phase, 0.0), peak)
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
-        return {f"timing/{k}": v for k, v in self.seconds.items()}
+        out = {f"timing/{k}": v for k, v in self.seconds.items()}
+        out.update({f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()})
+        if self.peak_gb:
+            out["perf/peak_memory_gb"] = max(self.peak_gb.values())
+        return out
 
 
 class MetricsWriter:

@@ -75,6 +75,7 @@ class PPOTrainer:
         self.step = 0
         self.timer = PhaseTimer()
         self.metrics: dict[str, float] = {}
+        self.rollout_stats: dict[str, float] = {}
         self._resume()
         if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
             self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
@@ -135,6 +136,7 @@ class PPOTrainer:
             if self.cfg.algorithm.advantage == "remax":
                 phases.greedy_baseline(self, prompts, rollout)
             self.engine.release_memory()
+        self.rollout_stats = dict(self.engine.stats)  # this rank's engine counters (not DP-summed)
         rollout.metrics.update(response_metrics(rollout))
         return rollout
 
@@ -173,6 +175,7 @@ class PPOTrainer:
     def log_and_save(self, rollout: Rollout) -> dict[str, float]:
         self.step += 1
         metrics = phases.step_metrics(self, rollout)
+        metrics.update(self.rollout_stats)
         self.writer.write(self.step, metrics)
         t = self.cfg.trainer
         last = self.step == t.steps and t.save_last

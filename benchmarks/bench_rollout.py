@@ -1,0 +1,214 @@
+"""Decode throughput of the native engine beside ``transformers.generate`` and the HBM floor.
+
+    python benchmarks/bench_rollout.py --device cpu --out /tmp/rollout_cpu.json     # tiny model, B=32
+    python benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 \\
+        --prompt-len 128 --new-tokens 512 --hf-batches 32,128 --ragged 128 --out $OUT/rollout.json
+
+One process (no torchrun needed). Every request is ``--prompt-len`` random
+tokens and decodes exactly ``--new-tokens`` tokens (no stop token), sampled at
+temperature 1. Rows: the engine (CUDA graphs on CUDA, eager on CPU) and
+``generate`` (sampling, ``min_new_tokens`` = ``max_new_tokens``) on the same
+checkpoint; ms per token step = wall time / new tokens (prefill included);
+tokens/s = B * new tokens / wall time. The floor of a decode step is the bytes
+it must read once — every weight but the input embedding (tied heads count
+once) plus the live K/V of the batch, averaged over the steps — over
+4.24 TB/s. ``--ragged B`` adds a run whose per-request length limits are drawn
+uniformly from 16..1024 (what sampled EOS does to a batch): its useful
+tokens/s beside the fixed-length run at the same B. The checkpoint is the
+shipped tiny model (``--shape tiny``) or a random-weight one made by
+benchmarks/make_checkpoint.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+HBM_BYTES_PER_S = 4.24e12  # H200, measured device copy
+
+
+def checkpoint(shape: str, work: str, prompt_len: int) -> str:
+    if shape == "tiny":
+        from megarl.assets import TINY_DIR
+
+        return str(TINY_DIR / "sft")
+    out = os.path.join(work, shape)
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        subprocess.run([sys.executable, "benchmarks/make_checkpoint.py", "--shape", shape, "--out", out,
+                        "--prompt-len", str(prompt_len), "--prompts", "16"], cwd=ROOT, check=True)
+    return out
+
+
+def start_distributed() -> None:
+    from megarl.distributed.ranks import free_port
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def build_engine(path: str, args, max_len: int):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.roles.build import build_module
+    from megarl.rollout.native import EngineOptions, NativeEngine
+
+    init_distributed()
+    groups = build_parallel_groups(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype = path, args.dtype
+    cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = args.prompt_len, max_len - args.prompt_len
+    module, info = build_module(path, cfg, groups)
+    options = EngineOptions(max_batch=max(args.batches + [args.ragged or 0]), cuda_graphs=not args.eager,
+                            max_model_len=max_len)
+    return NativeEngine(module, groups, info.vocab_size, [], 0, options), module, info
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def prompts_of(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+def floor_ms(module, info, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Bytes one decode step must read (weights + mean live K/V) over the HBM bandwidth, in ms."""
+    params = dict(module.named_parameters())
+    weights = sum(p.numel() * p.element_size() for n, p in params.items()
+                  if not (n.startswith("embedding.") and not info.tied_embeddings))
+    item = next(iter(params.values())).element_size()
+    kv_per_token = 2 * info.num_layers * info.num_groups * info.head_dim * item
+    kv = batch * (prompt_len + new_tokens / 2) * kv_per_token
+    return (weights + kv) / HBM_BYTES_PER_S * 1e3
+
+
+def engine_rows(engine, module, info, args) -> list[dict]:
+    from megarl.rollout.engine import SamplingParams
+
+    rows = []
+    for b in args.batches:
+        prompts = prompts_of(b, args.prompt_len, info.vocab_size)
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0))  # captures bucket b
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=1)
+        seconds = timed(lambda: engine.generate(prompts, params))
+        row = {"provider": "megarl", "batch": b, "seconds": seconds, "ms_per_step": seconds / args.new_tokens * 1e3,
+               "tokens_per_s": b * args.new_tokens / seconds, **engine.stats}
+        if engine.device.type == "cuda":
+            row["floor_ms"] = floor_ms(module, info, b, args.prompt_len, args.new_tokens)
+            row["floor_fraction"] = row["floor_ms"] / row["ms_per_step"]
+        rows.append(row)
+    return rows
+
+
+def ragged_row(engine, info, args) -> dict:
+    from megarl.rollout.engine import SamplingParams
+
+    b = args.ragged
+    g = torch.Generator().manual_seed(7)
+    limits = torch.randint(16, 1025, (b,), generator=g).tolist()
+    prompts = prompts_of(b, args.prompt_len, info.vocab_size, seed=3)
+    params = SamplingParams(max_new_tokens=max(limits), temperature=1.0, seed=2)
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0), max_new_tokens=[4] * b)
+    seconds = timed(lambda: engine.generate(prompts, params, max_new_tokens=limits))
+    return {"provider": "megarl-ragged", "batch": b, "seconds": seconds, "useful_tokens": sum(limits),
+            "tokens_per_s": sum(limits) / seconds, "lengths": [min(limits), max(limits)], **engine.stats}
+
+
+def hf_rows(path: str, info, args) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    device = "cuda" if args.device == "cuda" else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    rows = []
+    for b in args.hf_batches:
+        ids = torch.tensor(prompts_of(b, args.prompt_len, info.vocab_size), device=device)
+
+        def run(n):
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                               top_k=None, top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+
+        run(4)
+        seconds = timed(lambda: run(args.new_tokens))
+        rows.append({"provider": "transformers.generate", "batch": b, "seconds": seconds,
+                     "ms_per_step": seconds / args.new_tokens * 1e3, "tokens_per_s": b * args.new_tokens / seconds})
+    del model
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"]
+    for r in rows:
+        floor = f"{r['floor_ms']:9.3f} {100 * r['floor_fraction']:7.1f}%" if "floor_ms" in r else f"{'':>9} {'':>8}"
+        ms = f"{r['ms_per_step']:9.2f}" if "ms_per_step" in r else f"{'':>9}"
+        lines.append(f"{r['provider']:>22} {r['batch']:>5} {ms} {r['tokens_per_s']:10.0f} {floor}")
+    return "\n".join(lines)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default=None, help="tiny (default on CPU) | qwen2.5-1.5b | llama2-7b")
+    ap.add_argument("--batches", default=None, help="comma-separated engine batch sizes")
+    ap.add_argument("--hf-batches", default=None, help="comma-separated transformers.generate batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--ragged", type=int, default=0, help="batch size of the ragged-length run (0: none)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--work", default="/tmp/megarl_bench")
+    ap.add_argument("--out", default="bench_rollout.json")
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    args.shape = args.shape or ("tiny" if cpu else "qwen2.5-1.5b")
+    args.batches = [int(x) for x in (args.batches or ("32" if cpu else "32,128,512")).split(",")]
+    args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x]
+    args.prompt_len = args.prompt_len or (20 if cpu else 128)
+    args.new_tokens = args.new_tokens or (32 if cpu else 512)
+    args.dtype = "float32" if cpu else "bfloat16"
+    return args
+
+
+def main() -> None:
+    args = parse()
+    start_distributed()
+    path = checkpoint(args.shape, args.work, args.prompt_len)
+    max_len = args.prompt_len + max(args.new_tokens, 1024 if args.ragged else 0)
+    engine, module, info = build_engine(path, args, max_len)
+    rows = engine_rows(engine, module, info, args)
+    if args.ragged:
+        rows.append(ragged_row(engine, info, args))
+    rows += hf_rows(path, info, args)
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "torch_threads": torch.get_num_threads(), "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
