@@ -53,7 +53,41 @@ class Policy(ModelRole):
 
     def update(self, batch: SampleBatch, cfg: ActorConfig, temperature: float, mini_batches: list,
                norm_len: int) -> list[dict[str, float]]:
-        """One optimizer step per mini-batch (index lists into ``batch``)."""
+        """One optimizer step per mini-batch (index lists into ``batch``, which holds old_logprobs)."""
+        if "old_logprobs" not in batch.tensors:
+            raise ValueError("Policy.update needs old_logprobs in the batch; an on-policy step uses update_on_policy")
+        head = self._loss_head(cfg, temperature, norm_len)
+        return [self.train_step(self._micro_batches(batch.select(idx), cfg), head) for idx in mini_batches]
+
+    def update_on_policy(self, batch: SampleBatch, cfg: ActorConfig, temperature: float, index,
+                         norm_len: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """The one optimizer step of an exactly on-policy update, on rows ``index`` (all of ``batch``).
+
+        The batch has no old_logprobs: the loss takes this forward's own log-probs,
+        detached, as the old ones (ratio exactly 1), which is what a separate forward
+        with the same weights would give. Returns the step's metrics and
+        {"logprobs", "entropy"} (B, L) of this forward in ``batch`` order, on every stage.
+        """
+        if "old_logprobs" in batch.tensors or len(index) != len(batch):
+            raise ValueError("update_on_policy takes a batch without old_logprobs and one mini-batch of all its rows")
+        mini = batch.select(index)
+        rows = mini.micro_batch_index(cfg.micro_batch_size, cfg.max_tokens_per_micro)
+        self.trainable.zero_grad()
+        results = self.run([mini.select(r) for r in rows], self._loss_head(cfg, temperature, norm_len),
+                           forward_only=False)
+        per_token = {k: [r.pop(k) for r in results] for k in ("logprobs", "entropy")}  # (b_i, l_i) each
+        step = {}
+        for r in results:
+            for k, v in r.items():
+                step[k] = step.get(k, 0.0) + float(v)
+        step.update(self.trainable.step())
+        batch_rows = [torch.as_tensor(index)[r] for r in rows]  # micro-batch rows as rows of `batch`
+        return step, {k: _scatter_rows(parts, batch_rows, len(batch), batch.width) for k, parts in per_token.items()}
+
+    def _loss_head(self, cfg: ActorConfig, temperature: float, norm_len: int):
+        """The update's head: (loss sum, count, token-weighted metric sums); without
+        old_logprobs in the micro-batch, old = this forward's log-probs (detached),
+        and the per-token "logprobs" and "entropy" come back beside the metrics."""
         loss_fn = get_policy_loss(cfg.policy_loss)
         loss_cfg = PolicyLossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.dual_clip)
         sums = Aggregation(cfg.loss_agg, global_tokens=1.0, global_seqs=1.0, norm_len=norm_len)
@@ -63,7 +97,9 @@ class Policy(ModelRole):
             mask = mb.response_mask
             lp, ent = token_logprobs(logits, mb.input_ids, self.groups, self.info.vocab_size, temperature)
             t = mb.tensors
-            pg, m = loss_fn(lp, t["old_logprobs"], t["advantages"], mask, loss_cfg, sums)
+            on_policy = "old_logprobs" not in t
+            old = lp.detach() if on_policy else t["old_logprobs"]
+            pg, m = loss_fn(lp, old, t["advantages"], mask, loss_cfg, sums)
             loss = pg
             if cfg.entropy_coef:
                 loss = loss + entropy_loss(ent, mask, cfg.entropy_coef, sums)[0]
@@ -76,11 +112,20 @@ class Policy(ModelRole):
             metrics = {f"actor/{k}": v * tokens for k, v in m.items()}  # token-weighted sums
             metrics.update({"actor/pg_loss": pg.detach(), "actor/entropy": (ent * mask).sum().detach(),
                             "actor/count": count.detach().float(), "actor/tokens": tokens.detach()})
+            if on_policy:
+                metrics.update(logprobs=lp.detach(), entropy=ent.detach())  # (b, l)
             return loss, count.long(), metrics
 
-        return [self._mini_step(batch, idx, cfg, head) for idx in mini_batches]
+        return head
 
-    def _mini_step(self, batch, index, cfg, head) -> dict[str, float]:
-        mini = batch.select(index)
-        micro = [mini.select(i) for i in mini.micro_batch_index(cfg.micro_batch_size, cfg.max_tokens_per_micro)]
-        return self.train_step(micro, head)
+    @staticmethod
+    def _micro_batches(mini: SampleBatch, cfg: ActorConfig) -> list[SampleBatch]:
+        return [mini.select(i) for i in mini.micro_batch_index(cfg.micro_batch_size, cfg.max_tokens_per_micro)]
+
+
+def _scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], n: int, width: int) -> torch.Tensor:
+    """(b_i, l_i) pieces put back at rows ``rows[i]`` of an (n, width) tensor, zero-padded."""
+    out = parts[0].new_zeros(n, width)
+    for r, part in zip(rows, parts):
+        out[r.to(out.device), :part.size(1)] = part
+    return out

@@ -25,7 +25,7 @@ from megarl.distributed import ParallelGroups, cpu_compat
 from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.engine import GenerationResult, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
-from megarl.rollout.pages import KVCache, KVLayout, pages_for, pool_pages
+from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
 from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
 from megarl.rollout.stage import ForwardBatch, StageForward
 
@@ -146,15 +146,15 @@ class NativeEngine:
         if self.graphs is not None:  # graphs hold the address: one cache for the engine's life
             needed_tokens, max_seqs = self.options.max_batch * self.max_len, self.options.max_batch
             if self.cache is not None:
-                self._check_fits(self.cache.pool.num_pages, longest)
+                self._check_fits(self.cache.capacity, longest)
                 if self.cache.storage is not None:
                     self.cache.resume()
                 self.cache.pool.reset()
                 return
         pages = pool_pages(self.layout, self._budget_bytes(), needed_tokens, max_seqs)
         self._check_fits(pages, longest)
-        if self.cache is not None and self.cache.pool.num_pages >= pages:
-            self.cache.pool.reset()
+        if self.cache is not None and self.cache.capacity >= pages:
+            self.cache.pool = PagePool(pages)  # as if new: scheduling never depends on earlier calls
             return
         self.cache = None
         self.cache = self._new_cache(pages)

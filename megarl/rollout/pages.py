@@ -107,6 +107,11 @@ class KVCache:
         self.pool = PagePool(num_pages)
 
     @property
+    def capacity(self) -> int:
+        """Pages the storage holds (the pool may use fewer)."""
+        return self.data.shape[2]
+
+    @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 

@@ -152,10 +152,11 @@ class Scheduler:
         positions = np.array(pos, dtype=np.int64)
         slots = np.array([s.slot for s in seqs])
         seq_of_token = np.repeat(slots, np.diff(cu))
+        seq_lens = np.array([c[2] for c in chunks], dtype=np.int32)
         return StepPlan(
             decode=False, seqs=seqs, input_ids=np.array(ids, dtype=np.int64), positions=positions,
             slot_mapping=self._cache_rows(seq_of_token, positions),
-            block_table=self.table[slots], seq_lens=np.array([c[2] for c in chunks], dtype=np.int32),
+            block_table=self._tables(slots, seq_lens), seq_lens=seq_lens,
             cu_seqlens_q=np.array(cu, dtype=np.int32), sample_rows=np.array(sample_rows, dtype=np.int64),
             sampled=sampled, seeds=np.array([s.seed for s in sampled], dtype=np.int64),
             offsets=np.array([len(s.generated) for s in sampled], dtype=np.int64),
@@ -167,11 +168,12 @@ class Scheduler:
         seqs = self.running
         slots = np.array([s.slot for s in seqs])
         positions = self.lens[slots] - 1  # the last sampled token is fed; its K/V land here
+        seq_lens = self.lens[slots].astype(np.int32)
         n = len(seqs)
         return StepPlan(
             decode=True, seqs=list(seqs), input_ids=self.last[slots], positions=positions,
-            slot_mapping=self._cache_rows(slots, positions), block_table=self.table[slots],
-            seq_lens=self.lens[slots].astype(np.int32), cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
+            slot_mapping=self._cache_rows(slots, positions), block_table=self._tables(slots, seq_lens),
+            seq_lens=seq_lens, cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
             sample_rows=np.arange(n, dtype=np.int64), sampled=list(seqs),
             seeds=np.array([s.seed for s in seqs], dtype=np.int64),
             offsets=self.lens[slots] - np.array([len(s.prompt) for s in seqs]), copies=copies,
@@ -268,6 +270,10 @@ class Scheduler:
         self.table[seq.slot] = 0
         self.free_slots.append(seq.slot)
         seq.slot = -1
+
+    def _tables(self, slots: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """Block tables of ``slots``, as wide as the longest of them needs (less work on short batches)."""
+        return self.table[slots, : pages_for(int(seq_lens.max()), self.page_size)]
 
     def _cache_rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         pages = self.table[slots, positions // self.page_size].astype(np.int64)

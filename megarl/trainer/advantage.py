@@ -38,11 +38,25 @@ def token_kl(rollout: Rollout, estimator: str) -> torch.Tensor:
     return kl_penalty(t["old_logprobs"], t["ref_logprobs"], estimator) * rollout.batch.response_mask
 
 
+def kl_sum(rollout: Rollout, estimator: str) -> float:
+    """Local sum over response tokens of KL(policy || ref) under the old log-probs."""
+    return float((token_kl(rollout, estimator) * rollout.batch.response_mask).sum())
+
+
 def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: float, dp_group) -> dict:
-    """Fills tensors["advantages"], ["returns"] (B, L); returns KL metrics (local sums)."""
+    """Fills tensors["advantages"], ["returns"] (B, L); returns local sums (advantages, tokens).
+
+    The KL penalty (``cfg.kl_in_reward``) needs the old log-probs; without it they
+    may come after this (from an on-policy update's own forward).
+    """
     b = rollout.batch
     mask = b.response_mask
-    kl = token_kl(rollout, cfg.kl_estimator)
+    if "old_logprobs" in b.tensors:
+        kl = token_kl(rollout, cfg.kl_estimator)
+    elif cfg.kl_in_reward:
+        raise ValueError("algorithm.kl_in_reward=true needs old_logprobs before the advantages")
+    else:
+        kl = torch.zeros_like(mask)
     rewards = apply_kl_to_rewards(rollout.scores, kl, mask, beta if cfg.kl_in_reward else 0.0)
     local = {"rewards": rewards, "mask": mask, "scores": rollout.scores, "groups": rollout.group_ids}
     if "values" in b.tensors:
@@ -63,12 +77,12 @@ def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: flo
     b.tensors["advantages"] = pad_to(adv[rows], b.width)
     b.tensors["returns"] = pad_to(ret[rows], b.width)
     tokens = float(mask.sum())
-    return {"kl/sum": float((kl * mask).sum()), "kl/tokens": tokens,
-            "advantage/sum": float((b.tensors["advantages"] * mask).sum())}
+    return {"kl/tokens": tokens, "advantage/sum": float((b.tensors["advantages"] * mask).sum())}
 
 
 def logprob_mismatch(rollout: Rollout) -> dict[str, float]:
-    """Rollout-engine vs training log-probs of the same tokens (local sums and max)."""
+    """Rollout-engine vs training log-probs (old_logprobs: the weights that generated) of the
+    same tokens (local sums and max)."""
     t, mask = rollout.batch.tensors, rollout.batch.response_mask
     diff = (t["rollout_logprobs"] - t["old_logprobs"]).abs() * mask
     return {"mismatch/abs_sum": float(diff.sum()), "mismatch/abs_max": float(diff.max()),

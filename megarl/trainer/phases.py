@@ -11,8 +11,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from megarl.config_checks import uses_critic
 from megarl.rollout.engine import SamplingParams
-from megarl.trainer.advantage import compute_rollout_advantages, logprob_mismatch
+from megarl.trainer.advantage import compute_rollout_advantages, kl_sum, logprob_mismatch
 from megarl.trainer.rollout import generate_rollout
 from megarl.trainer.scoring import finish_score_metrics, score_rollout
 
@@ -36,12 +37,36 @@ def greedy_baseline(tr, prompts, rollout) -> None:
     rollout.batch.tensors["greedy_scores"] = greedy.scores.repeat_interleave(tr.cfg.rollout.n)
 
 
+def on_policy_update(cfg, step: int, rows: int, dp_size: int, dropout: float = 0.0) -> bool:
+    """Whether this step's actor update is exactly on-policy, so that its own forward
+    (detached) stands in for the old log-probs and the separate forward is skipped.
+
+    True when the update is one optimizer step on this rank's ``rows`` rows under the
+    weights that generated them: one epoch (``actor.ppo_epochs == 1``), one mini-batch
+    (``rows <= actor.mini_batch_size / dp_size``), the actor updates this step (not a
+    critic warm-up step), no dropout (``dropout``: the actor's largest rate; the old
+    forward runs without it), and nothing needs policy log-probs before the update
+    (``algorithm.kl_in_reward`` puts KL(policy || ref) in the token rewards).
+    """
+    a = cfg.actor
+    critic_warmup = uses_critic(cfg) and step < cfg.critic.warmup_steps
+    return (a.ppo_epochs == 1 and rows <= a.mini_batch_size // dp_size and not critic_warmup
+            and dropout == 0.0 and not cfg.algorithm.kl_in_reward)
+
+
+def _dropout(role) -> float:
+    c = role.module.config
+    return max(c.hidden_dropout, c.attention_dropout)
+
+
 def prepare(tr, rollout) -> None:
+    """Old log-probs (unless the update is on-policy), reference log-probs and values."""
     cfg, b = tr.cfg, rollout.batch
-    with tr.timer("old_logprobs"):
-        out = tr.actor.logprobs(b, cfg.actor.micro_batch_size, train_temperature(cfg), cfg.actor.max_tokens_per_micro)
-        b.tensors["old_logprobs"] = out["logprobs"]
-        _add(rollout.metrics, {"policy/entropy_sum": (out["entropy"] * b.response_mask).sum()})
+    if not on_policy_update(cfg, tr.step, len(b), tr.groups.dp_size, _dropout(tr.actor)):
+        with tr.timer("old_logprobs"):
+            out = tr.actor.logprobs(b, cfg.actor.micro_batch_size, train_temperature(cfg),
+                                    cfg.actor.max_tokens_per_micro)
+            _set_old_logprobs(rollout, out)
     if tr.ref is not None:
         with tr.timer("ref_logprobs"):
             b.tensors["ref_logprobs"] = tr.ref.logprobs(
@@ -49,15 +74,30 @@ def prepare(tr, rollout) -> None:
     if tr.critic is not None:
         with tr.timer("values"):
             b.tensors["values"] = tr.critic.values(b, cfg.critic.micro_batch_size)
+
+
+def _set_old_logprobs(rollout, out: dict) -> None:
+    """Stores the policy's (B, L) log-probs under the generating weights; their metrics."""
+    b = rollout.batch
+    b.tensors["old_logprobs"] = out["logprobs"]
+    _add(rollout.metrics, {"policy/entropy_sum": (out["entropy"] * b.response_mask).sum()})
     rollout.metrics.update(logprob_mismatch(rollout))
 
 
 def advantages(tr, rollout) -> None:
     dp = tr.groups.dp if tr.groups.dp_size > 1 else None
-    kl = compute_rollout_advantages(rollout, tr.cfg.algorithm, tr.kl_ctl.beta, dp)
-    _add(rollout.metrics, kl)
-    totals = tr.reduce({"kl/sum": kl["kl/sum"], "kl/tokens": kl["kl/tokens"], "n": len(rollout.batch)})
+    _add(rollout.metrics, compute_rollout_advantages(rollout, tr.cfg.algorithm, tr.kl_ctl.beta, dp))
     tr.metrics["kl/beta"] = tr.kl_ctl.beta
+    if "old_logprobs" in rollout.batch.tensors:  # else after the on-policy update
+        _kl_metrics(tr, rollout)
+
+
+def _kl_metrics(tr, rollout) -> None:
+    """KL(policy || ref) under the old log-probs; the KL controller's update."""
+    kl = kl_sum(rollout, tr.cfg.algorithm.kl_estimator)
+    _add(rollout.metrics, {"kl/sum": kl})
+    b = rollout.batch
+    totals = tr.reduce({"kl/sum": kl, "kl/tokens": float(b.response_mask.sum()), "n": len(b)})
     tr.kl_ctl.update(totals["kl/sum"] / max(totals["kl/tokens"], 1.0), int(totals["n"]))
 
 
@@ -79,7 +119,8 @@ def _record_steps(tr, rollout, role: str, steps: list[dict]) -> None:
 
 def update(tr, rollout) -> None:
     cfg, b = tr.cfg, rollout.batch
-    tr.metrics = {}
+    on_policy = "old_logprobs" not in b.tensors  # prepare skipped the old forward
+    tr.metrics["perf/old_logprob_forward_skipped"] = float(on_policy)
     if tr.critic is not None:
         with tr.timer("critic_update"):
             for epoch in range(cfg.critic.ppo_epochs):
@@ -87,10 +128,27 @@ def update(tr, rollout) -> None:
                 _record_steps(tr, rollout, "critic", steps)
     if tr.critic is None or tr.step >= cfg.critic.warmup_steps:
         with tr.timer("actor_update"):
-            for epoch in range(cfg.actor.ppo_epochs):
-                steps = tr.actor.update(b, cfg.actor, train_temperature(cfg), _mini_batches(tr, len(b), epoch),
-                                        norm_len=cfg.rollout.max_new_tokens)
-                _record_steps(tr, rollout, "actor", steps)
+            if on_policy:
+                _on_policy_actor_update(tr, rollout)
+            else:
+                for epoch in range(cfg.actor.ppo_epochs):
+                    steps = tr.actor.update(b, cfg.actor, train_temperature(cfg), _mini_batches(tr, len(b), epoch),
+                                            norm_len=cfg.rollout.max_new_tokens)
+                    _record_steps(tr, rollout, "actor", steps)
+    if on_policy:
+        if "old_logprobs" not in b.tensors:
+            raise RuntimeError("the old forward was skipped but the actor did not update this step")
+        _kl_metrics(tr, rollout)
+
+
+def _on_policy_actor_update(tr, rollout) -> None:
+    """The single optimizer step; its forward gives the old log-probs and their metrics."""
+    cfg, b = tr.cfg, rollout.batch
+    (index,) = _mini_batches(tr, len(b), 0)  # one mini-batch on this rank
+    step, out = tr.actor.update_on_policy(b, cfg.actor, train_temperature(cfg), index,
+                                          norm_len=cfg.rollout.max_new_tokens)
+    _record_steps(tr, rollout, "actor", [step])
+    _set_old_logprobs(rollout, out)
 
 
 def _ratio(m: dict, num: str, den: str) -> float | None:
@@ -150,7 +208,7 @@ def step_metrics(tr, rollout) -> dict[str, float]:
     world = dist.get_world_size()
     out.update({"perf/step_seconds": seconds, "perf/steps_per_min": 60.0 / seconds,
                 "perf/tokens_per_s_per_gpu": tokens / seconds / world})
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and "perf/peak_memory_gb" not in out:  # else: the max over the phases
         out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out
 

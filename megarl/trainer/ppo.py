@@ -122,6 +122,7 @@ class PPOTrainer:
 
     def generate(self) -> Rollout:
         self.timer = PhaseTimer()
+        self.metrics = {}  # this step's values that are the same on every rank (grad norms, beta, ...)
         self.step_start = time.perf_counter()
         t = self.cfg.trainer
         if t.replay_rollouts:
