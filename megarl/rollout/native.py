@@ -223,6 +223,8 @@ class NativeEngine:
         if not g.is_last_stage:
             dist.send(x, group=g.pp, group_dst=g.pp_rank + 1)
             return None
+        if sample_rows.shape[0] == 0:  # a prefill chunk that completes no prompt
+            return None
         return st.logits(x[sample_rows])
 
     def sample(self, logits: torch.Tensor, rows: "_SamplingRows", seeds, offsets):

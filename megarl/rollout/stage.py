@@ -182,7 +182,7 @@ class StageForward:
         local = F.linear(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.head)  # (S, V/tp)
         if self.tp is None:
             return local
-        tp = self.groups.tp_size
-        parts = local.new_empty((tp,) + local.shape)
+        s, v_local = local.shape
+        parts = local.new_empty((self.groups.tp_size * s, v_local))  # TP rank r's rows at r * S
         dist.all_gather_into_tensor(parts, local.contiguous(), group=self.tp)
-        return parts.permute(1, 0, 2).reshape(local.shape[0], -1)  # (S, tp * V/tp)
+        return parts.view(-1, s, v_local).permute(1, 0, 2).reshape(s, -1)  # (S, tp * V/tp)
