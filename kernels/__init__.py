@@ -10,6 +10,12 @@ from megarl.kernels.gae import gae, gae_ref, gae_torch
 from megarl.kernels.group_advantage import group_advantage, group_advantage_ref, group_advantage_torch
 from megarl.kernels.linear_logprob import linear_logprob, linear_logprob_ref
 from megarl.kernels.logprob import logprob_entropy, logprob_entropy_ref
+from megarl.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
 from megarl.kernels.reshard import (
     fc1_merge,
     fc1_merge_ref,
@@ -35,6 +41,7 @@ __all__ = [
     "gae", "gae_ref", "gae_torch",
     "group_advantage", "group_advantage_ref", "group_advantage_torch",
     "logprob_entropy", "logprob_entropy_ref", "linear_logprob", "linear_logprob_ref",
+    "paged_decode_attention", "paged_decode_attention_ref", "paged_prefill_attention", "paged_prefill_attention_ref",
     "qkv_split", "qkv_merge", "qkv_split_ref", "qkv_merge_ref",
     "fc1_split", "fc1_merge", "fc1_split_ref", "fc1_merge_ref",
     "split_interleaved", "merge_interleaved", "split_interleaved_ref", "merge_interleaved_ref",
