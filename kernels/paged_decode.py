@@ -1,0 +1,301 @@
+"""Paged KV-cache attention, decode: one new query token per sequence.
+
+Spec (`paged_decode_attention_ref`). q (B, Hq, D); k_cache, v_cache (P, page, Hkv, D); key j
+of row b sits at k_cache[block_table[b, j // page], j % page]; seq_lens (B,) keys per row (the
+query's own key included, so no causal mask). Query head h reads kv head h // G, G = Hq / Hkv:
+    out[b, h] = softmax(scale * K_b q[b, h]) V_b        over keys 0 .. seq_lens[b] - 1
+softmax in fp32, out in q.dtype; a row with no keys gives zeros.
+
+Kernel (split-K flash decoding). Grid (B, Hkv, S). Program (b, kvh, s) owns the key tiles
+t = s, s + S, s + 2S, ... (BLOCK_N keys each) of row b: interleaved, so a row much shorter than
+max_pages still spreads over every split, and S comes from shapes alone. It loads each K and V
+tile once for all G query heads of kvh (one (BLOCK_G, D) x (D, BLOCK_N) tl.dot, G padded to
+BLOCK_G >= 16 rows), keeps the running max m, sum l and acc in fp32 (exp2, scale folded in),
+and writes o = acc / l and lse = m + log2 l (-inf for a split with no keys) to fp32 scratch
+(B, Hq, S, D) and (B, Hq, S). `_decode_merge_kernel`, grid (B * Hq,), merges:
+    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s
+(no keys at all -> 0). With S == 1 the first launch writes out directly. Nothing is read back
+on the host and every allocation is sized from shapes: the call is CUDA-graph capturable.
+
+`check_paged`, `sequence_keys`, `sdpa_fp32` and the `_attend_span` loop are shared with
+`paged_prefill.py`.
+"""
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megarl.kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
+
+LOG2E = math.log2(math.e)
+# Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
+# `benchmarks/bench_attention.py`), Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16),
+# 640 keys per row, per call in a CUDA graph, B = 32 / 128 / 512 (HBM floor 5 / 20 / 79 us):
+#   BLOCK_N 64, 4 warps, 2 stages        13.9 / 30.2 / 86.3 us  (36 / 67 / 84% of HBM)  <- chosen
+#   best of 27 (32|64|128 x 2|4|8 x 1|2|3) 13.7 / 29.9 / 86.3
+#   BLOCK_N 32 (any warps, stages)       14.3+ / 31.0+ / 100+;  8 warps 14.0+ / 35+ / 97+
+#   1 stage                              13.7 / 32.1 / 95.6
+# Not kept (within +-5%, none better at B=512): prefetching the next tile's page ids a loop
+# step ahead (13.1 / 29.3 / 87.5), a flat (B*Hkv, S) grid so kv heads of a row run together.
+# Dense baseline, SDPA (FA2) on contiguous K/V: 12.8 / 24.7 / 86.2 us.
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+# Split count S: aim at PROGRAMS_PER_SM * (SM count) programs, at most MAX_SPLITS, and at
+# least MIN_TILES_PER_SPLIT key tiles of the longest possible row (max_pages * page) per split.
+# Same sweep, PROGRAMS_PER_SM 1 / 2 / 4 / 8 (S at B=32: 3 / 5 / 5 / 5; B=128: 1 / 2 / 3 / 5):
+#   15.8 / 13.9 / 13.9 / 13.9 us at B=32;  31.0 / 29.9 / 34.5 / 35.1 at B=128;  86.6 / 86.7 /
+#   86.6 / 99 at B=512.  MIN_TILES_PER_SPLIT 1 = 2; 4 costs 13% at B=32.
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 32  # unswept: the bound only binds for B * Hkv < 9 on 132 SMs
+MIN_TILES_PER_SPLIT = 2
+CPU_SM_COUNT = 4  # interpreter runs: a stand-in SM count
+MERGE_WARPS = 4  # merge: one (S, D) tile per (row, head); a small launch, unswept
+# K + V tiles of all pipeline stages must fit in shared memory (H200: 227 KiB per SM);
+# BLOCK_N shrinks for wide heads (fp32 D=256: 32 keys at 2 stages).
+SMEM_BUDGET = 160 << 10
+
+
+# ---- shared by decode and prefill ----
+
+def check_paged(q, k_cache, v_cache, block_table, seq_lens, n_rows: int, op: str):
+    """Shape / dtype checks (nothing read from the device). Returns G = Hq // Hkv."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: k_cache, v_cache must both be (num_pages, page_size, Hkv, D); got "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _, page, hkv, d = k_cache.shape
+    if q.shape[-1] != d or q.shape[-2] % hkv:
+        raise ValueError(f"{op}: q (..., Hq, D) = {tuple(q.shape)} needs D = {d} and Hq a multiple of Hkv = {hkv}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"{op}: q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if page & (page - 1):
+        raise ValueError(f"{op}: page_size = {page} must be a power of two")
+    if block_table.dim() != 2 or block_table.shape[0] != n_rows or tuple(seq_lens.shape) != (n_rows,):
+        raise ValueError(f"{op}: want block_table ({n_rows}, max_pages) and seq_lens ({n_rows},); got "
+                         f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{op}: {name} must be int32 (or int64), got {t.dtype}")
+    return q.shape[-2] // hkv
+
+
+def sequence_keys(cache, table_row, n: int):
+    """Keys (or values) 0..n-1 of one sequence: (P, page, Hkv, D), (max_pages,) -> (n, Hkv, D)."""
+    pos = torch.arange(n, device=cache.device)
+    return cache[table_row[pos // cache.shape[1]].long(), pos % cache.shape[1]]
+
+
+def sdpa_fp32(q, k, v, visible, scale: float):
+    """SDPA in fp32 with GQA: q (..., Hq, M, D), k, v (..., Hkv, N, D), visible (..., 1, M, N) bool."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible, scale=scale,
+                                          enable_gqa=k.shape[-3] != q.shape[-3])
+
+
+def unit_last_stride(*tensors):
+    """The tensors with stride 1 in their last dim (copied only where it is not)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+@triton.jit
+def _page_ids(bt_row, n, ok, PAGE: tl.constexpr):
+    """(BLOCK_N,) int64 page of each key position n of one sequence (page 0 where not ok)."""
+    return tl.load(bt_row + n // PAGE, mask=ok, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_tile(cache_ptr, page, n, ok, kvh, s_page, s_tok, s_head,
+             PAGE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(BLOCK_N, BLOCK_D) cache rows of key positions n (BLOCK_N,) on pages `page`; 0 where not ok."""
+    d = tl.arange(0, BLOCK_D)
+    off = page * s_page + (n % PAGE) * s_tok + kvh * s_head  # (BN,)
+    return tl.load(cache_ptr + off[:, None] + d[None, :], mask=ok[:, None] & (d < HEAD_D)[None, :], other=0.0)
+
+
+@triton.jit
+def _softmax_step(q, k, v, visible, m, l, acc, qk_scale, F32_DOT: tl.constexpr):
+    """One online-softmax step: q (R, BD), k, v (BN, BD), visible (R, BN); m, l (R,), acc (R, BD)."""
+    if F32_DOT:  # see `f32_dot`
+        q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # (R, BN) fp32, log2 units
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _attend_span(q, m, l, acc, pos, lo, hi, step, bt_row, k_ptr, v_ptr, kvh, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h,
+                 qk_scale, CAUSAL: tl.constexpr, PAGE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
+    """Online softmax over the key tiles [n0, n0 + BLOCK_N), n0 = lo, lo + step, ... < hi (keys < hi).
+
+    CAUSAL: row r sees key n only if n <= pos[r]. Returns the updated (m, l, acc).
+    """
+    for n0 in range(lo, hi, step):
+        n = n0 + tl.arange(0, BLOCK_N)
+        live = n < hi
+        page = _page_ids(bt_row, n, live, PAGE)
+        k = _kv_tile(k_ptr, page, n, live, kvh, sk_p, sk_t, sk_h, PAGE, HEAD_D, BLOCK_D)
+        v = _kv_tile(v_ptr, page, n, live, kvh, sv_p, sv_t, sv_h, PAGE, HEAD_D, BLOCK_D)
+        visible = live[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= pos[:, None])  # (R, BN)
+        m, l, acc = _softmax_step(q, k, v, visible, m, l, acc, qk_scale, F32_DOT)
+    return m, l, acc
+
+
+def f32_dot(dtype: torch.dtype) -> bool:
+    """Upcast tl.dot operands to fp32: the CPU interpreter (Triton 3.9) multiplies bf16's raw bits."""
+    return dtype == torch.bfloat16 and interpret_mode()
+
+
+# ---- decode: reference and torch ----
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale: float):
+    """The spec: a loop over rows and heads in fp32. Returns (B, Hq, D) in q.dtype."""
+    B, Hq, D = q.shape
+    G = Hq // k_cache.shape[2]
+    out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        k = sequence_keys(k_cache, block_table[b], n).float()  # (n, Hkv, D)
+        v = sequence_keys(v_cache, block_table[b], n).float()
+        for h in range(Hq if n else 0):
+            w = torch.softmax(k[:, h // G] @ q[b, h].float() * scale, dim=0)  # (n,)
+            out[b, h] = w @ v[:, h // G]
+    return out.to(q.dtype)
+
+
+def paged_decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float):
+    """Vectorized: gather every row's max_pages * page slots, mask those >= seq_len, one SDPA.
+
+    Dead slots are gathered from the row's first key instead (they may hold NaN, and a masked
+    NaN still poisons SDPA's p @ v); a row with no keys is zeroed at the end.
+    """
+    B, Hq, D = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(block_table.shape[1] * page, device=q.device)  # (N,)
+    if B == 0 or pos.numel() == 0:
+        return torch.zeros_like(q)
+    live = pos < seq_lens[:, None]  # (B, N)
+    slot = block_table.long().repeat_interleave(page, dim=1) * page + pos % page  # (B, N) into (P * page)
+    slot = torch.where(live, slot, slot[:, :1]).view(-1)
+    k = k_cache.reshape(-1, hkv, D).index_select(0, slot).view(B, len(pos), hkv, D).transpose(1, 2)  # (B, Hkv, N, D)
+    v = v_cache.reshape(-1, hkv, D).index_select(0, slot).view(B, len(pos), hkv, D).transpose(1, 2)
+    out = sdpa_fp32(q[:, :, None], k, v, live[:, None, None, :], scale)[:, :, 0]  # (B, Hq, D)
+    return torch.where(seq_lens[:, None, None] > 0, out, 0.0).to(q.dtype)
+
+
+# ---- decode: Triton ----
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr,
+                         sq_b, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, qk_scale, n_splits,
+                         G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         F32_DOT: tl.constexpr):
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    h = kvh * G + g  # (BG,) query heads of this kv head
+    row_ok = (g < G)[:, None] & (d < HEAD_D)[None, :]  # (BG, BD)
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + h[:, None] * sq_h + d[None, :], mask=row_ok, other=0.0)
+    n_keys = tl.load(len_ptr + b)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m, l, acc = _attend_span(q, m, l, acc, m, split * BLOCK_N, n_keys, n_splits * BLOCK_N, bt_row, k_ptr, v_ptr, kvh,
+                             sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, qk_scale, False, PAGE, HEAD_D, BLOCK_D, BLOCK_N,
+                             F32_DOT)
+    o = acc / tl.maximum(l, 1e-30)[:, None]  # 0 for a split without keys
+    row = b.to(tl.int64) * (G * tl.num_programs(1)) + h  # (BG,) index into (B, Hq)
+    if DIRECT:  # one split: no merge
+        tl.store(out_ptr + row[:, None] * HEAD_D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        tl.store(part_ptr + (row * n_splits + split)[:, None] * HEAD_D + d[None, :], o, mask=row_ok)
+        lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + row * n_splits + split, lse, mask=g < G)
+
+
+@triton.jit
+def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, n_splits, HEAD_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(lse_ptr + row * n_splits + s, mask=s < n_splits, other=float("-inf"))  # (BS,)
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty splits
+    ok = (s < n_splits)[:, None] & (d < HEAD_D)[None, :]
+    o = tl.load(part_ptr + (row * n_splits + s)[:, None] * HEAD_D + d[None, :], mask=ok, other=0.0)  # (BS, BD)
+    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + row * HEAD_D + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fit_keys(block_n: int, block_d: int, itemsize: int, stages: int) -> int:
+    """block_n halved (not below 16) until `stages` K and V tiles fit SMEM_BUDGET."""
+    while block_n > 16 and 2 * max(stages, 1) * block_n * block_d * itemsize > SMEM_BUDGET:
+        block_n //= 2
+    return block_n
+
+
+def decode_splits(batch: int, hkv: int, max_pages: int, page: int, device: torch.device,
+                  block_n: int | None = None) -> int:
+    """Split count S from shapes only (never from seq_lens): fill the SMs at small batch."""
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(batch * hkv, 1))
+    longest = triton.cdiv(triton.cdiv(max_pages * page, block_n or BLOCK_N), MIN_TILES_PER_SPLIT)
+    return max(1, min(want, MAX_SPLITS, longest))
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale: float,
+                                  num_splits: int | None = None):
+    """Split-K Triton decode (module docstring). num_splits overrides `decode_splits` (tests)."""
+    B, Hq, D = q.shape
+    _, page, hkv, _ = k_cache.shape
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    q, k_cache, v_cache, block_table = unit_last_stride(q, k_cache, v_cache, block_table)
+    G, block_d = Hq // hkv, max(16, next_pow2(D))
+    block_n = fit_keys(BLOCK_N, block_d, q.element_size(), NUM_STAGES)
+    splits = num_splits or decode_splits(B, hkv, block_table.shape[1], page, q.device, block_n)
+    part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
+    lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    _decode_split_kernel[(B, hkv, splits)](
+        q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        float(scale) * LOG2E, splits, G=G, HEAD_D=D, PAGE=page, DIRECT=splits == 1,
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, F32_DOT=f32_dot(q.dtype),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if splits > 1:
+        _decode_merge_kernel[(B * Hq,)](part, lse, out, splits, HEAD_D=D, BLOCK_S=next_pow2(splits),
+                                        BLOCK_D=block_d, num_warps=MERGE_WARPS)
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: float, backend: str = "auto"):
+    """Attention of one query token per row over its paged KV cache; spec in the module docstring.
+
+    q: (B, Hq, D); k_cache, v_cache: (num_pages, page_size, Hkv, D), q's dtype, page_size a
+    power of two; block_table: (B, max_pages) int32 page ids (every entry a valid page);
+    seq_lens: (B,) int32 keys per row, 0 <= seq_lens <= max_pages * page_size. Returns
+    (B, Hq, D) in q.dtype. backend "triton" is CUDA-graph capturable.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"paged_decode_attention: q must be (B, Hq, D), got {tuple(q.shape)}")
+    check_paged(q, k_cache, v_cache, block_table, seq_lens, q.shape[0], "paged_decode_attention")
+    impl = {"triton": paged_decode_attention_triton, "torch": paged_decode_attention_torch,
+            "ref": paged_decode_attention_ref}[choose(backend, q, k_cache, v_cache, block_table, seq_lens)]
+    return impl(q, k_cache, v_cache, block_table, seq_lens, scale)

@@ -1,0 +1,153 @@
+"""Paged KV-cache attention, prefill / extend: a packed chunk of new queries per sequence.
+
+Spec (`paged_prefill_attention_ref`). q (T, Hq, D) packs N sequences: sequence i's queries are
+q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] (q_len_i of them); its keys 0 .. seq_lens[i] - 1 (this
+chunk's included, already written) live in the paged cache as in `paged_decode.py`. Its queries
+sit at positions ctx_i + t, ctx_i = seq_lens[i] - q_len_i, t = 0 .. q_len_i - 1, and are causal:
+    out[cu_i + t, h] = softmax(scale * K q) V       over keys 0 .. ctx_i + t
+(bottom-right-aligned causal mask), GQA as in decode, softmax in fp32, out in q.dtype.
+
+Kernel (flash attention over pages, GQA-aware). Grid (query blocks, N, Hkv). A program takes
+TOK = BLOCK_R // G consecutive queries of sequence i and all G query heads of kv head kvh as
+one (BLOCK_R, D) tile, row r = (query r // G, head r % G) (those G heads are adjacent in q),
+so each K/V tile is loaded once per kv head. It walks keys 0 .. ctx_i + (its last query) in
+BLOCK_N tiles through the page table with `paged_decode._attend_span` (fp32 online softmax):
+first the tiles every row sees whole, unmasked, then the diagonal ones with key <= position
+per row. Query blocks past q_len_i exit at once, so the grid needs only a bound on q_len
+(`max_seqlen_q`; computed with one host sync when not given).
+"""
+import torch
+
+from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl.kernels.paged_decode import (LOG2E, _attend_span, check_paged, f32_dot, fit_keys,
+                                         sdpa_fp32, sequence_keys, unit_last_stride)
+
+# (query x head) rows and keys per program step. Swept on an H200 (2026-12-01,
+# `benchmarks/bench_attention.py`), Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16),
+# fresh prefill of 16 x 128 / 16 x 1024 tokens, per call in a CUDA graph. Run-to-run noise is
+# ~10% here, so the choice is the setting near the top in all three sweeps:
+#   BLOCK_R 128, BLOCK_N 32, 4 warps, 2 stages      19.3 / 237 us (17.6 / 247, 18.4 / 275)  <- chosen
+#   BLOCK_R 128, BLOCK_N 64, 4 warps, 3 stages      19.0 / 233 us (25.0 / 292 in another run)
+#   BLOCK_R 128, BLOCK_N 32, 4 warps, 3 stages      19.7 / 261 us
+#   BLOCK_R 128, BLOCK_N 64, 8 warps, 2 stages      19.3 / 244 us (19.5 / 281 one-loop: first guess)
+#   BLOCK_R 64: 253+ us at 1024 in every run;  with 8 warps 1.6-2x slower there.
+# Two loops (unmasked tiles, then the causal diagonal) against one masked loop: 9% at 1024
+# (239 vs 263 us at 128 / 32 / 4 warps / 3 stages, one run).
+# Dense baseline, causal SDPA (FA2) on contiguous K/V: 13.6 / 119 us.
+BLOCK_R = 128
+BLOCK_N = 32
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def _spans(cu_seqlens_q, seq_lens):
+    """Per sequence (q0, q1, n_keys) as Python ints (one host sync)."""
+    cu, n = cu_seqlens_q.tolist(), seq_lens.tolist()
+    return [(cu[i], cu[i + 1], n[i]) for i in range(len(n))]
+
+
+def paged_prefill_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale: float,
+                                max_seqlen_q=None):
+    """The spec: loops over sequences, queries and heads in fp32. Returns (T, Hq, D) in q.dtype."""
+    T, Hq, D = q.shape
+    G = Hq // k_cache.shape[2]
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    for i, (q0, q1, n) in enumerate(_spans(cu_seqlens_q, seq_lens)):
+        k = sequence_keys(k_cache, block_table[i], n).float()  # (n, Hkv, D)
+        v = sequence_keys(v_cache, block_table[i], n).float()
+        for t in range(q1 - q0):
+            seen = n - (q1 - q0) + t + 1  # keys 0 .. position
+            for h in range(Hq):
+                w = torch.softmax(k[:seen, h // G] @ q[q0 + t, h].float() * scale, dim=0)  # (seen,)
+                out[q0 + t, h] = w @ v[:seen, h // G]
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale: float,
+                                  max_seqlen_q=None):
+    """A loop over sequences, each one SDPA with a bottom-right-aligned causal mask."""
+    out = torch.empty_like(q)
+    for i, (q0, q1, n) in enumerate(_spans(cu_seqlens_q, seq_lens)):
+        k = sequence_keys(k_cache, block_table[i], n).transpose(0, 1)  # (Hkv, n, D)
+        v = sequence_keys(v_cache, block_table[i], n).transpose(0, 1)
+        pos = n - (q1 - q0) + torch.arange(q1 - q0, device=q.device)  # (q_len,)
+        visible = torch.arange(n, device=q.device)[None, :] <= pos[:, None]  # (q_len, n)
+        out[q0:q1] = sdpa_fp32(q[q0:q1].transpose(0, 1), k, v, visible[None], scale).transpose(0, 1).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, len_ptr,
+                    sq_t, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, qk_scale,
+                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, TOK: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
+    blk, i, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q0 = tl.load(cu_ptr + i)
+    q_len = tl.load(cu_ptr + i + 1) - q0
+    t_first = blk * TOK
+    if t_first < q_len:
+        ctx = tl.load(len_ptr + i) - q_len
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        t = t_first + r // G  # (BR,) query index within the sequence
+        h = kvh * G + r % G  # (BR,) query head
+        ok = ((r < TOK * G) & (t < q_len))[:, None] & (d < HEAD_D)[None, :]  # (BR, BD)
+        rows = (q0 + t).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=ok, other=0.0)
+        pos = ctx + t  # (BR,) key position of each query
+        end = ctx + tl.minimum(t_first + TOK, q_len)  # keys 0 .. end - 1 are seen by some row
+        bt_row = bt_ptr + i.to(tl.int64) * sbt
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        full = (ctx + t_first + 1) // BLOCK_N * BLOCK_N  # keys 0 .. full - 1: seen by every row
+        m, l, acc = _attend_span(q, m, l, acc, pos, 0, full, BLOCK_N, bt_row, k_ptr, v_ptr, kvh, sk_p, sk_t, sk_h,
+                                 sv_p, sv_t, sv_h, qk_scale, False, PAGE, HEAD_D, BLOCK_D, BLOCK_N, F32_DOT)
+        m, l, acc = _attend_span(q, m, l, acc, pos, full, end, BLOCK_N, bt_row, k_ptr, v_ptr, kvh, sk_p, sk_t, sk_h,
+                                 sv_p, sv_t, sv_h, qk_scale, True, PAGE, HEAD_D, BLOCK_D, BLOCK_N, F32_DOT)
+        o = acc / tl.maximum(l, 1e-30)[:, None]
+        hq = G * tl.num_programs(2)
+        tl.store(out_ptr + (rows * hq + h)[:, None] * HEAD_D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def paged_prefill_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale: float,
+                                   max_seqlen_q=None):
+    """Triton flash attention over pages (module docstring); no host sync when max_seqlen_q is given."""
+    T, Hq, D = q.shape
+    _, page, hkv, _ = k_cache.shape
+    N = seq_lens.shape[0]
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    if T == 0 or N == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # host sync
+    q, k_cache, v_cache, block_table = unit_last_stride(q, k_cache, v_cache, block_table)
+    G, block_d = Hq // hkv, max(16, next_pow2(D))
+    block_r = max(BLOCK_R if block_d <= 128 else BLOCK_R // 2, next_pow2(G))  # (rows, D) fp32 acc in registers
+    tok = block_r // G
+    _prefill_kernel[(triton.cdiv(max(max_seqlen_q, 1), tok), N, hkv)](
+        q, k_cache, v_cache, out, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        float(scale) * LOG2E, G=G, HEAD_D=D, PAGE=page, TOK=tok, BLOCK_R=block_r,
+        BLOCK_D=block_d, BLOCK_N=fit_keys(BLOCK_N, block_d, q.element_size(), NUM_STAGES), F32_DOT=f32_dot(q.dtype),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale: float,
+                            max_seqlen_q: int | None = None, backend: str = "auto"):
+    """Causal attention of packed query chunks over their paged KV cache; spec in the module docstring.
+
+    q: (T, Hq, D) packed; k_cache, v_cache: (num_pages, page_size, Hkv, D) as in
+    `paged_decode_attention`; block_table: (N, max_pages) int32; cu_seqlens_q: (N+1,) int32,
+    cu_seqlens_q[0] = 0, cu_seqlens_q[N] = T; seq_lens: (N,) int32 keys per sequence including
+    this chunk, seq_lens[i] >= q_len_i. max_seqlen_q: a Python int >= every q_len_i (the Triton
+    grid; without it one host sync). Returns (T, Hq, D) in q.dtype.
+    """
+    if q.dim() != 3 or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(f"paged_prefill_attention: want q (T, Hq, D), cu_seqlens_q (N+1,), seq_lens (N,); got "
+                         f"{tuple(q.shape)}, {tuple(cu_seqlens_q.shape)}, {tuple(seq_lens.shape)}")
+    check_paged(q, k_cache, v_cache, block_table, seq_lens, seq_lens.shape[0], "paged_prefill_attention")
+    impl = {"triton": paged_prefill_attention_triton, "torch": paged_prefill_attention_torch,
+            "ref": paged_prefill_attention_ref}[choose(backend, q, k_cache, v_cache, block_table, seq_lens)]
+    return impl(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
