@@ -12,7 +12,9 @@ It is megatron-core's computation, op for op, written as functions: megatron's
 modules are built for [s, b, h] training batches with their own static KV
 cache, and each call walks ~15 modules per layer in Python. Here one decode
 step is a fixed sequence of tensor ops on fixed-shape inputs, which is what a
-CUDA graph captures. Local-spec names (``input_layernorm.weight``) and TE's
+CUDA graph captures, and the elementwise work between the GEMMs is fused
+(``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write, SiLU-mul;
+on CPU the same calls run their torch specs). Local-spec names (``input_layernorm.weight``) and TE's
 fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
 training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
@@ -26,6 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from megarl.kernels.rms_norm import add_rms_norm
+from megarl.kernels.rope_cache import rope_cache
+from megarl.kernels.swiglu import silu_mul
 
 
 @dataclass
@@ -84,11 +89,6 @@ def _layer_weights(layer) -> LayerWeights:
     )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class StageForward:
     """This rank's stage of the policy, as a function of a :class:`ForwardBatch` and the cache."""
 
@@ -141,26 +141,32 @@ class StageForward:
         return out
 
     def layers_forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """(T, h) -> (T, h) through this stage's layers, writing their K/V into ``cache``."""
-        cos, sin = self.cos[batch.positions][:, None], self.sin[batch.positions][:, None]  # (T, 1, hn)
-        for i, lw in enumerate(self.layers):
-            x = x + self._attention(F.rms_norm(x, (self.hidden,), lw.attn_norm, self.eps),
-                                    lw, batch, cache.keys(i), cache.values(i), cos, sin)
-            x = x + self._mlp(F.rms_norm(x, (self.hidden,), lw.mlp_norm, self.eps), lw)
-        return x
+        """(T, h) -> (T, h) through this stage's layers, writing their K/V into ``cache``.
 
-    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, cos, sin):
+        The residual stream and the next sublayer's normed input come from one fused
+        add + RMSNorm (``megarl.kernels.rms_norm``), the same numbers as
+        ``x = x + f(x); h = rms_norm(x)``.
+        """
+        h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
+        for i, lw in enumerate(self.layers):
+            attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i))
+            h, residual = add_rms_norm(attn, residual, lw.mlp_norm, self.eps)
+            mlp = self._mlp(h, lw)
+            if i + 1 < len(self.layers):
+                h, residual = add_rms_norm(mlp, residual, self.layers[i + 1].attn_norm, self.eps)
+            else:
+                residual = residual + mlp
+        return residual
+
+    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache):
         t, g = h.shape[0], self.heads // self.kv_heads
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias).view(t, self.kv_heads, g + 2, self.head_dim)
-        q = qkv[:, :, :g].reshape(t, self.heads, self.head_dim)  # (T, np, hn)
-        k, v = qkv[:, :, g], qkv[:, :, g + 1]  # (T, ng, hn)
-        if lw.q_norm is not None:
-            q = F.rms_norm(q, (self.head_dim,), lw.q_norm, self.eps)
-            k = F.rms_norm(k, (self.head_dim,), lw.k_norm, self.eps)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
-        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v.contiguous())
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (T, ng * (g + 2) * hn)
+        if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of queries and keys before RoPE, in place
+            heads = qkv.view(t, self.kv_heads, g + 2, self.head_dim)
+            heads[:, :, :g] = F.rms_norm(heads[:, :, :g], (self.head_dim,), lw.q_norm, self.eps)
+            heads[:, :, g] = F.rms_norm(heads[:, :, g], (self.head_dim,), lw.k_norm, self.eps)
+        q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
+                       self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
         if batch.decode:
             o = paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale)
         else:
@@ -169,8 +175,7 @@ class StageForward:
         return self._all_reduce(F.linear(o.reshape(t, -1), lw.proj))
 
     def _mlp(self, h, lw: LayerWeights):
-        gate, up = F.linear(h, lw.fc1).chunk(2, dim=-1)
-        return self._all_reduce(F.linear(F.silu(gate) * up, lw.fc2))
+        return self._all_reduce(F.linear(silu_mul(F.linear(h, lw.fc1)), lw.fc2))
 
     def _all_reduce(self, x):
         if self.tp is not None:

@@ -1,0 +1,77 @@
+"""megarl.kernels add_rms_norm, rope_cache, silu_mul: Triton against the specs on odd shapes.
+
+Shapes: rows 1 and 7, hidden 100 (not a power of two), head dims 32 and 64,
+query heads per group 1, 2 and 6, caches with shuffled target rows and
+NaN-poisoned everywhere else (a wrong row shows up as a changed NaN or a
+NaN left where a value belongs). fp32 must agree to rounding (1e-5 relative);
+bf16 to one rounding step of the output (the kernels round where torch rounds,
+but exp / rsqrt may differ in the last fp32 bit). On CPU the Triton path runs
+in the interpreter, whose fp32 -> bf16 conversion truncates (seen with Triton
+3.9) where the GPU rounds to nearest: there the bf16 residual add is checked
+to one step, on the GPU bitwise.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from megarl.kernels import interpret_mode, triton_usable  # noqa: E402
+from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref  # noqa: E402
+from megarl.kernels.rope_cache import rope_cache, rope_cache_ref  # noqa: E402
+from megarl.kernels.swiglu import silu_mul, silu_mul_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)), reason="needs Triton")
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,with_residual", [(1, False), (7, True)])
+def test_add_rms_norm(dtype, rows, with_residual):
+    x = _rand(rows, 100, dtype=dtype, seed=1)
+    r = _rand(rows, 100, dtype=dtype, seed=2) if with_residual else None
+    w = _rand(100, dtype=torch.float32, seed=3) + 1.0  # fp32 weight beside bf16 rows, as the local spec
+    y, s = add_rms_norm(x, r, w, 1e-6, backend="triton")
+    y_ref, s_ref = add_rms_norm_ref(x, r, w, 1e-6)
+    assert y.dtype == dtype
+    if dtype == torch.float32 or not interpret_mode():
+        assert torch.equal(s, s_ref)  # the residual add rounds exactly as torch's
+    torch.testing.assert_close(s, s_ref, **TOL[dtype])
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    y_t, _ = add_rms_norm(x, r, w, 1e-6, backend="torch")  # torch's own rms_norm is the spec
+    torch.testing.assert_close(y_t, y_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups,per_group,d", [(2, 1, 32), (1, 2, 64), (2, 6, 32)])
+def test_rope_cache(dtype, groups, per_group, d):
+    t, pages, page = 7, 6, 4
+    qkv = _rand(t, groups * (per_group + 2) * d, dtype=dtype, seed=4)
+    pos = torch.tensor([0, 3, 5, 1, 17, 9, 2], device=DEVICE)
+    freqs = torch.outer(torch.arange(32.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    freqs = torch.cat([freqs, freqs], -1).to(DEVICE)
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    slots = torch.randperm(pages * page, generator=torch.Generator().manual_seed(5))[:t].to(DEVICE)
+    caches = [torch.full((pages, page, groups, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    q = rope_cache(qkv, cos, sin, pos, slots, caches[0], caches[1], groups, per_group, backend="triton")
+    q_ref = rope_cache_ref(qkv, cos, sin, pos, slots, caches[2], caches[3], groups, per_group)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])  # same rows written, rest NaN
+    assert not caches[1].view(-1, groups, d)[slots].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,f", [(1, 50), (7, 1100)])
+def test_silu_mul(dtype, rows, f):
+    x = _rand(rows, 2 * f, dtype=dtype, seed=6) * 3
+    torch.testing.assert_close(silu_mul(x, backend="triton"), silu_mul_ref(x), **TOL[dtype])
