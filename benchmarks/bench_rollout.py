@@ -12,9 +12,11 @@ checkpoint; ms per token step = wall time / new tokens (prefill included);
 tokens/s = B * new tokens / wall time. The floor of a decode step is the bytes
 it must read once — every weight but the input embedding (tied heads count
 once) plus the live K/V of the batch, averaged over the steps — over
-4.24 TB/s. ``--ragged B`` adds a run whose per-request length limits are drawn
-uniformly from 16..1024 (what sampled EOS does to a batch): its useful
-tokens/s beside the fixed-length run at the same B. The checkpoint is the
+4.24 TB/s. ``--ragged B`` adds two runs of 4 x B requests on an engine of B
+slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
+then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
+does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
+one (``of_fixed``). Every CUDA-graph bucket is captured before the timed runs. The checkpoint is the
 shipped tiny model (``--shape tiny``) or a random-weight one made by
 benchmarks/make_checkpoint.py.
 """
@@ -56,24 +58,29 @@ def start_distributed() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def build_engine(path: str, args, max_len: int):
+def build_model(path: str, args):
+    """This process's GPTModel of the checkpoint (TP1, PP1): (module, info, groups)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_module
-    from megarl.rollout.native import EngineOptions, NativeEngine
 
     init_distributed()
     groups = build_parallel_groups(1, 1)
     model_parallel_cuda_manual_seed(0)
     cfg = Config()
     cfg.model.path, cfg.model.dtype = path, args.dtype
-    cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = args.prompt_len, max_len - args.prompt_len
+    cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = args.prompt_len, 1024
     module, info = build_module(path, cfg, groups)
-    options = EngineOptions(max_batch=max(args.batches + [args.ragged or 0]), cuda_graphs=not args.eager,
-                            max_model_len=max_len)
-    return NativeEngine(module, groups, info.vocab_size, [], 0, options), module, info
+    return module, info, groups
+
+
+def make_engine(module, info, groups, args, max_len: int, max_batch: int):
+    from megarl.rollout.native import EngineOptions, NativeEngine
+
+    options = EngineOptions(max_batch=max_batch, cuda_graphs=not args.eager, max_model_len=max_len)
+    return NativeEngine(module, groups, info.vocab_size, [], 0, options)
 
 
 def sync() -> None:
@@ -123,18 +130,35 @@ def engine_rows(engine, module, info, args) -> list[dict]:
     return rows
 
 
-def ragged_row(engine, info, args) -> dict:
+def capture_buckets(engine, prompts) -> None:
+    """One short generate per CUDA-graph batch size, so no capture lands in a timed run."""
+    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.graphs import buckets_up_to
+
+    for b in buckets_up_to(engine.options.max_batch) if engine.graphs is not None else [len(prompts)]:
+        engine.generate(prompts[:b], SamplingParams(max_new_tokens=3, temperature=1.0))
+
+
+def ragged_rows(module, info, groups, args) -> list[dict]:
+    """4 x B requests on B slots: lengths fixed at --new-tokens, then drawn from 16..1024."""
     from megarl.rollout.engine import SamplingParams
 
-    b = args.ragged
+    b, n = args.ragged, 4 * args.ragged
+    engine = make_engine(module, info, groups, args, args.prompt_len + 1024, max_batch=b)
+    prompts = prompts_of(n, args.prompt_len, info.vocab_size, seed=3)
+    capture_buckets(engine, prompts)
     g = torch.Generator().manual_seed(7)
-    limits = torch.randint(16, 1025, (b,), generator=g).tolist()
-    prompts = prompts_of(b, args.prompt_len, info.vocab_size, seed=3)
-    params = SamplingParams(max_new_tokens=max(limits), temperature=1.0, seed=2)
-    engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0), max_new_tokens=[4] * b)
-    seconds = timed(lambda: engine.generate(prompts, params, max_new_tokens=limits))
-    return {"provider": "megarl-ragged", "batch": b, "seconds": seconds, "useful_tokens": sum(limits),
-            "tokens_per_s": sum(limits) / seconds, "lengths": [min(limits), max(limits)], **engine.stats}
+    cases = {"megarl-fixed-refill": [args.new_tokens] * n,
+             "megarl-ragged": torch.randint(16, 1025, (n,), generator=g).tolist()}
+    rows = []
+    for name, limits in cases.items():
+        params = SamplingParams(max_new_tokens=max(limits), temperature=1.0, seed=2)
+        seconds = timed(lambda: engine.generate(prompts, params, max_new_tokens=limits))
+        rows.append({"provider": name, "batch": b, "requests": n, "seconds": seconds, "useful_tokens": sum(limits),
+                     "tokens_per_s": sum(limits) / seconds, "lengths": [min(limits), max(limits)], **engine.stats})
+    rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    engine.release_memory()
+    return rows
 
 
 def hf_rows(path: str, info, args) -> list[dict]:
@@ -196,11 +220,12 @@ def main() -> None:
     args = parse()
     start_distributed()
     path = checkpoint(args.shape, args.work, args.prompt_len)
-    max_len = args.prompt_len + max(args.new_tokens, 1024 if args.ragged else 0)
-    engine, module, info = build_engine(path, args, max_len)
+    module, info, groups = build_model(path, args)
+    engine = make_engine(module, info, groups, args, args.prompt_len + args.new_tokens, max(args.batches))
     rows = engine_rows(engine, module, info, args)
+    engine.release_memory()
     if args.ragged:
-        rows.append(ragged_row(engine, info, args))
+        rows += ragged_rows(module, info, groups, args)
     rows += hf_rows(path, info, args)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

@@ -65,15 +65,25 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, 
 
 def paged_prefill_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale: float,
                                   max_seqlen_q=None):
-    """A loop over sequences, each one SDPA with a bottom-right-aligned causal mask."""
-    out = torch.empty_like(q)
-    for i, (q0, q1, n) in enumerate(_spans(cu_seqlens_q, seq_lens)):
-        k = sequence_keys(k_cache, block_table[i], n).transpose(0, 1)  # (Hkv, n, D)
-        v = sequence_keys(v_cache, block_table[i], n).transpose(0, 1)
-        pos = n - (q1 - q0) + torch.arange(q1 - q0, device=q.device)  # (q_len,)
-        visible = torch.arange(n, device=q.device)[None, :] <= pos[:, None]  # (q_len, n)
-        out[q0:q1] = sdpa_fp32(q[q0:q1].transpose(0, 1), k, v, visible[None], scale).transpose(0, 1).to(q.dtype)
-    return out
+    """Vectorized: every sequence's queries padded to (N, M), its pages gathered, one masked SDPA."""
+    T, Hq, D = q.shape
+    N, hkv = block_table.shape[0], k_cache.shape[2]
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # (N,)
+    M = int(max_seqlen_q) if max_seqlen_q is not None else int(q_lens.max())
+    row = torch.repeat_interleave(torch.arange(N, device=q.device), q_lens, output_size=T)  # (T,)
+    col = torch.arange(T, device=q.device) - cu_seqlens_q[row].long()  # query index within its sequence
+    padded = q.new_zeros(N, M, Hq, D)
+    padded[row, col] = q
+    idx = block_table.reshape(-1).long()
+    k = k_cache.index_select(0, idx).view(N, -1, hkv, D)  # (N, K = max_pages * page, Hkv, D)
+    v = v_cache.index_select(0, idx).view(N, -1, hkv, D)
+    keys = torch.arange(k.shape[1], device=q.device)  # (K,)
+    pos = (seq_lens - q_lens)[:, None] + torch.arange(M, device=q.device)  # (N, M) query positions
+    visible = (keys[None, None, :] <= pos[:, :, None]) & (keys < seq_lens[:, None])[:, None, :]  # (N, M, K)
+    live = (keys < seq_lens[:, None])[:, :, None, None]
+    k, v = k.masked_fill(~live, 0.0), v.masked_fill(~live, 0.0)  # dead slots may hold NaN
+    out = sdpa_fp32(padded.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), visible[:, None], scale)
+    return out.transpose(1, 2)[row, col].to(q.dtype)  # (T, Hq, D)
 
 
 @triton.jit
