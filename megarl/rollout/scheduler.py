@@ -200,17 +200,19 @@ class Scheduler:
         return src, dst
 
     def _decode_page_needs(self) -> list[tuple[Sequence, int]]:
-        needs = []
+        """(sequence, page index) for every write that needs a fresh page (vectorized; loops over those only)."""
+        slots = np.array([seq.slot for seq in self.running])
+        index = (self.lens[slots] - 1) // self.page_size  # (B,) page of the position written
+        held = self.table[slots, np.minimum(index, self.table.shape[1] - 1)]
+        fresh = held == 0  # past the sequence's pages (page 0 is never a sequence's)
+        shared = ~fresh & (self.pool.refs[held] > 1)
+        needs = [(self.running[i], int(index[i])) for i in np.flatnonzero(fresh)]
         shared_seen: dict[int, int] = {}  # the last holder of a shared page may keep it
-        for seq in self.running:
-            index = (self.lens[seq.slot] - 1) // self.page_size
-            if index >= len(seq.pages):
-                needs.append((seq, index))
-            elif self.pool.shared(seq.pages[index]):
-                page = seq.pages[index]
-                shared_seen[page] = shared_seen.get(page, 0) + 1
-                if shared_seen[page] < self.pool.refs[page]:
-                    needs.append((seq, index))
+        for i in np.flatnonzero(shared):
+            page = int(held[i])
+            shared_seen[page] = shared_seen.get(page, 0) + 1
+            if shared_seen[page] < self.pool.refs[page]:
+                needs.append((self.running[i], int(index[i])))
         return needs
 
     def _preempt(self, seq: Sequence) -> None:
