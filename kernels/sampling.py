@@ -1,0 +1,586 @@
+"""Next-token sampling in one graph-capturable op: temperature, top-k, top-p, per-request noise.
+
+Spec (`sample_tokens_ref`). logits (B, V); only columns [0, n) are the real
+vocab (n = vocab_size, default V; padding columns past n are never candidates
+and are in no softmax). Per row, with T = temperature (T <= 0: greedy, then T = 1):
+    s_j = l_j / T                                     scaled logits, j < n
+    logprob = log_softmax(s)[token]                   over the whole real vocab, unfiltered
+    greedy:  token = argmax_j s_j                     lowest index on ties
+    top-k (0 < k < n): keep j with s_j >= the k-th largest s (boundary ties all kept)
+    top-p (p < 1): on the kept set renormalized, sort probs descending, take the
+        shortest prefix with cumulative mass >= p; keep every j whose prob is
+        >= the prob of that prefix's last element (ties kept)
+    sample:  token = argmax over kept j of  s_j - log E_j,  E_j = -log1p(-u_j)
+The last line is the exponential race (Gumbel-max with g = -log E): E_j ~ Exp(1)
+independent, so P(token = j) = exp(s_j) / sum_kept exp(s) exactly.
+
+Noise. u_j = u(seed, offset, j) depends only on the request's seed, the index
+`offset` of the token being sampled within the request, and the vocab id j:
+never on batch composition or row position. All arithmetic is mod 2^32, with
+fmix32 the murmur3 finalizer (h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13;
+h *= 0xC2B2AE35; h ^= h >> 16) and absorb(h, w) = fmix32(((h ^ w) + 0x9E3779B9)):
+    k1 = absorb(absorb(absorb(absorb(0x6A09E667, seed_lo), seed_hi), off_lo), off_hi)
+    k2 = absorb(k1, 0x243F6A88)                      (seed_lo/hi: the two 32-bit words of the int64)
+    h  = fmix32(fmix32(k1 + j * 0x9E3779B9) ^ k2)
+    u  = min(((h >> 1) + 0.5) * 2^-31, 1 - 2^-24)    fp32 ops: int -> fp32 (round to nearest), +0.5, scale
+u is in (0, 1), never 0 or 1. Its resolution near 0 is ~2^-31 (relative 2^-24)
+because winners of the race have small E ~= u: a 24-bit u would tie the
+winners of a flat 150k-token row in ~2% of draws. The torch code computes it on
+int64 (spec) or int32 (fast) tensors, the kernels on uint32, bit-identically
+(`uniform_noise`). Rows whose (seed, offset) collide in k1 (2^-32 per pair) share noise.
+
+Kernels (no host sync, outputs sized from shapes: CUDA-graph capturable).
+  1. `_partials_kernel`, grid (B, S), S from the vocab size only (so nothing
+     depends on the batch): each program streams one slice of a row in BLOCK
+     chunks once: running max m, sum exp(s - m), argmax, min key, and
+     for unfiltered sampled rows the race itself (max of s - log E).
+  2. `_finish_kernel`, grid (B,): merges the S partials. Rows with top-k / top-p
+     find their threshold by bisection on order-preserving int32 keys of s,
+     no sort: each step counts (or sums exp(s - m) over) the elements with key
+     >= mid, snapping lo up / hi down to the nearest element keys and stopping
+     as soon as removing the smallest kept value breaks the condition (<= 33
+     steps, capped at 40; emulated on V=151936 rows: 11-18 for top_k=50, 7-21
+     for top_p=0.9). top-p is the largest threshold whose kept mass is
+     >= p * (top-k mass): the ref's set up to fp rounding. Then one race pass
+     over the kept set. Rows choose at run time (scalar branches), so one
+     launch serves greedy, plain and filtered rows together.
+The torch backend vectorizes the same steps (topk, and a histogram for flat
+top-p rows, for the thresholds; the int32 hash) and gives the ref's tokens.
+Measured (H200, V=151936, CUDA graph): plain sampling B=32 / 512 in .036 / .44
+ms fp32 (argmax alone: .019 / .096), greedy .017 / .16; filtered rows are
+single-program bisections: top_p=0.9 1.75 / 5.4 ms fp32 (torch sort + multinomial
+1.05 / 10.2 ms). `benchmarks/bench_sampling.py` has the full table.
+"""
+import torch
+
+from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+
+M32 = 0xFFFFFFFF
+GOLD, FMIX_C1, FMIX_C2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+ROW_INIT, K2_SALT = 0x6A09E667, 0x243F6A88
+U_MAX = 1.0 - 2.0 ** -24  # largest fp32 below 1
+
+# Vocab chunk per loop step and warps per program. H200 sweep (bf16, V=151936, CUDA-graph ms,
+# `bench_sampling.py --sweep`, 2026-12-01), BLOCK_V/NUM_WARPS at 4 programs per SM:
+#   plain  B=32:  2048/4 .031  4096/8 .030  8192/8 .051  8192/16 .038
+#   plain  B=512: 2048/4 .387  4096/8 .358  8192/8 .603  8192/16 .443
+#   top-p  B=32:  2048/4 1.51  4096/8 0.92  8192/8 0.83  8192/16 0.66
+#   top-p  B=512: 2048/4 2.61  4096/8 2.70  8192/8 3.40  8192/16 2.64
+# 4096/8 is best on plain sampling, the common RL case; top-p rows would prefer 8192/16 at small B.
+BLOCK_V = 4096
+NUM_WARPS = 8
+# Chunks per program in the first launch: a row is split into cdiv(n, SPLIT_CHUNKS * BLOCK_V)
+# slices, from the vocab size alone, so a row's partials (and the order they merge in) never
+# depend on the batch: tokens and logprobs are bit-identical alone or in any batch. V=151936
+# -> 10 slices. Evidence (same sweep, plain, where the split came from B instead): B=32 with
+# 5/8/13/19 slices .038/.030/.030/.029 ms; B=512 with 1/2/3 slices .384/.358/.351 ms.
+SPLIT_CHUNKS = 4
+# torch backend: rows per chunk so an (R, n) fp32 temporary is <= 2^22 elements (16 MiB); the
+# hash runs on row blocks of <= 2^20 elements (4 MiB int32). 2-core EPYC, B=64, V=151936, plain,
+# hash blocks of 2^16/2^18/2^20/2^22 elements: 96/87/82/83 ms (1 thread: 133/113/107/174).
+TORCH_CHUNK_ELEMS = 1 << 22
+TORCH_HASH_ELEMS = 1 << 20
+# torch top-p: the prefix is looked for in the TOP_P_CANDIDATES largest values (topk); longer
+# prefixes (flat rows) use an e-weighted histogram of TOP_P_BINS bins and sort one bin.
+# 2-core EPYC, B=512, V=151936, randn * 2 logits (every row flat), top_p=0.9: sorting the
+# whole row 4.5 s, the histogram 1.8 s (the rest is topk and the race). Bins unswept.
+TOP_P_CANDIDATES = 1024
+TOP_P_BINS = 2048
+
+
+# ---- the hash: spec on int64 tensors (mask to 32 bits after every multiply / add) ----
+
+def _fmix32_ref(h):
+    h = h ^ (h >> 16)
+    h = (h * FMIX_C1) & M32  # may overflow int64: torch wraps, the low 32 bits are right
+    h = h ^ (h >> 13)
+    h = (h * FMIX_C2) & M32
+    return h ^ (h >> 16)
+
+
+def _absorb_ref(h, w):
+    return _fmix32_ref(((h ^ w) + GOLD) & M32)
+
+
+def row_keys_ref(seeds, offsets):
+    """(B,) int64 seeds, offsets -> (k1, k2), each (B,) int64 in [0, 2^32)."""
+    seeds, offsets = seeds.long(), offsets.long()
+    h = torch.full_like(seeds, ROW_INIT)
+    for w in (seeds & M32, (seeds >> 32) & M32, offsets & M32, (offsets >> 32) & M32):
+        h = _absorb_ref(h, w)
+    return h, _absorb_ref(h, K2_SALT)
+
+
+def _to_unit(h):
+    """32-bit hash (any int dtype, value or its int32 wrap) -> fp32 u in (0, 1)."""
+    return ((h >> 1) & 0x7FFFFFFF).float().add_(0.5).mul_(2.0 ** -31).clamp_max_(U_MAX)
+
+
+def uniform_noise_ref(seeds, offsets, n: int):
+    """The noise spec: u(seed_b, offset_b, j) for j < n, (B, n) fp32 in (0, 1)."""
+    k1, k2 = row_keys_ref(seeds, offsets)
+    j = torch.arange(n, device=seeds.device)
+    h = _fmix32_ref((k1[:, None] + ((j * GOLD) & M32)) & M32)  # (B, n)
+    return _to_unit(_fmix32_ref(h ^ k2[:, None]))
+
+
+# ---- the hash, fast: int32 tensors wrap mod 2^32; logical shifts by masking ----
+
+def _i32(x):
+    """int64 values in [0, 2^32) -> the int32 with the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+_C1_I32, _C2_I32 = FMIX_C1 - 2**32, FMIX_C2 - 2**32
+
+
+def _xorshift_(h, by: int, tmp):
+    """h ^= h >> by (logical) in place; tmp: a scratch tensor like h."""
+    torch.bitwise_right_shift(h, by, out=tmp)
+    h ^= tmp.bitwise_and_((1 << (32 - by)) - 1)  # clear the sign copies of the arithmetic shift
+
+
+def _fmix32_i32_(h, tmp):
+    """In place on an int32 tensor."""
+    _xorshift_(h, 16, tmp)
+    h *= _C1_I32
+    _xorshift_(h, 13, tmp)
+    h *= _C2_I32
+    _xorshift_(h, 16, tmp)
+    return h
+
+
+def _noise_i32(k1, k2, jg):
+    """Row keys (R,) int32 and jg = j * GOLD (n,) int32 -> u (R, n) fp32."""
+    h = k1[:, None] + jg[None, :]  # (R, n) int32, wraps
+    tmp = torch.empty_like(h)
+    _fmix32_i32_(h, tmp)
+    h ^= k2[:, None]
+    return _to_unit(_fmix32_i32_(h, tmp))
+
+
+def _weyl_i32(n: int, device):
+    return _i32((torch.arange(n, device=device, dtype=torch.int64) * GOLD) & M32)
+
+
+def uniform_noise_torch(seeds, offsets, n: int):
+    k1, k2 = row_keys_ref(seeds, offsets)
+    return _noise_i32(_i32(k1), _i32(k2), _weyl_i32(n, seeds.device))
+
+
+@triton.jit
+def _fmix32(h):  # uint32
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _absorb(h, w):
+    return _fmix32((h ^ w) + 0x9E3779B9)
+
+
+@triton.jit
+def _row_keys(seed, off):
+    """int64 scalars -> (k1, k2) uint32."""
+    h = _absorb((seed & 0xFFFFFFFF).to(tl.uint32), 0x6A09E667)
+    h = _absorb(h, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    h = _absorb(h, (off & 0xFFFFFFFF).to(tl.uint32))
+    h = _absorb(h, ((off >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    return h, _absorb(h, 0x243F6A88)
+
+
+@triton.jit
+def _uniform(k1, k2, j):
+    """(BLOCK,) int32 vocab ids -> u (BLOCK,) fp32 in (0, 1)."""
+    h = _fmix32(_fmix32(k1 + j.to(tl.uint32) * 0x9E3779B9) ^ k2)
+    u = ((h >> 1).to(tl.float32) + 0.5) * 4.656612873077393e-10  # 2^-31
+    return tl.minimum(u, 0.9999999403953552)  # 1 - 2^-24
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, off_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    k1, k2 = _row_keys(tl.load(seed_ptr + row), tl.load(off_ptr + row))
+    tl.store(out_ptr + row.to(tl.int64) * n + j, _uniform(k1, k2, j), mask=j < n)
+
+
+def uniform_noise_triton(seeds, offsets, n: int):
+    B = seeds.shape[0]
+    out = torch.empty(B, n, dtype=torch.float32, device=seeds.device)
+    if B and n:
+        block = min(1024, next_pow2(n))
+        _uniform_kernel[(B, triton.cdiv(n, block))](seeds.long().contiguous(), offsets.long().contiguous(),
+                                                    out, n, BLOCK=block)
+    return out
+
+
+def uniform_noise(seeds, offsets, n: int, backend: str = "auto"):
+    """u(seed_b, offset_b, j) for j < n: (B, n) fp32 in (0, 1); the same bits from every backend."""
+    impl = {"triton": uniform_noise_triton, "torch": uniform_noise_torch,
+            "ref": uniform_noise_ref}[choose(backend, seeds, offsets)]
+    return impl(seeds, offsets, n)
+
+
+# ---- the spec ----
+
+def _keep_ref(s, k: int, p: float):
+    """(n,) scaled logits -> (n,) bool kept set under top-k then top-p."""
+    n = s.numel()
+    keep = torch.ones(n, dtype=torch.bool, device=s.device)
+    if 0 < k < n:
+        keep = s >= torch.sort(s, descending=True).values[k - 1]
+    if p < 1:
+        probs = torch.softmax(torch.where(keep, s, float("-inf")), -1)  # renormalized over the kept set
+        sp = torch.sort(probs[keep], descending=True).values
+        last = min(int((torch.cumsum(sp, 0) < p).sum()), sp.numel() - 1)  # shortest prefix with mass >= p
+        keep &= probs >= sp[last]
+    return keep
+
+
+def sample_tokens_ref(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None):
+    """The spec: a Python loop over rows with sorts. Returns tokens (B,) int64, logprobs (B,) fp32."""
+    n = logits.shape[1] if vocab_size is None else vocab_size
+    u = uniform_noise_ref(seeds, offsets, n)  # (B, n)
+    tokens, logprobs = [], []
+    for b in range(logits.shape[0]):
+        t = temperature[b].float()
+        greedy = bool(t <= 0)
+        s = logits[b, :n].float() / (1.0 if greedy else t)  # (n,)
+        if greedy:
+            tok = int(torch.argmax(s))
+        else:
+            race = s - torch.log(-torch.log1p(-u[b]))
+            keep = _keep_ref(s, int(top_k[b]), float(top_p[b]))
+            tok = int(torch.argmax(torch.where(keep, race, float("-inf"))))
+        tokens.append(tok)
+        logprobs.append(torch.log_softmax(s, -1)[tok])
+    dev = logits.device
+    return (torch.tensor(tokens, dtype=torch.int64, device=dev),
+            torch.stack(logprobs).float() if logprobs else torch.empty(0, device=dev))
+
+
+# ---- torch backend: vectorized over rows, chunked ----
+
+def _inv_temperature(temperature):
+    """(B,) -> (inv_t (B,) fp32 with 1 for greedy rows, greedy (B,) bool)."""
+    t = temperature.float()
+    greedy = t <= 0
+    return torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, t)), greedy
+
+
+def _top_p_hist(s, e, target):
+    """One row whose prefix is long (flat rows): (n,) s, kept mass e, target -> threshold on s.
+
+    An e-weighted histogram of s over TOP_P_BINS finds the bin where the mass from the top
+    crosses target; only that bin is sorted. O(n) plus a small sort instead of sorting the row.
+    """
+    live = e > 0
+    lo, hi = torch.where(live, s, float("inf")).amin(), s.amax()
+    b = (s - lo).mul_(TOP_P_BINS / (hi - lo).clamp_min(1e-30)).clamp_(0, TOP_P_BINS - 1).long()  # (n,)
+    hist = torch.zeros(TOP_P_BINS, dtype=e.dtype, device=e.device).scatter_add_(0, b, e)
+    above = hist.flip(0).cumsum(0).flip(0)  # mass of the bins >= i, non-increasing
+    i = max(int((above >= target).sum()) - 1, 0)  # the bin holding the prefix's last element
+    cand = live & (b == i)
+    sv, order = torch.sort(s[cand], descending=True)
+    cums = e[cand][order].cumsum(0) + (above[i + 1] if i + 1 < TOP_P_BINS else 0.0)
+    return sv[min(int((cums < target).sum()), sv.numel() - 1)]
+
+
+def _top_p_torch(s, thr_k, p):
+    """(r, n) scaled logits, top-k thresholds (r,), top_p (r,) -> top-p thresholds on s (r,).
+
+    The prefix is looked for among the TOP_P_CANDIDATES largest values; rows whose prefix
+    is longer go through `_top_p_hist`.
+    """
+    m = s.amax(-1, keepdim=True)
+    kept = s >= thr_k[:, None]
+    e = torch.where(kept, torch.exp(s - m), 0.0)  # (r, n) kept mass, in units of exp(m)
+    n_kept, target = kept.sum(-1), p * e.sum(-1)
+    K = min(s.shape[1], TOP_P_CANDIDATES)
+    sv = torch.topk(s, K, -1).values  # (r, K) descending
+    cums = torch.where(sv >= thr_k[:, None], torch.exp(sv - m), 0.0).cumsum(-1)
+    last = (cums < target[:, None]).sum(-1)  # index of the shortest prefix's last element
+    thr = sv.gather(-1, torch.minimum(last, n_kept - 1).clamp_max(K - 1)[:, None])[:, 0]
+    for i in ((last >= K) & (n_kept > K)).nonzero()[:, 0].tolist():
+        thr[i] = _top_p_hist(s[i], e[i], target[i])
+    return thr
+
+
+def _thresholds_torch(s, k, p):
+    """(r, n), top_k (r,), top_p (r,) -> thresholds (r,) on s: keep s >= thr (-inf keeps all)."""
+    n = s.shape[1]
+    thr = torch.full((s.shape[0],), float("-inf"), device=s.device)
+    k_on, p_on = (k > 0) & (k < n), p < 1
+    if bool(k_on.any()):
+        kmax = int(k[k_on].max())
+        kth = torch.topk(s, kmax, -1).values.gather(-1, (k.clamp(1, kmax) - 1).long()[:, None])[:, 0]
+        thr = torch.where(k_on, kth, thr)
+    if bool(p_on.any()):
+        rows = p_on.nonzero()[:, 0]
+        thr[rows] = _top_p_torch(s[rows], thr[rows], p[rows])
+    return thr
+
+
+def _race_torch(s, thr, k1, k2, jg):
+    """argmax over s >= thr of s - log E: (r, n), (r,), keys (r,) int32, jg (n,) -> (r,) int64."""
+    tok = torch.empty(s.shape[0], dtype=torch.int64, device=s.device)
+    step = max(1, TORCH_HASH_ELEMS // s.shape[1])
+    for i in range(0, s.shape[0], step):
+        sl = slice(i, i + step)
+        neg_log_e = _noise_i32(k1[sl], k2[sl], jg).neg_().log1p_().neg_().log_().neg_()  # (r, n)
+        race = neg_log_e.add_(s[sl]).masked_fill_(s[sl] < thr[sl, None], float("-inf"))
+        tok[sl] = race.argmax(-1)
+    return tok
+
+
+def sample_tokens_torch(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None):
+    """Vectorized PyTorch (CPU path): host syncs allowed; same tokens as the ref."""
+    B, n = logits.shape[0], logits.shape[1] if vocab_size is None else vocab_size
+    dev = logits.device
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+    inv_t, greedy = _inv_temperature(temperature)
+    k1, k2 = (_i32(k) for k in row_keys_ref(seeds, offsets))
+    jg = _weyl_i32(n, dev)
+    step = max(1, TORCH_CHUNK_ELEMS // max(n, 1))
+    for i in range(0, B, step):
+        sl = slice(i, min(i + step, B))
+        s = logits[sl, :n].float() * inv_t[sl, None]  # (R, n)
+        tok = s.argmax(-1)
+        rows = (~greedy[sl]).nonzero()[:, 0]
+        if rows.numel():
+            thr = _thresholds_torch(s[rows], top_k[sl][rows], top_p[sl][rows].float())
+            tok[rows] = _race_torch(s[rows], thr, k1[sl][rows], k2[sl][rows], jg)
+        tokens[sl] = tok
+        logprobs[sl] = s.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(s, -1)
+    return tokens, logprobs
+
+
+# ---- Triton backend ----
+
+@triton.jit
+def _key(s):
+    """fp32 -> int32 with the same order (-0.0 and +0.0 get one key)."""
+    b = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _unkey(k):
+    return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _race_chunk(s, keep, j, k1, k2):
+    """Chunk max of s - log E over keep and its lowest index (2^31 - 1 if none)."""
+    u = _uniform(k1, k2, j)  # E = -log1p(-u): a 4-term series below 1/32 (rel. error < u^4/5 <= 2e-7)
+    e = tl.where(u < 0.03125, u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))), -tl.log(1.0 - u))
+    r = tl.where(keep, s - tl.log(e), float("-inf"))
+    cm = tl.max(r, 0)
+    return cm, tl.min(tl.where(keep & (r == cm), j, 2147483647), 0)
+
+
+@triton.jit
+def _row_setup(row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, n):
+    t = tl.load(temp_ptr + row)
+    greedy = t <= 0.0
+    inv_t = tl.math.div_rn(1.0, tl.where(greedy, 1.0, t))  # the torch backend's 1 / T, bit for bit
+    k = tl.load(topk_ptr + row)
+    p = tl.load(topp_ptr + row)
+    filtered = ((k > 0) & (k < n)) | (p < 1.0)
+    k1, k2 = _row_keys(tl.load(seed_ptr + row), tl.load(off_ptr + row))
+    return inv_t, greedy, filtered, k, p, k1, k2
+
+
+@triton.jit
+def _partials_kernel(x_ptr, stride, n, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, pf_ptr, pi_ptr,
+                     B, S, split_len, BLOCK: tl.constexpr):
+    row, sp = tl.program_id(0), tl.program_id(1)
+    xr = x_ptr + row.to(tl.int64) * stride
+    inv_t, greedy, filtered, k, p, k1, k2 = _row_setup(row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, n)
+    race = (~greedy) & (~filtered)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, n)
+    cols = tl.arange(0, BLOCK)
+    m = -1e30  # finite: exp(m - m_new) stays 0, never nan, on the first chunk
+    z = 0.0
+    am = start
+    mn = 2147483647
+    rb = float("-inf")
+    ri = 2147483647
+    for v0 in range(start, end, BLOCK):
+        j = v0 + cols  # (BLOCK,)
+        ok = j < end
+        s = tl.load(xr + j, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        cmax = tl.max(s, 0)
+        am = tl.where(cmax > m, tl.min(tl.where(ok & (s == cmax), j, 2147483647), 0), am)
+        m_new = tl.maximum(m, cmax)
+        z = z * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), 0)
+        m = m_new
+        mn = tl.minimum(mn, tl.min(tl.where(ok, _key(s), 2147483647), 0))
+        if race:
+            cm, cj = _race_chunk(s, ok, j, k1, k2)
+            ri = tl.where(cm > rb, cj, ri)
+            rb = tl.maximum(rb, cm)
+    o = row * S + sp  # partials (3, B, S) fp32: m, z, race max; (3, B, S) int32: argmax, race argmax, min key
+    tl.store(pf_ptr + o, m)
+    tl.store(pf_ptr + B * S + o, z)
+    tl.store(pf_ptr + 2 * B * S + o, rb)
+    tl.store(pi_ptr + o, am)
+    tl.store(pi_ptr + B * S + o, ri)
+    tl.store(pi_ptr + 2 * B * S + o, mn)
+
+
+@triton.jit
+def _count_above(xr, n, inv_t, m, c, BLOCK: tl.constexpr):
+    """Over keys >= c: count, sum exp(s - m), min key and its count; and the max key < c."""
+    cols = tl.arange(0, BLOCK)
+    cnt = 0
+    mass = 0.0
+    amin = 2147483647
+    acnt = 0
+    bmax = -2147483648
+    for v0 in range(0, n, BLOCK):
+        j = v0 + cols
+        ok = j < n
+        s = tl.load(xr + j, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        key = _key(s)
+        above = ok & (key >= c)
+        cnt += tl.sum(above.to(tl.int32), 0)
+        mass += tl.sum(tl.where(above, tl.exp(s - m), 0.0), 0)
+        cmin = tl.min(tl.where(above, key, 2147483647), 0)
+        ccnt = tl.sum((above & (key == cmin)).to(tl.int32), 0)
+        acnt = tl.where(cmin < amin, ccnt, tl.where(cmin == amin, acnt + ccnt, acnt))
+        amin = tl.minimum(amin, cmin)
+        bmax = tl.maximum(bmax, tl.max(tl.where(ok & (key < c), key, -2147483648), 0))
+    return cnt, mass, amin, acnt, bmax
+
+
+@triton.jit
+def _bisect(xr, n, inv_t, m, lo, hi, lo_mass, k, target, BY_MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Largest element key c in [lo, hi) whose set {key >= c} has count >= k (or mass >= target).
+
+    Invariants: {key >= lo} passes the test, {key >= hi} fails it; each step moves lo up to the
+    smallest element key >= mid or hi down to the largest element key < mid, plus one, so the
+    bracket at least halves (clamped to mid: termination never rests on the snapping) and at
+    most 33 steps run. Returns (c, mass of {key >= c}).
+    """
+    steps = 0
+    while (hi - lo > 1) & (steps < 40):
+        mid = lo + (hi - lo) // 2
+        cnt, mass, amin, acnt, bmax = _count_above(xr, n, inv_t, m, mid.to(tl.int32), BLOCK)
+        if BY_MASS:
+            ok = mass >= target
+            still_ok = mass - acnt.to(tl.float32) * tl.exp(_unkey(amin) - m) >= target  # {key > amin}
+        else:
+            ok = cnt >= k
+            still_ok = cnt - acnt >= k
+        up = tl.maximum(amin.to(tl.int64), mid)
+        hi = tl.where(ok, tl.where(still_ok, hi, up + 1), tl.minimum(bmax.to(tl.int64) + 1, mid))
+        lo_mass = tl.where(ok, mass, lo_mass)
+        lo = tl.where(ok, up, lo)
+        steps += 1
+    return lo, lo_mass
+
+
+@triton.jit
+def _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK: tl.constexpr):
+    """Top-k then top-p thresholds by bisection, then the race over the kept set."""
+    top = _key(m).to(tl.int64) + 1
+    lo = mn.to(tl.int64)
+    k_on = (k > 0) & (k < n)
+    lo, zk = _bisect(xr, n, inv_t, m, lo, tl.where(k_on, top, lo + 1), z, k, 0.0, False, BLOCK)
+    target = tl.maximum(p * zk, 1e-30)  # p <= 0 keeps the top value (its mass is 1)
+    c, _ = _bisect(xr, n, inv_t, m, lo, tl.where(p < 1.0, top, lo + 1), zk, k, target, True, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    rb = float("-inf")
+    ri = 2147483647
+    for v0 in range(0, n, BLOCK):
+        j = v0 + cols
+        ok = j < n
+        s = tl.load(xr + j, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        cm, cj = _race_chunk(s, ok & (_key(s) >= c.to(tl.int32)), j, k1, k2)
+        ri = tl.where(cm > rb, cj, ri)
+        rb = tl.maximum(rb, cm)
+    return rb, ri
+
+
+@triton.jit
+def _finish_kernel(x_ptr, stride, n, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, pf_ptr, pi_ptr,
+                   tok_ptr, lp_ptr, B, S, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    xr = x_ptr + row.to(tl.int64) * stride
+    inv_t, greedy, filtered, k, p, k1, k2 = _row_setup(row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, n)
+    i = tl.arange(0, S_BLOCK)
+    o = row * S + i  # (S_BLOCK,)
+    ok = i < S
+    mi = tl.load(pf_ptr + o, mask=ok, other=float("-inf"))
+    m = tl.max(mi, 0)
+    z = tl.sum(tl.load(pf_ptr + B * S + o, mask=ok, other=0.0) * tl.exp(mi - m), 0)
+    am = tl.min(tl.where(ok & (mi == m), tl.load(pi_ptr + o, mask=ok, other=0), 2147483647), 0)
+    rbi = tl.load(pf_ptr + 2 * B * S + o, mask=ok, other=float("-inf"))
+    rb = tl.max(rbi, 0)
+    ri = tl.min(tl.where(ok & (rbi == rb), tl.load(pi_ptr + B * S + o, mask=ok, other=0), 2147483647), 0)
+    mn = tl.min(tl.load(pi_ptr + 2 * B * S + o, mask=ok, other=2147483647), 0)
+    if filtered & (~greedy):
+        rb, ri = _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK)
+    tok = tl.where(greedy | (rb == float("-inf")), am, ri)
+    s_tok = tl.load(xr + tok).to(tl.float32) * inv_t
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(lp_ptr + row, s_tok - m - tl.log(z))
+
+
+def _split_len(n: int, block: int, splits=None) -> int:
+    """Columns per first-launch program, a multiple of block; from n alone (batch invariance)."""
+    chunks = triton.cdiv(n, block)
+    return block * (triton.cdiv(chunks, min(chunks, splits)) if splits else min(chunks, SPLIT_CHUNKS))
+
+
+def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None,
+                         block=None, splits=None):
+    """Triton: two launches, no host sync. block / splits override BLOCK_V and the row split (tests)."""
+    B, n = logits.shape[0], logits.shape[1] if vocab_size is None else vocab_size
+    dev = logits.device
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+    if B == 0:
+        return tokens, logprobs
+    blk = block or min(BLOCK_V, next_pow2(n))
+    split_len = _split_len(n, blk, splits)
+    S = triton.cdiv(n, split_len)
+    pf = torch.empty(3, B, S, dtype=torch.float32, device=dev)
+    pi = torch.empty(3, B, S, dtype=torch.int32, device=dev)
+    rows = (temperature.float().contiguous(), top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
+            seeds.long().contiguous(), offsets.long().contiguous())
+    _partials_kernel[(B, S)](x, x.stride(0), n, *rows, pf, pi, B, S, split_len, BLOCK=blk, num_warps=NUM_WARPS)
+    _finish_kernel[(B,)](x, x.stride(0), n, *rows, pf, pi, tokens, logprobs, B, S,
+                         S_BLOCK=next_pow2(S), BLOCK=blk, num_warps=NUM_WARPS)
+    return tokens, logprobs
+
+
+def sample_tokens(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None, backend: str = "auto"):
+    """Sample one next token per row; spec in the module docstring.
+
+    logits: (B, V) fp32 / bf16 / fp16, unit stride along V; columns >= vocab_size are padding.
+    temperature (B,) fp32 (<= 0: greedy); top_k (B,) int (<= 0 or >= vocab_size: off);
+    top_p (B,) fp32 in (0, 1] (1: off); seeds (B,) int64 (any value); offsets (B,) int64
+    (index of the sampled token within its request). Returns tokens (B,) int64 and
+    logprobs (B,) fp32 = log_softmax(logits / T)[token] over the real vocab, unfiltered.
+    """
+    B, V = logits.shape if logits.dim() == 2 else (None, None)
+    n = V if vocab_size is None else int(vocab_size)
+    if B is None or any(t.shape != (B,) for t in (temperature, top_k, top_p, seeds, offsets)):
+        raise ValueError("sample_tokens wants logits (B, V) and temperature, top_k, top_p, seeds, offsets (B,); "
+                         f"got {tuple(logits.shape)}, " + ", ".join(str(tuple(t.shape)) for t in
+                                                                   (temperature, top_k, top_p, seeds, offsets)))
+    if not 0 < n <= V or n >= 2**31:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, V={V}] and < 2^31")
+    impl = {"triton": sample_tokens_triton, "torch": sample_tokens_torch,
+            "ref": sample_tokens_ref}[choose(backend, logits, temperature, top_k, top_p, seeds, offsets)]
+    return impl(logits, temperature, top_k, top_p, seeds, offsets, n)
