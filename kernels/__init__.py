@@ -16,6 +16,10 @@ from megarl.kernels.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
+from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+from megarl.kernels.rope_cache import rope_cache, rope_cache_ref
+from megarl.kernels.sampling import sample_tokens, sample_tokens_ref, uniform_noise
+from megarl.kernels.swiglu import silu_mul, silu_mul_ref
 from megarl.kernels.reshard import (
     fc1_merge,
     fc1_merge_ref,
@@ -42,6 +46,8 @@ __all__ = [
     "group_advantage", "group_advantage_ref", "group_advantage_torch",
     "logprob_entropy", "logprob_entropy_ref", "linear_logprob", "linear_logprob_ref",
     "paged_decode_attention", "paged_decode_attention_ref", "paged_prefill_attention", "paged_prefill_attention_ref",
+    "add_rms_norm", "add_rms_norm_ref", "rope_cache", "rope_cache_ref", "silu_mul", "silu_mul_ref",
+    "sample_tokens", "sample_tokens_ref", "uniform_noise",
     "qkv_split", "qkv_merge", "qkv_split_ref", "qkv_merge_ref",
     "fc1_split", "fc1_merge", "fc1_split_ref", "fc1_merge_ref",
     "split_interleaved", "merge_interleaved", "split_interleaved_ref", "merge_interleaved_ref",

@@ -68,6 +68,8 @@ def paged_prefill_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q
     """Vectorized: every sequence's queries padded to (N, M), its pages gathered, one masked SDPA."""
     T, Hq, D = q.shape
     N, hkv = block_table.shape[0], k_cache.shape[2]
+    if T == 0:
+        return torch.empty_like(q)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # (N,)
     M = int(max_seqlen_q) if max_seqlen_q is not None else int(q_lens.max())
     row = torch.repeat_interleave(torch.arange(N, device=q.device), q_lens, output_size=T)  # (T,)
