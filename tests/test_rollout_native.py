@@ -44,6 +44,7 @@ def _engine(actor, groups, eos, pages: int, max_batch: int):
 def _rollout(rank, ckpt, tp, pp, eos):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megarl.cli import ConfigError
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
@@ -59,6 +60,11 @@ def _rollout(rank, ckpt, tp, pp, eos):
     engine = _engine(actor, groups, eos, pages=6, max_batch=3)
     greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
     preemptions = engine.stats["rollout/preemptions"]
+    try:  # a pool that cannot hold the longest sequence alone is a config error, not a hang
+        _engine(actor, groups, eos, pages=3, max_batch=3).generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
+        too_small = "no error"
+    except ConfigError as e:
+        too_small = str(e)
 
     roomy = _engine(actor, groups, eos, pages=64, max_batch=16)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_k=20, top_p=0.9, n=2)
@@ -68,7 +74,7 @@ def _rollout(rank, ckpt, tp, pp, eos):
     train = actor.logprobs(batch, micro_batch_size=4, temperature=0.7)["logprobs"]
     diff = ((train - batch.tensors["rollout_logprobs"]).abs() * batch.response_mask).max()
     return {"greedy": [r.response_ids for r in greedy], "finish": [r.finish_reason for r in greedy],
-            "preemptions": preemptions, "diff": float(diff),
+            "preemptions": preemptions, "diff": float(diff), "too_small": too_small,
             "sampled": [r.response_ids for r in sampled], "alone": [r.response_ids for r in alone]}
 
 
@@ -102,7 +108,8 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
     r = results[0]
     assert r["greedy"] == expected
     assert r["finish"] == ["stop" if eos in e else "length" for e in expected]
-    assert r["preemptions"] > 0  # the 7-page pool cannot hold every sequence
+    assert r["preemptions"] > 0  # the 6-page pool cannot hold every sequence
+    assert r["too_small"].startswith("rollout.kv_cache_gb:")
     assert r["diff"] < 1e-5
     assert r["alone"] == r["sampled"][8:10]  # prompt 4's two samples, same seed, alone
     assert len({tuple(s) for s in r["sampled"]}) > len(PROMPTS)  # samples of a prompt differ

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.cli import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
 from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.engine import GenerationResult, SamplingParams
@@ -173,8 +174,8 @@ class NativeEngine:
         need = pages_for(longest, self.layout.page_size) + 1
         if pages < need:
             gb = need * self.layout.page_bytes() / 2**30
-            raise ValueError(f"the KV cache ({pages} pages of {self.layout.page_size} tokens) cannot hold one "
-                             f"sequence of {longest} tokens; raise rollout.kv_cache_gb to at least {gb:.2f}")
+            raise ConfigError(f"rollout.kv_cache_gb: a KV cache of {pages} pages of {self.layout.page_size} tokens "
+                              f"cannot hold one sequence of {longest} tokens; set it to at least {gb:.3g}")
 
     def _budget_bytes(self) -> float:
         o = self.options
