@@ -184,7 +184,8 @@ class StageForward:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(S, h) last-stage hidden states -> (S, V_padded) logits gathered over TP."""
-        local = F.linear(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.head)  # (S, V/tp)
+        normed, _ = add_rms_norm(x, None, self.final_norm, self.eps)
+        local = F.linear(normed, self.head)  # (S, V/tp)
         if self.tp is None:
             return local
         s, v_local = local.shape
