@@ -9,9 +9,11 @@ capture. :meth:`DecodeGraphs.check_weights` asserts that at every weight sync
 by comparing the pointers seen at capture. TP all-reduces and the logits
 all-gather run inside the graph.
 
-Inputs live in static buffers: each replay copies the step's ids, positions,
-cache rows, block table, lengths, seeds and token indices in; rows past the
-real batch read nothing (0 keys) and write their K/V to the scratch page.
+Inputs live in two static buffers, (6, B) int64 rows (ids, positions, cache
+rows, lengths, seeds, token indices) and the (B, max_pages) block table: each
+replay fills their host copies and moves each with one copy; rows past the
+real batch read nothing (0 keys) and write their K/V to the scratch page. ``capture=False`` runs the very same
+buffers and padding eagerly (CPU tests of this path).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from megarl.rollout.stage import ForwardBatch
 # Batch sizes with a graph: padding a batch up to its bucket costs at most ~1/3 extra rows,
 # and decode time is dominated by reading the weights, not by the rows.
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "seeds", "offsets")  # (B,) each
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -34,60 +37,52 @@ def buckets_up_to(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Lazily captured decode graphs of one engine, sharing one memory pool."""
 
-    def __init__(self, engine, max_batch: int):
-        self.engine, self.max_batch = engine, max_batch
+    def __init__(self, engine, max_batch: int, capture: bool = True):
+        self.engine, self.max_batch, self.capture = engine, max_batch, capture
         self.buckets = buckets_up_to(max_batch)
+        self.max_pages = pages_for(engine.max_len, engine.options.page_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.static = None
         self.pointers: list[int] = []
+        self.rows_seen = None  # the sampling settings now in the static buffers
+        b, dev = max_batch, engine.device
+        self.host = np.zeros((len(_ROW_FIELDS), b), dtype=np.int64)  # one contiguous (B,) row per field
+        self.host_table = np.zeros((b, self.max_pages), dtype=np.int32)
+        self.inputs = torch.zeros(self.host.shape, dtype=torch.long, device=dev)
+        self.table = torch.zeros(self.host_table.shape, dtype=torch.int32, device=dev)
+        self.temperature = torch.ones(b, device=dev)
+        self.top_k = torch.full((b,), -1, dtype=torch.int32, device=dev)
+        self.top_p = torch.ones(b, device=dev)
+        self.rows = torch.arange(b, device=dev)
+        self.cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.tokens = torch.zeros(b, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(b, device=dev)
 
     @property
     def captured(self) -> bool:
         return bool(self.graphs)
 
     def fits(self, plan) -> bool:
-        page = self.engine.options.page_size
-        return len(plan.seqs) <= self.max_batch and plan.block_table.shape[1] * page <= self._max_tokens()
+        return len(plan.seqs) <= self.max_batch and plan.block_table.shape[1] <= self.max_pages
 
-    def _max_tokens(self) -> int:
-        return pages_for(self.engine.max_len, self.engine.options.page_size) * self.engine.options.page_size
-
-    # -- capture -------------------------------------------------------------
-    def _buffers(self, max_pages: int) -> dict:
-        b, dev = self.max_batch, self.engine.device
-        return {
-            "input_ids": torch.zeros(b, dtype=torch.long, device=dev),
-            "positions": torch.zeros(b, dtype=torch.long, device=dev),
-            "slot_mapping": torch.zeros(b, dtype=torch.long, device=dev),
-            "block_table": torch.zeros(b, max_pages, dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(b, dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(b + 1, dtype=torch.int32, device=dev),
-            "rows": torch.arange(b, dtype=torch.long, device=dev),
-            "seeds": torch.zeros(b, dtype=torch.long, device=dev),
-            "offsets": torch.zeros(b, dtype=torch.long, device=dev),
-            "temperature": torch.ones(b, device=dev),
-            "top_k": torch.full((b,), -1, dtype=torch.int32, device=dev),
-            "top_p": torch.ones(b, device=dev),
-            "tokens": torch.zeros(b, dtype=torch.long, device=dev),
-            "logprobs": torch.zeros(b, device=dev),
-        }
+    # -- the step ------------------------------------------------------------
+    def _field(self, name: str, b: int) -> torch.Tensor:
+        return self.inputs[_ROW_FIELDS.index(name), :b]
 
     def _body(self, b: int) -> None:
         """The decode step on the first ``b`` rows of the static buffers."""
-        s = self.static
-        batch = ForwardBatch(s["input_ids"][:b], s["positions"][:b], s["slot_mapping"][:b],
-                             s["block_table"][:b], s["seq_lens"][:b], s["cu_seqlens_q"][: b + 1], 1, True)
-        logits = self.engine._forward(batch, s["rows"][:b])
-        tokens, logprobs = sample_tokens(logits, s["temperature"][:b], s["top_k"][:b], s["top_p"][:b],
-                                         s["seeds"][:b], s["offsets"][:b], vocab_size=self.engine.vocab_size)
-        s["tokens"][:b].copy_(tokens)
-        s["logprobs"][:b].copy_(logprobs)
+        f = lambda name: self._field(name, b)  # noqa: E731
+        batch = ForwardBatch(f("input_ids"), f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
+                             self.cu[: b + 1], 1, True)
+        logits = self.engine._forward(batch, self.rows[:b])
+        tokens, logprobs = sample_tokens(logits, self.temperature[:b], self.top_k[:b], self.top_p[:b],
+                                         f("seeds"), f("offsets"), vocab_size=self.engine.vocab_size)
+        self.tokens[:b].copy_(tokens)
+        self.logprobs[:b].copy_(logprobs)
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph:
-        if self.static is None:
-            self.static = self._buffers(self._max_tokens() // self.engine.options.page_size)
-        self._reset_inputs()  # warm-up writes land in the scratch page
+        self.inputs.zero_()  # warm-up writes land in the scratch page
+        self.table.zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -101,11 +96,36 @@ class DecodeGraphs:
         self.pointers = self.pointers or self._weight_pointers()
         return graph
 
-    def _reset_inputs(self) -> None:
-        s = self.static
-        for key in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "seeds", "offsets"):
-            s[key].zero_()
+    def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and log-probs (n,) of a decode step, through the bucket's graph."""
+        n = len(plan.seqs)
+        b = next(x for x in self.buckets if x >= n)
+        if self.capture and b not in self.graphs:
+            self.graphs[b] = self._capture(b)
+        self._load(plan, rows, b)
+        if self.capture:
+            self.graphs[b].replay()
+        else:
+            self._body(b)
+        return self.tokens[:n].cpu().numpy(), self.logprobs[:n].cpu().numpy()
 
+    def _load(self, plan, rows, b: int) -> None:
+        """The step's inputs into the static buffers (padded rows zero): two host fills, two copies."""
+        n, width = len(plan.seqs), plan.block_table.shape[1]
+        self.host[:, n:b] = 0
+        for i, name in enumerate(_ROW_FIELDS):
+            self.host[i, :n] = getattr(plan, name)
+        self.host_table[:b] = 0
+        self.host_table[:n, :width] = plan.block_table
+        self.inputs.copy_(torch.from_numpy(self.host))
+        self.table[:b].copy_(torch.from_numpy(self.host_table[:b]))
+        if rows is not self.rows_seen:  # the sampling settings change per generate call, not per step
+            rows = rows.grow(self.max_batch)
+            for name in ("temperature", "top_k", "top_p"):
+                getattr(self, name).copy_(getattr(rows, name)[: self.max_batch])
+            self.rows_seen = rows
+
+    # -- weights -------------------------------------------------------------
     def _weight_pointers(self) -> list[int]:
         return [t.data_ptr() for t in self.engine.stage.parameters()]
 
@@ -114,27 +134,3 @@ class DecodeGraphs:
         if self.pointers and self._weight_pointers() != self.pointers:
             raise RuntimeError("actor parameters were re-allocated after the decode CUDA graphs were captured; "
                                "the graphs would read stale weights (set rollout.cuda_graphs=false)")
-
-    def drop(self) -> None:
-        """Forget every graph (the KV cache they point at is being replaced)."""
-        self.graphs.clear()
-
-    # -- replay --------------------------------------------------------------
-    def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
-        n = len(plan.seqs)
-        b = next(x for x in self.buckets if x >= n)
-        if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
-        s = self.static
-        self._reset_inputs()
-        width = plan.block_table.shape[1]
-        for key, value in (("input_ids", plan.input_ids), ("positions", plan.positions),
-                           ("slot_mapping", plan.slot_mapping), ("seq_lens", plan.seq_lens),
-                           ("seeds", plan.seeds), ("offsets", plan.offsets)):
-            s[key][:n].copy_(torch.from_numpy(np.ascontiguousarray(value)), non_blocking=True)
-        s["block_table"][:n, :width].copy_(torch.from_numpy(plan.block_table), non_blocking=True)
-        rows = rows.grow(n)
-        for key in ("temperature", "top_k", "top_p"):
-            s[key][:n].copy_(getattr(rows, key)[:n])
-        self.graphs[b].replay()
-        return s["tokens"][:n].cpu().numpy(), s["logprobs"][:n].cpu().numpy()

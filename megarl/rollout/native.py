@@ -161,7 +161,7 @@ class NativeEngine:
         self.cache = self._new_cache(pages)
 
     def _new_cache(self, pages: int) -> KVCache:
-        if self.graphs is None:
+        if self.graphs is None or self.device.type != "cuda":
             return KVCache(self.layout, pages, self.device)
         try:
             return KVCache(self.layout, pages, self.device, pinned=True)
