@@ -18,71 +18,22 @@ bytes-read floor B * V * bytes / 4.24e12 s (H200 HBM peak). The table prints las
 import argparse
 import importlib
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 
 from megarl.kernels import triton_usable
 from megarl.kernels.sampling import sample_tokens
 
-HBM_BYTES_PER_S = 4.24e12
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import HBM_BYTES_PER_S, eager_ms, graph_ms  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 L2_DEFEAT_BYTES = 256 << 20
 SETTINGS = {"plain": (1.0, 0, 1.0), "greedy": (0.0, 0, 1.0), "top_k50": (1.0, 50, 1.0),
             "top_p0.9": (1.0, 0, 0.9), "top_k50_top_p0.9": (1.0, 50, 0.9)}
-
-
-def _sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def eager_ms(fns, reps):
-    """Median ms per call, calls rotating over fns (one per input copy)."""
-    fns[0]()
-    _sync()
-    if not CUDA:
-        times = []
-        for i in range(reps):
-            t = time.perf_counter()
-            fns[i % len(fns)]()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
-    events = []
-    for i in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fns[i % len(fns)]()
-        e.record()
-        events.append((s, e))
-    _sync()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def graph_ms(fns, reps=7):
-    """Per-call ms replaying one CUDA graph of a pass over fns; None when not capturable."""
-    if not CUDA:
-        return None
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in fns:
-                f()
-        graph.replay()
-        _sync()
-        return eager_ms([graph.replay], reps) / len(fns)
-    except Exception as e:  # noqa: BLE001  (a provider that syncs cannot be captured)
-        print(f"    (no CUDA graph: {type(e).__name__}: {str(e)[:80]})")
-        _sync()
-        return None
 
 
 def torch_multinomial(logits, temperature, top_k, top_p, k: int, p: float):
