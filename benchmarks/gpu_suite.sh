@@ -2,7 +2,8 @@
 # One device call, one whole job: the GPU checks and benchmarks, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh models     # GPU tests, kernel benchmark, bf16 parity, 7B throughput
 #   bash benchmarks/gpu_suite.sh ppo        # PPO steps on random-weight checkpoints
-#   bash benchmarks/gpu_suite.sh rollout    # rollout kernels + engine tests, decode throughput vs generate
+#   bash benchmarks/gpu_suite.sh rollout    # engine GPU tests, decode throughput vs generate and the floor
+#   bash benchmarks/gpu_suite.sh rollout-kernels  # paged attention + sampling: GPU tests and benchmarks
 #   bash benchmarks/gpu_suite.sh e2e        # GRPO step, megarl vs TRL (needs TRL wheels in .whl/)
 # Needs .whl/ (megatron-core wheel: ../shared/gpu/fetch_wheels.sh) carried to the machine.
 set -uo pipefail
@@ -29,10 +30,13 @@ case "${1:-models}" in
       T=400 run ppo_7b_tp2 python3 benchmarks/bench_ppo.py --config yaml/llama7b.yaml --shape llama2-7b --layers 8 --rm --nproc 2 --steps 3 --out "$OUT/ppo_7b_tp2.json" data.batch_size=64 actor.mini_batch_size=64 actor.micro_batch_size=16 critic.micro_batch_size=16 reward.model.micro_batch_size=16
     fi ;;
   rollout)
-    T=150 run gpu_tests python3 -m pytest -q -m gpu tests/test_kernel_paged_attention.py tests/test_kernel_sampling.py tests/test_rollout_gpu.py
-    T=60 run attention python3 benchmarks/bench_attention.py --out "$OUT/attention.json"
-    T=60 run sampling python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json"
-    T=300 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --out "$OUT/rollout.json" ;;
+    T=120 run gpu_tests python3 -m pytest -q -x -m gpu tests/test_rollout_gpu.py
+    T=90 run decode_ops python3 -m pytest -q -x tests/test_kernel_decode_ops.py
+    T=330 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --out "$OUT/rollout.json" ;;
+  rollout-kernels)
+    T=300 run kernel_tests python3 -m pytest -q -m gpu tests/test_kernel_paged_attention.py tests/test_kernel_sampling.py
+    T=120 run attention python3 benchmarks/bench_attention.py --out "$OUT/attention.json"
+    T=120 run sampling python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json" ;;
   e2e)
     T=560 run e2e python3 benchmarks/bench_e2e.py --out "$OUT/e2e_grpo_1p5b.json" "${@:2}" ;;
 esac
