@@ -11,11 +11,20 @@ A group of one sample gets 0 in every mode. The sequence advantage is then
 broadcast over the response: out[b, t] = adv[b] * (mask[b, t] != 0). fp32 out.
 ("std" and "mean" are accepted as aliases of "grpo" and "drgrpo".)
 
+Shifted data. Every path computes the deviations from a pivot p, a member of
+the group: d_j = s_j - p, s - mu = d - mean(d), sd from the d - mean(d). A
+group of identical scores then has d = 0 exactly, hence an advantage of
+exactly 0 in every mode (the fp32 mean of n copies of a non-dyadic value
+such as 0.7 is 1 ulp off, which divided by a ~1e-8 std gave up to ~0.6).
+The ref computes in fp64 (scores rounded to fp32 first, as the kernels read
+them) with the group's first member as pivot; torch uses the group minimum;
+Triton uses each sample's own score s_i.
+
 Kernels. No host sync and no id remapping: each program takes BLOCK_I
 samples and streams all B (id, score) pairs in BLOCK_J tiles, matching ids
 with an (BLOCK_I, BLOCK_J) equality tile (O(B^2) compares: 67M at B=8192, a
-few microseconds of ALU) -- first for count and mean, then (grpo only) for
-the sum of squared deviations. A second launch broadcasts over (B, T).
+few microseconds of ALU) -- first for count and mean(s_j - s_i), then (grpo
+only) for the sum of squared deviations. A second launch broadcasts over (B, T).
 """
 import torch
 
@@ -39,25 +48,25 @@ def _mode(mode: str) -> str:
     return mode
 
 
-def _finish(s, mean, var, n, mode: str, eps: float):
-    """Sequence advantages (B,) from score, group mean, unbiased var and size (all (B,))."""
-    dev = s - mean
+def _finish(dev, var, n, mode: str, eps: float):
+    """Sequence advantages (B,) from s - group mean, unbiased group var and size (all (B,))."""
     adv = {"grpo": lambda: dev / (var.sqrt() + eps), "drgrpo": lambda: dev,
            "rloo": lambda: dev * n / (n - 1).clamp_min(1)}[mode]()
     return torch.where(n > 1, adv, 0.0)
 
 
 def group_advantage_ref(scores, group_ids, mask, mode: str = "grpo", eps: float = 1e-6):
-    """The spec: a Python loop over groups. (B,), (B,), (B, T) -> (B, T) fp32."""
-    mode, s = _mode(mode), scores.float()
-    mean, var, n = torch.zeros_like(s), torch.zeros_like(s), torch.zeros_like(s)
+    """The spec: a Python loop over groups, in fp64. (B,), (B,), (B, T) -> (B, T) fp32."""
+    mode, s = _mode(mode), scores.float().double()
+    dev, var, n = torch.zeros_like(s), torch.zeros_like(s), torch.zeros_like(s)
     for g in torch.unique(group_ids).tolist():
         sel = group_ids == g
         k = int(sel.sum())
-        mean[sel] = s[sel].mean()
-        var[sel] = s[sel].var(unbiased=True) if k > 1 else 0.0
+        d = s[sel] - s[sel][0]  # pivot: the group's first member
+        dev[sel] = d - d.mean()
+        var[sel] = (dev[sel] ** 2).sum() / (k - 1) if k > 1 else 0.0
         n[sel] = k
-    return _finish(s, mean, var, n, mode, eps)[:, None] * (mask != 0)
+    return _finish(dev, var, n, mode, eps).float()[:, None] * (mask != 0)
 
 
 def group_advantage_torch(scores, group_ids, mask, mode: str = "grpo", eps: float = 1e-6):
@@ -66,9 +75,11 @@ def group_advantage_torch(scores, group_ids, mask, mode: str = "grpo", eps: floa
     _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in [0, G)
     G = int(inv.max()) + 1 if inv.numel() else 0
     cnt = s.new_zeros(G).index_add_(0, inv, torch.ones_like(s))  # (G,)
-    mean = (s.new_zeros(G).index_add_(0, inv, s) / cnt)[inv]  # (B,)
-    var = (s.new_zeros(G).index_add_(0, inv, (s - mean) ** 2) / (cnt - 1).clamp_min(1))[inv]
-    return _finish(s, mean, var, cnt[inv], mode, eps)[:, None] * (mask != 0)
+    pivot = s.new_full((G,), float("inf")).scatter_reduce_(0, inv, s, "amin")  # (G,) group minimum
+    d = s - pivot[inv]  # (B,)
+    dev = d - (s.new_zeros(G).index_add_(0, inv, d) / cnt)[inv]  # (B,) s - group mean
+    var = (s.new_zeros(G).index_add_(0, inv, dev ** 2) / (cnt - 1).clamp_min(1))[inv]
+    return _finish(dev, var, cnt[inv], mode, eps)[:, None] * (mask != 0)
 
 
 @triton.jit
@@ -78,16 +89,16 @@ def _group_stats_kernel(score_ptr, gid_ptr, adv_ptr, B, eps,
     gi = tl.load(gid_ptr + i, mask=i < B)
     si = tl.load(score_ptr + i, mask=i < B, other=0.0).to(tl.float32)
     n = tl.zeros([BLOCK_I], dtype=tl.float32)
-    total = tl.zeros([BLOCK_I], dtype=tl.float32)
+    total = tl.zeros([BLOCK_I], dtype=tl.float32)  # sum of s_j - s_i over i's group
     for j0 in range(0, B, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         gj = tl.load(gid_ptr + j, mask=j < B)
         sj = tl.load(score_ptr + j, mask=j < B, other=0.0).to(tl.float32)
         same = (gi[:, None] == gj[None, :]) & (j < B)[None, :]  # (BI, BJ)
         n += tl.sum(same.to(tl.float32), axis=1)
-        total += tl.sum(tl.where(same, sj[None, :], 0.0), axis=1)
-    mean = total / tl.maximum(n, 1.0)
-    dev = si - mean
+        total += tl.sum(tl.where(same, sj[None, :] - si[:, None], 0.0), axis=1)
+    mean_d = total / tl.maximum(n, 1.0)  # group mean - s_i; exactly 0 for identical scores
+    dev = -mean_d
     if MODE == 0:  # grpo: second sweep for the unbiased std
         sq = tl.zeros([BLOCK_I], dtype=tl.float32)
         for j0 in range(0, B, BLOCK_J):
@@ -95,7 +106,7 @@ def _group_stats_kernel(score_ptr, gid_ptr, adv_ptr, B, eps,
             gj = tl.load(gid_ptr + j, mask=j < B)
             sj = tl.load(score_ptr + j, mask=j < B, other=0.0).to(tl.float32)
             same = (gi[:, None] == gj[None, :]) & (j < B)[None, :]
-            d = sj[None, :] - mean[:, None]
+            d = (sj[None, :] - si[:, None]) - mean_d[:, None]  # (BI, BJ) s_j - group mean
             sq += tl.sum(tl.where(same, d * d, 0.0), axis=1)
         adv = dev / (tl.sqrt(sq / tl.maximum(n - 1.0, 1.0)) + eps)
     elif MODE == 1:  # drgrpo

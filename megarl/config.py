@@ -93,6 +93,8 @@ class ActorConfig:
     policy_loss: str = opt("ppo", "ppo | gspo | a registered name or module:function")
     clip_low: float = opt(0.2, "ratio clip below: 1 - clip_low")
     clip_high: float = opt(0.2, "ratio clip above: 1 + clip_high")
+    gspo_clip_low: float = opt(3e-4, "gspo: sequence-ratio clip below: 1 - gspo_clip_low (GSPO paper: 3e-4)")
+    gspo_clip_high: float = opt(4e-4, "gspo: sequence-ratio clip above: 1 + gspo_clip_high (GSPO paper: 4e-4)")
     dual_clip: float = opt(0.0, "dual-clip bound c (> 1) for negative advantages; 0 disables")
     entropy_coef: float = opt(0.0, "entropy bonus weight")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt("token-mean", "how token losses become one number")

@@ -94,6 +94,9 @@ def check_algorithm(cfg: Config) -> None:
         raise ConfigError("algorithm.gamma and algorithm.lam must lie in [0, 1]")
     if act.clip_low < 0 or act.clip_high < 0:
         raise ConfigError("actor.clip_low and actor.clip_high must be >= 0")
+    for key in ("gspo_clip_low", "gspo_clip_high"):
+        if getattr(act, key) < 0:
+            raise ConfigError(f"actor.{key}={getattr(act, key)} must be >= 0")
     if act.dual_clip and act.dual_clip <= 1:
         raise ConfigError(f"actor.dual_clip={act.dual_clip} must be > 1 (or 0 to disable)")
     if cfg.critic.enable is False and a.advantage == "gae":

@@ -133,3 +133,21 @@ def test_missing_inputs_and_bad_config_name_the_field():
 def test_discounted_returns_gamma_one_is_reverse_cumsum():
     """gamma 1 over a full mask: G_t = sum_{k >= t} r_k, so [1, 2, 3] -> [6, 5, 3]."""
     torch.testing.assert_close(discounted_returns(t([[1, 2, 3]]), t([[1, 1, 1]]), 1.0), t([[6, 5, 3]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["std", "mean", "rloo"])
+def test_group_identical_scores_give_exactly_zero(mode, dtype):
+    """Groups of 16 copies of 0.7, 0.1, 1/3, -2.3 (interleaved): their plain mean
+    is 1 ulp off, which (s - mean) / (std + eps) blew up to ~0.1; deviations from
+    a group member (the minimum) are exactly 0. A masked NaN token reward does
+    not reach the score (sequence_scores selects, not multiplies)."""
+    s = torch.tensor([0.7, 0.1, 1 / 3, -2.3], dtype=dtype).repeat(16)
+    ids = torch.arange(4).repeat(16)
+    assert (group_normalized_scores(s, ids, mode) == 0).all()
+    rewards = torch.stack([torch.zeros_like(s), s, torch.full_like(s, math.nan)], -1)  # (64, 3)
+    mask = torch.tensor([1.0, 1.0, 0.0]).expand(64, 3)
+    batch = AdvantageInputs(rewards, mask, group_ids=ids)
+    name = {"std": "grpo", "mean": "grpo", "rloo": "rloo"}[mode]
+    adv, _ = get_advantage(name)(batch, AdvantageConfig(norm_by_std=mode != "mean"))
+    assert (adv == 0).all()

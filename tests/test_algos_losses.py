@@ -149,3 +149,123 @@ def test_entropy_bonus():
     """Real entropies 1, 2, 3: token mean 2, loss -0.01 * 2."""
     loss, metrics = entropy_loss(t([[1, 2], [3, 4]]), t([[1, 1], [1, 0]]), coef=0.01)
     assert math.isclose(loss.item(), -0.02) and metrics["entropy"].item() == 2.0
+
+
+def _in_range_but_shifted(n=8, eps=0.5):
+    """fp32 (v, old, R), n tokens each, with |v - old| < eps (checked in fp64 with a
+    margin) where the old form old + clamp(v - old, -eps, eps) is 1 ulp off v and
+    moves it away from R, so comparing squares flagged the token as clipped. v and
+    old of different magnitudes make v - old inexact; found by search, fixed seed."""
+    g = torch.Generator().manual_seed(0)
+    v, old = (torch.rand(4096, generator=g) * 0.8 - 0.4 for _ in range(2))
+    ret = torch.randn(4096, generator=g)
+    shifted = old + (v - old).clamp(-eps, eps)
+    bad = (shifted != v) & ((shifted - ret) ** 2 > (v - ret) ** 2)
+    bad &= (v.double() - old.double()).abs() < eps - 1e-3
+    idx = bad.nonzero().flatten()[:n]
+    assert len(idx) == n, "search found too few tokens; widen it"
+    return v[idx][None], old[idx][None], ret[idx][None]  # (1, n) each
+
+
+def test_value_loss_in_range_is_never_clipped():
+    """Tokens with |v - old| < eps, where the old v_clip was 1 ulp off v (see the
+    helper): vf_clip_frac is 0, the loss equals 0.5 * mean (v - R)^2 exactly and
+    so does its gradient. The old form flagged every one of them (checked)."""
+    v, old, ret = _in_range_but_shifted()
+    mask = torch.ones_like(v)
+    shifted = old + (v - old).clamp(-0.5, 0.5)
+    assert ((shifted - ret) ** 2 > (v - ret) ** 2).all()  # the old metric: all clipped
+    vc = v.clone().requires_grad_(True)
+    loss, metrics = value_loss(vc, old, ret, mask, clip_eps=0.5)
+    loss.backward()
+    vu = v.clone().requires_grad_(True)
+    plain, _ = value_loss(vu, old, ret, mask, clip_eps=None)
+    plain.backward()
+    assert metrics["vf_clip_frac"].item() == 0.0
+    assert torch.equal(loss, plain)
+    torch.testing.assert_close(vc.grad, vu.grad, rtol=0, atol=0)
+
+
+AGG_ALL = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+POISON = [math.nan, math.inf, -math.inf]
+
+
+def _poisoned(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+    return torch.where(mask.bool(), x, value)
+
+
+@pytest.mark.parametrize("poison", POISON)
+@pytest.mark.parametrize("mode", AGG_ALL)
+def test_agg_ignores_masked_nan_and_inf(mode, poison):
+    """A NaN or +-inf at a masked position gives the loss and gradient of a 0
+    there (x * 0 would make both NaN); the gradient is finite, 0 off the mask."""
+    g = torch.Generator().manual_seed(1)
+    loss_mat = torch.randn(3, 5, generator=g, dtype=D)
+    mask = t([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+
+    def run(x):
+        x = x.clone().requires_grad_(True)
+        out = agg_loss(x, mask, mode, norm_len=5 if mode.endswith("norm") else None)
+        out.backward()
+        return out, x.grad
+
+    want, want_grad = run(_poisoned(loss_mat, mask, 0.0))
+    got, got_grad = run(_poisoned(loss_mat, mask, poison))
+    assert torch.isfinite(got) and torch.equal(got, want)
+    assert torch.isfinite(got_grad).all() and torch.equal(got_grad, want_grad)
+    assert (got_grad[mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("poison", POISON)
+@pytest.mark.parametrize("name", ["ppo", "gspo", "value", "entropy", "kl"])
+def test_losses_ignore_masked_nan_and_inf(name, poison):
+    """Every input of a loss poisoned at masked positions (log-probs, advantages,
+    values, returns, entropies): loss, metrics and the gradient of the trained
+    input equal those with 0 there, and stay finite. Without the selection a NaN
+    reached the gradient through products like -A * r even with agg fixed."""
+    from megarl.algos.kl import kl_loss
+
+    g = torch.Generator().manual_seed(2)
+    a, b, c = (torch.randn(3, 5, generator=g, dtype=D) * 0.1 for _ in range(3))
+    mask = t([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    agg = Aggregation("seq-mean-token-mean")
+    fns = {
+        "ppo": lambda x, y, z: get_policy_loss("ppo")(x, y, z, mask, PolicyLossConfig(clip_c=3.0), agg),
+        "gspo": lambda x, y, z: get_policy_loss("gspo")(x, y, z, mask, PolicyLossConfig(), agg),
+        "value": lambda x, y, z: value_loss(x, y, z, mask, clip_eps=0.05, agg=agg),
+        "entropy": lambda x, y, z: entropy_loss(x, mask, 0.01, agg),
+        "kl": lambda x, y, z: kl_loss(x, y, mask, "low_var_kl", agg),
+    }
+
+    def run(fill):
+        x = _poisoned(a, mask, fill).requires_grad_(True)
+        loss, metrics = fns[name](x, _poisoned(b, mask, fill), _poisoned(c, mask, fill))
+        loss.backward()
+        return loss, metrics, x.grad
+
+    want, want_m, want_grad = run(0.0)
+    got, got_m, got_grad = run(poison)
+    assert torch.isfinite(got) and torch.equal(got, want)
+    assert all(torch.equal(got_m[k], want_m[k]) for k in want_m), (got_m, want_m)
+    assert torch.isfinite(got_grad).all() and torch.equal(got_grad, want_grad)
+
+
+def test_gspo_clip_range_comes_from_actor_config():
+    """actor.gspo_clip_low/high=0.1 on the command line reach the loss through the
+    trainer's policy_loss_config: the same loss as test_gspo_sequence_ratio_and_gradient
+    (row 0's s = e^0.2 clipped at 1.1). The defaults are the paper's 3e-4 / 4e-4."""
+    from megarl.cli import load_config
+    from megarl.config import ActorConfig, Config
+    from megarl.roles.policy import policy_loss_config
+
+    cfg = load_config(["actor.gspo_clip_low=0.1", "actor.gspo_clip_high=1e-1", "actor.clip_high=0.28"], Config)
+    loss_cfg = policy_loss_config(cfg.actor)
+    assert (loss_cfg.gspo_clip_low, loss_cfg.gspo_clip_high, loss_cfg.clip_high) == (0.1, 0.1, 0.28)
+    default = policy_loss_config(ActorConfig())
+    assert (default.gspo_clip_low, default.gspo_clip_high) == (3e-4, 4e-4)
+    logp = t([[0.1, 0.3], [-0.05, 5.0]])
+    args = (logp, torch.zeros(2, 2, dtype=D), t([[1, 1], [-1, -1]]), t([[1, 1], [1, 0]]))
+    loss, _ = get_policy_loss("gspo")(*args, loss_cfg, Aggregation("seq-mean-token-mean"))
+    assert math.isclose(loss.item(), (-1.1 + math.exp(-0.05)) / 2, rel_tol=1e-12)
+    assert not math.isclose(get_policy_loss("gspo")(*args, default, Aggregation("seq-mean-token-mean"))[0].item(),
+                            loss.item())

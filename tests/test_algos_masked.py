@@ -36,3 +36,19 @@ def test_whiten():
     expected = torch.tensor([[-1.5, -0.5, 0.5], [1.5, 0.0, 0.0]], dtype=torch.float64) / std
     torch.testing.assert_close(masked_whiten(X, M), expected)
     torch.testing.assert_close(masked_whiten(X, M, shift_mean=False), (expected + 2.5) * M)
+
+
+def test_masked_nan_and_inf_are_ignored():
+    """X's masked positions set to NaN and inf: every reduction and whiten give the
+    values above, and the gradients (of var, the worst case: (x - mean)^2) are
+    finite and equal those with 0 there -- x * mask would have made all NaN."""
+    clean = torch.where(M, X, 0.0)
+    bad = torch.where(M, X, torch.tensor([[0.0, 0.0, 0.0], [0.0, math.nan, math.inf]], dtype=X.dtype))
+    assert masked_sum(bad, M).item() == 10.0 and masked_mean(bad, M, dim=-1).tolist() == [2.0, 4.0]
+    torch.testing.assert_close(masked_whiten(bad, M), masked_whiten(clean, M), rtol=0, atol=0)
+    grads = []
+    for x in (clean, bad):
+        x = x.clone().requires_grad_(True)
+        masked_var(x, M).backward()
+        grads.append(x.grad)
+    assert torch.isfinite(grads[1]).all() and torch.equal(grads[0], grads[1])

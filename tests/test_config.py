@@ -161,6 +161,8 @@ def test_tiny_configs_pass_validation():
     (["algorithm.advantage=rloo", "rollout.n=1"], 2, "rollout.n >= 2"),
     (["critic.enable=false"], 2, "critic.enable=true"),
     (["actor.dual_clip=0.5"], 2, "actor.dual_clip"),
+    (["actor.gspo_clip_low=-1e-4"], 2, "actor.gspo_clip_low=-0.0001 must be >= 0"),
+    (["actor.gspo_clip_high=-0.1"], 2, "actor.gspo_clip_high=-0.1 must be >= 0"),
     (["rollout.top_p=0"], 2, "rollout.top_p"),
     (["model.path=/nonexistent/model"], 2, "model.path: '/nonexistent/model' has no config.json"),
     (["critic.path=/nonexistent/critic"], 2, "critic.path:"),

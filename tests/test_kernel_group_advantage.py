@@ -71,11 +71,38 @@ def test_bf16_scores_singletons_and_masks(backend, mode):
     assert (group_advantage(s[:5], unique, m[:5], mode, backend=backend) == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", [2, 8, 16, 64])
+def test_identical_scores_give_exactly_zero(backend, mode, n):
+    """Four groups of n copies of 0.7, 0.1, 1/3, -2.3 (not dyadic: the fp32 mean
+    of n copies is 1 ulp off, and (s - mean) / (std ~1e-8 + eps) was ~0.06), plus
+    0.5 (dyadic), interleaved so at n=64 (B=320) a group spans several 128-wide
+    tiles. Every member's advantage must be exactly 0 (shifted data: s_j - pivot)."""
+    values = torch.tensor([0.7, 0.1, 1 / 3, -2.3, 0.5])
+    s = values.repeat(n).to(DEVICE)  # (5n,) member k of group g at k * 5 + g
+    ids = (torch.arange(5).repeat(n) * 1_000_003 - 2**40).to(DEVICE)
+    out = group_advantage(s, ids, torch.ones(5 * n, 3, device=DEVICE), mode, backend=backend)
+    assert (out == 0).all(), out.abs().max()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_equal_scores_give_zero(backend):
-    s = torch.full((6,), 0.5, device=DEVICE)
-    ids = torch.tensor([1, 1, 1, 2, 2, 2], device=DEVICE)
-    assert (group_advantage(s, ids, torch.ones(6, 4, device=DEVICE), "grpo", backend=backend) == 0).all()
+@pytest.mark.parametrize("mode", MODES)
+def test_near_identical_scores_match_fp64_spec(backend, mode):
+    """Groups of 16 around 0.7 and -2.3, a few members 1-3 ulps up: std ~1e-7, so
+    grpo's advantage is ~(s - mean) / eps, where an fp32 mean 1 ulp off moves it
+    by ~0.06. The fp64 ref is the spec; fp32 paths must agree to 1e-5."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.tensor([0.7, -2.3]).repeat_interleave(16)  # (32,)
+    s = base.clone()
+    for _ in range(3):
+        s = torch.where(torch.rand(32, generator=g) < 0.3, torch.nextafter(s, torch.tensor(10.0)), s)
+    ids = torch.tensor([4, -9]).repeat_interleave(16)
+    m = torch.ones(32, 2)
+    want = group_advantage_ref(s, ids, m, mode)
+    assert (want != 0).any()  # the groups are not all identical
+    got = group_advantage(s.to(DEVICE), ids.to(DEVICE), m.to(DEVICE), mode, backend=backend)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["ref"] + BACKENDS)

@@ -25,5 +25,5 @@ from megarl.algos.losses import (
     register_policy_loss,
     value_loss,
 )
-from megarl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megarl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten, zero_masked
 from megarl.algos.returns import discounted_returns, gae_advantages, group_advantages, group_normalized_scores

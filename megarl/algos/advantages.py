@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 from torch import Tensor
 
-from megarl.algos.masked import masked_whiten
+from megarl.algos.masked import masked_sum, masked_whiten
 from megarl.algos.registry import Registry
 from megarl.algos.returns import discounted_returns, gae_advantages, group_advantages, group_normalized_scores
 
@@ -63,7 +64,7 @@ class AdvantageInputs:
     def sequence_scores(self) -> Tensor:
         if self.scores is not None:
             return self.scores.to(self.token_rewards.dtype)
-        return (self.token_rewards * self.response_mask.to(self.token_rewards.dtype)).sum(-1)
+        return masked_sum(self.token_rewards, self.response_mask, dim=-1)
 
     def require(self, name: str, estimator: str) -> Tensor:
         """Field `name`, else extras[name]; a ValueError naming both when absent."""
@@ -137,7 +138,7 @@ def reinforce_pp_baseline(batch: AdvantageInputs, cfg: AdvantageConfig) -> tuple
     scores = batch.sequence_scores()
     baseline = scores - group_normalized_scores(scores, ids, "mean")  # (B,) group means
     returns = discounted_returns(batch.token_rewards, mask, cfg.gamma)
-    adv = (returns - baseline[:, None]) * mask.to(returns.dtype)
+    adv = torch.where(mask != 0, returns - baseline[:, None], 0.0)
     if cfg.whiten:
         adv = masked_whiten(adv, mask)
     return adv, returns
@@ -149,4 +150,4 @@ def remax(batch: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, Tensor]
     greedy = batch.require("greedy_scores", "remax").to(batch.token_rewards.dtype)
     mask = batch.response_mask.to(batch.token_rewards.dtype)
     returns = discounted_returns(batch.token_rewards, mask, cfg.gamma)
-    return (returns - greedy[:, None]) * mask, returns
+    return torch.where(mask != 0, returns - greedy[:, None], 0.0), returns

@@ -9,6 +9,8 @@ Modes
 N_seqs counts sequences with at least one real token (padding rows are
 ignored); norm_len is a constant (the configured max response length; it
 defaults to T, which is only constant if every micro-batch is padded alike).
+Masked-out positions are selected away, not multiplied by 0, so a NaN or inf
+there changes neither the loss nor its gradient.
 
 Splitting a batch into whole sequences (micro-batches, data-parallel ranks)
     Every mode is a sum of per-sequence terms over one normalizer. Pass the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -58,7 +61,7 @@ def agg_loss(
     """
     m = mask.to(loss_mat.dtype)
     tokens, seqs = count_tokens_and_seqs(m)
-    per_token = loss_mat * m  # (B, T)
+    per_token = torch.where(mask != 0, loss_mat, 0.0)  # (B, T); NaN * 0 would be NaN
     if mode == "token-mean":
         return per_token.sum() / _normalizer(tokens, global_tokens)
     if mode == "seq-mean-token-sum":

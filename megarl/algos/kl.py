@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from megarl.algos.aggregation import Aggregation
-from megarl.algos.masked import masked_mean
+from megarl.algos.masked import masked_mean, zero_masked
 
 K3_CLAMP = 10.0  # bound on the k3 estimate; common practice, guards exp() blow-ups
 LOG_RATIO_CLAMP = 20.0
@@ -60,7 +60,7 @@ def apply_kl_to_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float) -
     scores: (B,), kl, mask: (B, T) -> (B, T); rows without a real token get 0.
     """
     m = mask.to(kl.dtype)
-    rewards = -beta * kl * m  # (B, T)
+    rewards = torch.where(m != 0, -beta * kl, 0.0)  # (B, T); a masked NaN stays out
     has_token = m.sum(-1) > 0  # (B,)
     score = torch.where(has_token, scores.to(kl.dtype), 0.0)
     return rewards.scatter_add(1, last_token_index(mask)[:, None], score[:, None])
@@ -71,9 +71,10 @@ def kl_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL as a loss term (the caller scales it by beta): agg(kl_penalty(...)).
 
-    Metric kl: token mean of the per-token estimate over this batch.
+    Metric kl: token mean of the per-token estimate over this batch. Masked-out
+    log-probs are replaced by 0 first, so a NaN there reaches no gradient.
     """
-    kl = kl_penalty(logp, ref_logp, kind)
+    kl = kl_penalty(*zero_masked(mask, logp, ref_logp), kind)
     return agg(kl, mask), {"kl": masked_mean(kl, mask).detach()}
 
 

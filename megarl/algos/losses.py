@@ -6,6 +6,10 @@ function of this signature (all tensors (B, T) over response tokens):
     fn(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, agg: Aggregation)
         -> (loss: scalar Tensor, metrics: dict[str, Tensor])
 
+Inputs at masked-out positions are ignored, NaN and inf included: they are
+replaced by 0 (selected, not multiplied) before any arithmetic, so they reach
+neither the loss nor the gradient.
+
 Metrics are detached scalars, token means over this batch's mask:
     clip_frac       tokens whose clipped term is the one used
     approx_kl       k3 estimate of KL(old || new): r - 1 - log r, r = exp(logp - old_logp);
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megarl.algos.aggregation import Aggregation
-from megarl.algos.masked import masked_mean
+from megarl.algos.masked import masked_mean, zero_masked
 from megarl.algos.registry import Registry
 
 Metrics = dict[str, Tensor]
@@ -80,6 +84,7 @@ def ppo_clip(
     cfg: PolicyLossConfig, agg: Aggregation = Aggregation(),
 ) -> tuple[Tensor, Metrics]:
     """PPO clipped surrogate with asymmetric clip range and optional dual clip."""
+    logp, old_logp, advantages = zero_masked(mask, logp, old_logp, advantages)
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     loss, clipped = _clipped_surrogate(torch.exp(log_ratio), advantages, cfg.clip_low, cfg.clip_high)
     dual = torch.zeros_like(clipped)
@@ -108,6 +113,7 @@ def gspo(
     paper averages tokens within a sequence, then sequences:
     Aggregation("seq-mean-token-mean").
     """
+    logp, old_logp, advantages = zero_masked(mask, logp, old_logp, advantages)
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # (B,)
     log_s = seq_log_ratio.detach()[:, None] + logp - logp.detach()  # (B, T), value = seq ratio
@@ -128,13 +134,17 @@ def value_loss(
     """PPO's clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2).
 
     All (B, T). clip_eps None or 0: plain 0.5 * (v - R)^2. Metric vf_clip_frac:
-    tokens where the clipped term is larger.
+    tokens where the clipped term is larger. v is clamped to [v_old - eps,
+    v_old + eps] directly, so inside the range v_clip is v itself and such a
+    token is never counted as clipped (v_old + clamp(v - v_old) can be 1 ulp
+    off v) and its loss is exactly the unclipped one.
     """
+    values, old_values, returns = zero_masked(mask, values, old_values, returns)
     unclipped = (values - returns) ** 2
     if not clip_eps:
         loss, clipped = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
     else:
-        v_clip = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        v_clip = values.clamp(old_values - clip_eps, old_values + clip_eps)
         clipped_sq = (v_clip - returns) ** 2
         loss, clipped = torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
     metrics = {"vf_clip_frac": masked_mean(clipped.float(), mask).detach()}
@@ -145,4 +155,5 @@ def entropy_loss(
     entropy: Tensor, mask: Tensor, coef: float, agg: Aggregation = Aggregation()
 ) -> tuple[Tensor, Metrics]:
     """Entropy bonus as a loss: -coef * agg(entropy (B, T)); metric: token-mean entropy."""
+    (entropy,) = zero_masked(mask, entropy)
     return -coef * agg(entropy, mask), {"entropy": masked_mean(entropy, mask).detach()}

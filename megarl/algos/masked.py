@@ -1,7 +1,9 @@
 """Masked reductions over token tensors: sum, mean, variance, whitening.
 
-`mask` is float or bool, same shape as `x` (or broadcastable); 1 marks a real
-token. Reductions over an empty mask give 0 instead of NaN.
+`mask` is float or bool, same shape as `x` (or broadcastable); non-zero marks
+a real token. Masked-out positions are selected away (`torch.where`), never
+multiplied by 0, so a NaN or inf there reaches neither a result nor a
+gradient. Reductions over an empty mask give 0 instead of NaN.
 """
 from __future__ import annotations
 
@@ -11,9 +13,16 @@ from torch import Tensor
 WHITEN_EPS = 1e-8
 
 
+def zero_masked(mask: Tensor, *xs: Tensor) -> tuple[Tensor, ...]:
+    """Each x with its masked-out positions replaced by 0 (selected, so a NaN or
+    inf there reaches neither the result nor, through later products, a gradient)."""
+    real = mask != 0
+    return tuple(torch.where(real, x, 0.0) for x in xs)
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of x where mask is set; over all elements when dim is None."""
-    xm = x * mask.to(x.dtype)
+    xm = torch.where(mask != 0, x, 0.0)
     return xm.sum() if dim is None else xm.sum(dim)
 
 
@@ -31,6 +40,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     value (0) is returned rather than NaN.
     """
     m = mask.to(x.dtype)
+    (x,) = zero_masked(m, x)  # a masked NaN would reach the gradient through (x - mean)^2
     mean = masked_mean(x, m)
     var = masked_mean((x - mean) ** 2, m)
     if unbiased:
@@ -46,9 +56,10 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     set to 0 in the output.
     """
     m = mask.to(x.dtype)
+    (x,) = zero_masked(m, x)
     mean = masked_mean(x, m)
     var = masked_var(x, m, unbiased=True)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * m
+    return torch.where(m != 0, out, 0.0)

@@ -53,15 +53,21 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 
 
 def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample (group mean, unbiased group var, group size), each (B,)."""
+    """Per-sample (score - group mean, unbiased group var, group size), each (B,).
+
+    Deviations are taken from a pivot, the group minimum (d = s - min, then
+    d - mean(d)): a group of identical scores gets exactly 0, which the fp32
+    mean of e.g. 0.7 repeated does not give.
+    """
     _, inv = torch.unique(group_ids, return_inverse=True)  # inv: (B,) in [0, G)
     G = int(inv.max()) + 1 if inv.numel() else 0
     count = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, inv, torch.ones_like(scores))
-    total = torch.zeros_like(count).index_add_(0, inv, scores)
-    mean = (total / count)[inv]  # (B,)
-    sq = torch.zeros_like(count).index_add_(0, inv, (scores - mean) ** 2)
+    pivot = torch.full_like(count, float("inf")).scatter_reduce_(0, inv, scores, "amin")  # (G,)
+    d = scores - pivot[inv]  # (B,)
+    dev = d - (torch.zeros_like(count).index_add_(0, inv, d) / count)[inv]  # (B,)
+    sq = torch.zeros_like(count).index_add_(0, inv, dev ** 2)
     var = (sq / (count - 1).clamp_min(1))[inv]  # size-1 groups: 0
-    return mean, var, count[inv]
+    return dev, var, count[inv]
 
 
 def group_normalized_scores(scores: Tensor, group_ids: Tensor, mode: str = "std", eps: float = 1e-6) -> Tensor:
@@ -71,13 +77,12 @@ def group_normalized_scores(scores: Tensor, group_ids: Tensor, mode: str = "std"
     mode "std":  (s - mean) / (std + eps), unbiased std (GRPO)
     mode "mean": s - mean (Dr.GRPO)
     mode "rloo": s - mean of the other samples = n / (n - 1) * (s - mean)
-    A group of one sample gets 0 in every mode. Returns (B,).
+    A group of one sample, or of identical scores, gets exactly 0 in every mode. Returns (B,).
     """
     if mode not in GROUP_MODES:
         raise ValueError(f"unknown group mode {mode!r}; available: {', '.join(GROUP_MODES)}")
     s = scores if scores.is_floating_point() else scores.float()
-    mean, var, n = _group_stats(s, group_ids)
-    centered = s - mean
+    centered, var, n = _group_stats(s, group_ids)
     if mode == "std":
         return centered / (var.sqrt() + eps)
     if mode == "rloo":

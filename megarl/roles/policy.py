@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megarl.algos import Aggregation, PolicyLossConfig, entropy_loss, get_policy_loss, kl_loss
+from megarl.algos import Aggregation, PolicyLossConfig, entropy_loss, get_policy_loss, kl_loss, masked_sum
 from megarl.config import ActorConfig
 from megarl.kernels import logprob_entropy
 from megarl.roles.base import ModelRole
@@ -36,6 +36,12 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, groups, vocab_
     tp_group = groups.tp if groups.tp_size > 1 else None
     lp, ent = logprob_entropy(logits, input_ids[:, 1:], tp_group, temperature)  # (b, l-1)
     return F.pad(lp, (1, 0)), F.pad(ent, (1, 0))
+
+
+def policy_loss_config(cfg: ActorConfig) -> PolicyLossConfig:
+    """The policy losses' clip ranges from the actor section."""
+    return PolicyLossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.dual_clip,
+                            gspo_clip_low=cfg.gspo_clip_low, gspo_clip_high=cfg.gspo_clip_high)
 
 
 class Policy(ModelRole):
@@ -89,7 +95,7 @@ class Policy(ModelRole):
         old_logprobs in the micro-batch, old = this forward's log-probs (detached),
         and the per-token "logprobs" and "entropy" come back beside the metrics."""
         loss_fn = get_policy_loss(cfg.policy_loss)
-        loss_cfg = PolicyLossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.dual_clip)
+        loss_cfg = policy_loss_config(cfg)
         sums = Aggregation(cfg.loss_agg, global_tokens=1.0, global_seqs=1.0, norm_len=norm_len)
         by_tokens = cfg.loss_agg == "token-mean"
 
@@ -110,7 +116,7 @@ class Policy(ModelRole):
             count = mask.sum() if by_tokens else (mask.sum(-1) > 0).sum()
             tokens = mask.sum()
             metrics = {f"actor/{k}": v * tokens for k, v in m.items()}  # token-weighted sums
-            metrics.update({"actor/pg_loss": pg.detach(), "actor/entropy": (ent * mask).sum().detach(),
+            metrics.update({"actor/pg_loss": pg.detach(), "actor/entropy": masked_sum(ent, mask).detach(),
                             "actor/count": count.detach().float(), "actor/tokens": tokens.detach()})
             if on_policy:
                 metrics.update(logprobs=lp.detach(), entropy=ent.detach())  # (b, l)

@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.algos import AdvantageConfig, AdvantageInputs, apply_kl_to_rewards, compute_advantages, kl_penalty
+from megarl.algos import (
+    AdvantageConfig,
+    AdvantageInputs,
+    apply_kl_to_rewards,
+    compute_advantages,
+    kl_penalty,
+    masked_sum,
+)
 from megarl.config import AlgorithmConfig
 from megarl.roles.batch import pad_to
 from megarl.trainer.rollout import Rollout
@@ -40,7 +47,7 @@ def token_kl(rollout: Rollout, estimator: str) -> torch.Tensor:
 
 def kl_sum(rollout: Rollout, estimator: str) -> float:
     """Local sum over response tokens of KL(policy || ref) under the old log-probs."""
-    return float((token_kl(rollout, estimator) * rollout.batch.response_mask).sum())
+    return float(masked_sum(token_kl(rollout, estimator), rollout.batch.response_mask))
 
 
 def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: float, dp_group) -> dict:
@@ -77,14 +84,14 @@ def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: flo
     b.tensors["advantages"] = pad_to(adv[rows], b.width)
     b.tensors["returns"] = pad_to(ret[rows], b.width)
     tokens = float(mask.sum())
-    return {"kl/tokens": tokens, "advantage/sum": float((b.tensors["advantages"] * mask).sum())}
+    return {"kl/tokens": tokens, "advantage/sum": float(masked_sum(b.tensors["advantages"], mask))}
 
 
 def logprob_mismatch(rollout: Rollout) -> dict[str, float]:
     """Rollout-engine vs training log-probs (old_logprobs: the weights that generated) of the
     same tokens (local sums and max)."""
     t, mask = rollout.batch.tensors, rollout.batch.response_mask
-    diff = (t["rollout_logprobs"] - t["old_logprobs"]).abs() * mask
+    diff = torch.where(mask != 0, (t["rollout_logprobs"] - t["old_logprobs"]).abs(), 0.0)
     return {"mismatch/abs_sum": float(diff.sum()), "mismatch/abs_max": float(diff.max()),
             "mismatch/tokens": float(mask.sum())}
 

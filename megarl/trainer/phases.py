@@ -179,7 +179,8 @@ def _explained_variance(rollout) -> dict[str, float]:
     t, mask = rollout.batch.tensors, rollout.batch.response_mask
     if "values" not in t:
         return {}
-    r, err = t["returns"] * mask, (t["returns"] - t["values"]) * mask
+    real = mask != 0  # selected, not multiplied: a NaN at padding stays out of the sums
+    r, err = torch.where(real, t["returns"], 0.0), torch.where(real, t["returns"] - t["values"], 0.0)
     return {"ev/r": r.sum(), "ev/r2": (r * r).sum(), "ev/e": err.sum(), "ev/e2": (err * err).sum()}
 
 
