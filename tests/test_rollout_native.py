@@ -14,7 +14,8 @@ Seeds: sampled responses depend only on the request's seed — the same prompt
 and seed give the same tokens alone or among other requests, in another
 position. The CUDA-graph path's static input buffers and bucket padding (a
 batch of 3 decoding as 4, the pad row reading no keys and writing the scratch
-page) run eagerly at TP1 and TP2 and must give the same greedy tokens.
+page; with PP the hidden states in and out of each stage's buffers) run
+eagerly at every layout and must give the same greedy tokens.
 Log-probs: the engine's log-prob of each sampled token (temperature 0.7,
 top-k 20, top-p 0.9, n = 2, prefix-shared prompts) equals the actor's training
 forward over the same tokens (fp32, 1e-5). Not covered: graph capture itself
@@ -69,15 +70,13 @@ def _rollout(rank, ckpt, tp, pp, eos):
     except ConfigError as e:
         too_small = str(e)
 
-    padded = None
-    if pp == 1:  # the CUDA-graph path's static buffers and bucket padding, run eagerly
-        from megarl.rollout.graphs import DecodeGraphs
+    from megarl.rollout.graphs import DecodeGraphs  # the graph path's buffers and padding, run eagerly
 
-        bucketed = _engine(actor, groups, eos, pages=64, max_batch=5)  # buckets 1, 2, 4, 5
-        bucketed.graphs = DecodeGraphs(bucketed, 5, capture=False)
-        padded = [r.response_ids for r in bucketed.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW,
-                                                                                    temperature=0.0))]
-        padded_steps = bucketed.stats["rollout/graph_steps"]
+    bucketed = _engine(actor, groups, eos, pages=64, max_batch=5)  # buckets 1, 2, 4, 5
+    bucketed.graphs = DecodeGraphs(bucketed, 5, capture=False)
+    padded = [r.response_ids for r in bucketed.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW,
+                                                                                temperature=0.0))]
+    padded_steps = bucketed.stats["rollout/graph_steps"]
     roomy = _engine(actor, groups, eos, pages=64, max_batch=16)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_k=20, top_p=0.9, n=2)
     sampled = roomy.generate(PROMPTS, params, seeds=list(range(100, 107)))
@@ -87,7 +86,7 @@ def _rollout(rank, ckpt, tp, pp, eos):
     diff = ((train - batch.tensors["rollout_logprobs"]).abs() * batch.response_mask).max()
     return {"greedy": [r.response_ids for r in greedy], "finish": [r.finish_reason for r in greedy],
             "preemptions": preemptions, "diff": float(diff), "too_small": too_small,
-            "padded": padded, "padded_steps": padded_steps if padded is not None else 0,
+            "padded": padded, "padded_steps": padded_steps,
             "sampled": [r.response_ids for r in sampled], "alone": [r.response_ids for r in alone]}
 
 
@@ -123,8 +122,8 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
     assert r["finish"] == ["stop" if eos in e else "length" for e in expected]
     assert r["preemptions"] > 0  # the 6-page pool cannot hold every sequence
     assert r["too_small"].startswith("rollout.kv_cache_gb:")
-    if pp == 1:  # decode through the graph buffers, batches padded to buckets (3 -> 4): same tokens
-        assert r["padded"] == expected and r["padded_steps"] > 0
+    # decode through the graph buffers, batches padded to buckets (3 -> 4): same tokens
+    assert r["padded"] == expected and r["padded_steps"] > 0
     assert r["diff"] < 1e-5
     assert r["alone"] == r["sampled"][8:10]  # prompt 4's two samples, same seed, alone
     assert len({tuple(s) for s in r["sampled"]}) > len(PROMPTS)  # samples of a prompt differ

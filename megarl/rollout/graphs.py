@@ -7,7 +7,9 @@ optimizer updates those tensors in place (megatron's DDP buffers and the
 distributed optimizer never re-allocate them), so new weights need no new
 capture. :meth:`DecodeGraphs.check_weights` asserts that at every weight sync
 by comparing the pointers seen at capture. TP all-reduces and the logits
-all-gather run inside the graph.
+all-gather run inside the graph; with PP each stage replays its own graph
+between receiving and sending hidden states (point-to-point stays outside),
+and the last stage's tokens are broadcast to the pipeline group.
 
 Inputs live in two static buffers, (6, B) int64 rows (ids, positions, cache
 rows, lengths, seeds, token indices) and the (B, max_pages) block table: each
@@ -55,8 +57,10 @@ class DecodeGraphs:
         self.top_p = torch.ones(b, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.tokens = torch.zeros(b, dtype=torch.long, device=dev)
-        self.logprobs = torch.zeros(b, device=dev)
+        self.sampled = torch.zeros(2, b, device=dev)  # [tokens; log-probs] of the last stage
+        stage = engine.stage  # with PP: hidden states in from the previous stage, out to the next
+        self.hidden_in = torch.zeros(b, stage.hidden, dtype=stage.dtype, device=dev)
+        self.hidden_out = torch.zeros_like(self.hidden_in)
 
     @property
     def captured(self) -> bool:
@@ -70,19 +74,25 @@ class DecodeGraphs:
         return self.inputs[_ROW_FIELDS.index(name), :b]
 
     def _body(self, b: int) -> None:
-        """The decode step on the first ``b`` rows of the static buffers."""
+        """The decode step of this stage on the first ``b`` rows of the static buffers."""
         f = lambda name: self._field(name, b)  # noqa: E731
         batch = ForwardBatch(f("input_ids"), f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
                              self.cu[: b + 1], 1, True)
-        logits = self.engine._forward(batch, self.rows[:b])
-        tokens, logprobs = sample_tokens(logits, self.temperature[:b], self.top_k[:b], self.top_p[:b],
-                                         f("seeds"), f("offsets"), vocab_size=self.engine.vocab_size)
-        self.tokens[:b].copy_(tokens)
-        self.logprobs[:b].copy_(logprobs)
+        engine = self.engine
+        x = None if engine.groups.is_first_stage else self.hidden_in[:b]
+        out = engine.compute(batch, x, self.rows[:b])
+        if not engine.groups.is_last_stage:
+            self.hidden_out[:b].copy_(out)
+            return
+        tokens, logprobs = sample_tokens(out, self.temperature[:b], self.top_k[:b], self.top_p[:b],
+                                         f("seeds"), f("offsets"), vocab_size=engine.vocab_size)
+        self.sampled[0, :b].copy_(tokens)
+        self.sampled[1, :b].copy_(logprobs)
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph:
         self.inputs.zero_()  # warm-up writes land in the scratch page
         self.table.zero_()
+        self.hidden_in.zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -98,16 +108,19 @@ class DecodeGraphs:
 
     def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and log-probs (n,) of a decode step, through the bucket's graph."""
-        n = len(plan.seqs)
+        engine, n = self.engine, len(plan.seqs)
         b = next(x for x in self.buckets if x >= n)
         if self.capture and b not in self.graphs:
             self.graphs[b] = self._capture(b)
         self._load(plan, rows, b)
+        if engine.receive_hidden(n, into=self.hidden_in[:n]) is not None:
+            self.hidden_in[n:b].zero_()
         if self.capture:
             self.graphs[b].replay()
         else:
             self._body(b)
-        return self.tokens[:n].cpu().numpy(), self.logprobs[:n].cpu().numpy()
+        engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n])
+        return engine.share(self.sampled[:, :n] if engine.groups.is_last_stage else None, n)
 
     def _load(self, plan, rows, b: int) -> None:
         """The step's inputs into the static buffers (padded rows zero): two host fills, two copies."""

@@ -71,7 +71,7 @@ class NativeEngine:
                                options.page_size, cfg.params_dtype)
         self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
         self.cache: KVCache | None = None
-        use_graphs = options.cuda_graphs and self.device.type == "cuda" and groups.pp_size == 1
+        use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
         self.stats: dict[str, float] = {}
 
@@ -213,20 +213,40 @@ class NativeEngine:
         )
 
     def _forward(self, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor | None:
-        """This stage's forward; (S, V_padded) logits of the sampled rows on the last stage."""
+        """This stage's forward and its pipeline p2p; (S, V_padded) logits of the sampled rows on the last stage."""
+        x = self.receive_hidden(batch.input_ids.shape[0])
+        return self.send_hidden(self.compute(batch, x, sample_rows))
+
+    def receive_hidden(self, rows: int, into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(rows, h) hidden states from the previous pipeline stage; None on the first stage."""
         g, st = self.groups, self.stage
         if g.is_first_stage:
-            x = st.embed(batch.input_ids)
-        else:
-            x = torch.empty(batch.input_ids.shape[0], st.hidden, dtype=st.dtype, device=self.device)
-            dist.recv(x, group=g.pp, group_src=g.pp_rank - 1)
-        x = st.layers_forward(x, batch, self.cache)
-        if not g.is_last_stage:
-            dist.send(x, group=g.pp, group_dst=g.pp_rank + 1)
             return None
+        x = into if into is not None else torch.empty(rows, st.hidden, dtype=st.dtype, device=self.device)
+        dist.recv(x, group=g.pp, group_src=g.pp_rank - 1)
+        return x
+
+    def compute(self, batch: ForwardBatch, x: torch.Tensor | None, sample_rows: torch.Tensor):
+        """The stage's math (TP collectives only, no p2p: what a CUDA graph captures).
+
+        x: (T, h) from the previous stage, or None to embed ``batch.input_ids``. Returns the
+        (T, h) output on an inner stage, (S, V_padded) logits on the last (None if S = 0).
+        """
+        st = self.stage
+        x = st.layers_forward(st.embed(batch.input_ids) if x is None else x, batch, self.cache)
+        if not self.groups.is_last_stage:
+            return x
         if sample_rows.shape[0] == 0:  # a prefill chunk that completes no prompt
             return None
         return st.logits(x[sample_rows])
+
+    def send_hidden(self, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Inner stages pass ``out`` on (and return None); the last stage returns its logits."""
+        g = self.groups
+        if g.is_last_stage:
+            return out
+        dist.send(out, group=g.pp, group_dst=g.pp_rank + 1)
+        return None
 
     def sample(self, logits: torch.Tensor, rows: "_SamplingRows", seeds, offsets):
         s = logits.shape[0]
@@ -235,16 +255,21 @@ class NativeEngine:
 
     def _sample_and_share(self, logits, plan: StepPlan, rows: "_SamplingRows"):
         """Last stage samples; its pipeline group receives tokens and log-probs (numpy, (S,))."""
-        g, s = self.groups, len(plan.sampled)
+        s = len(plan.sampled)
         if s == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        if g.is_last_stage:
+        packed = None
+        if self.groups.is_last_stage:
             seeds = torch.as_tensor(plan.seeds, device=self.device)
             offsets = torch.as_tensor(plan.offsets, device=self.device)
-            tokens, logprobs = self.sample(logits, rows.grow(s), seeds, offsets)
-            packed = torch.stack([tokens.double(), logprobs.double()])  # (2, S)
-        else:
-            packed = torch.empty(2, s, dtype=torch.float64, device=self.device)
+            packed = torch.stack(self.sample(logits, rows.grow(s), seeds, offsets))
+        return self.share(packed, s)
+
+    def share(self, sampled: torch.Tensor | None, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """(2, S) [tokens; log-probs] of the last stage -> numpy tokens, log-probs on every stage."""
+        g = self.groups
+        packed = sampled.double() if sampled is not None else torch.empty(2, s, dtype=torch.float64,
+                                                                          device=self.device)
         if g.pp_size > 1:
             dist.broadcast(packed, group=g.pp, group_src=g.pp_size - 1)
         packed = packed.cpu().numpy()
