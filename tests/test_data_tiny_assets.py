@@ -9,6 +9,8 @@ from transformers import AutoTokenizer
 from megarl.assets import asset_path
 
 SPECIALS = {"<|pad|>": 0, "<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<|unk|>": 4}
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyz \n+-*/=?.,:#!'()"  # ids 5.., the README's table
+TOKENIZER_DIRS = ("tokenizer", "init", "sft")  # init/ and sft/ have a qwen2 config.json beside
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +66,48 @@ def test_make_assets_reproduces_shipped_files(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.main(tmp_path)
-    for name in ("train.jsonl", "test.jsonl", "sft.jsonl",
-                 "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"):
+    tokenizer_files = [f"{d}/{f}" for d in TOKENIZER_DIRS for f in ("tokenizer.json", "tokenizer_config.json")]
+    for name in ["train.jsonl", "test.jsonl", "sft.jsonl"] + tokenizer_files:
         assert (tmp_path / name).read_bytes() == asset_path(f"tiny/{name}").read_bytes(), name
     data = [f for f in asset_path("tiny").rglob("*") if f.is_file() and "sft" not in f.parent.name]
     assert sum(f.stat().st_size for f in data) < 1_000_000  # the checkpoint in sft/ is ~4 MB
+
+
+def task_strings(tok) -> list[str]:
+    """Every string the tiny task tokenizes: templated prompts, answers, responses (+ eos), each char."""
+    out = list(CHARS) + [CHARS, "  \n\n x \n", "12+7=? #### 19\nthe sum is: 19, ok!"]
+    for r in rows("test") + rows("train") + rows("sft"):
+        out.append(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                           add_generation_prompt=True, tokenize=False))
+        response = r.get("response") or "#### " + r["answer"]
+        out += [r.get("answer") or r["response"], response, response + "<|im_end|>"]
+    return out
+
+
+@pytest.mark.parametrize("name", TOKENIZER_DIRS)
+def test_auto_tokenizer_gives_megarl_ids(name):
+    """AutoTokenizer on each shipped directory == megarl's loader, id for id, and decodes back.
+
+    transformers 5 builds Qwen2Tokenizer for init/ and sft/ (their config.json
+    says qwen2) whatever tokenizer_config.json names, keeping only the vocab of
+    tokenizer.json; the file is written in Qwen2's byte-level format so that
+    this rebuilt tokenizer and the file itself are the same tokenizer.
+    Not covered: characters outside CHARS (megarl's loader gives <|unk|> per
+    byte; transformers 5's Qwen2Tokenizer has no unk token and drops them).
+    """
+    from megarl.data.tokenizer import load_tokenizer
+
+    path = str(asset_path(f"tiny/{name}"))
+    auto, ours = AutoTokenizer.from_pretrained(path), load_tokenizer(path)
+    for c in CHARS:
+        assert ours(c, add_special_tokens=False)["input_ids"] == [5 + CHARS.index(c)], repr(c)
+    for text in task_strings(ours):
+        ids = ours(text, add_special_tokens=False)["input_ids"]
+        assert auto(text, add_special_tokens=False)["input_ids"] == ids, repr(text)
+        assert auto(text)["input_ids"] == ids and auto.decode(ids) == text, repr(text)
+    messages = [{"role": "user", "content": "reverse 4831"}]
+    assert auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for attr in ("eos_token_id", "pad_token_id", "unk_token_id", "padding_side"):
+        assert getattr(auto, attr) == getattr(ours, attr), attr
+    assert len(auto) == len(ours) == 57

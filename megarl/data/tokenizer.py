@@ -2,9 +2,11 @@
 
 transformers 5's ``AutoTokenizer`` builds the model family's tokenizer class
 (from config.json's ``model_type``) even when ``tokenizer_config.json`` names
-``PreTrainedTokenizerFast``; for a custom ``tokenizer.json`` (megarl's tiny
-character tokenizer, the synthetic benchmark tokenizers) that silently drops
-characters. A directory that names the generic fast class gets exactly it.
+``PreTrainedTokenizerFast``; for a custom ``tokenizer.json`` (the synthetic
+benchmark tokenizers) that silently drops characters. A directory that names
+the generic fast class gets exactly it. (The tiny task's tokenizer is written
+in Qwen2's own byte-level format, so plain ``AutoTokenizer`` gives it the same
+ids: megarl/assets/tiny/make_assets.py.)
 """
 from __future__ import annotations
 

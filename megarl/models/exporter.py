@@ -5,7 +5,8 @@ all-gathered over TP, un-fused (QKV, gate/up) and un-padded (vocab) into its
 HF tensors. TP rank 0 of each pipeline stage then writes that stage's tensors
 as its own safetensors file(s) (numbered across stages), and global rank 0
 writes ``model.safetensors.index.json`` (when there is more than one file),
-``config.json`` and copies tokenizer / generation-config files. The output
+``config.json`` and copies tokenizer / generation-config files. Every file
+gets the mode a new file gets under the umask (0644 under 022). The output
 directory must be shared by the writing ranks (one node, or a shared file
 system).
 """
@@ -23,7 +24,8 @@ from torch import nn
 from megarl.distributed.groups import ParallelGroups
 from megarl.models import layouts
 from megarl.models.hf_config import ModelInfo
-from megarl.models.safetensors_io import INDEX, plan_shards, save_tensors, shard_file_name, write_index
+from megarl.models.safetensors_io import (
+    INDEX, default_mode, plan_shards, save_tensors, shard_file_name, write_index)
 from megarl.models.weight_map import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, model_rules
 
 SIDE_FILES = (
@@ -104,12 +106,17 @@ def _write_stage(tensors, out_dir, groups, max_shard_bytes) -> tuple[dict[str, s
 
 
 def _write_side_files(info: ModelInfo, out_dir: str, copy_from: Optional[str]) -> None:
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    """config.json, and ``copy_from``'s tokenizer / generation-config files byte for byte."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path, "w") as f:
         json.dump(hf_config_for_export(info), f, indent=2, sort_keys=True)
+    default_mode(path)
     for name in SIDE_FILES if copy_from else ():
-        src = os.path.join(copy_from, name)
+        src, dst = os.path.join(copy_from, name), os.path.join(out_dir, name)
         if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(out_dir, name))
+            if os.path.exists(dst):
+                os.remove(dst)  # written fresh: an old file's mode (read-only, say) is not kept
+            shutil.copyfile(src, dst)  # the contents; the mode is a new file's, not src's
 
 
 def export_hf(

@@ -80,11 +80,25 @@ def shard_file_name(index: int, total: int) -> str:
     return SINGLE if total == 1 else f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
 
+def default_mode(path: str) -> None:
+    """Gives ``path`` the mode ``open`` gives a new file under the umask (0644 under 022).
+
+    safetensors writes its files 0600, and a file rewritten in place keeps its
+    old mode (a read-only one copied from an installed package, say).
+    """
+    umask = os.umask(0)  # the only way to read it; set straight back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    default_mode(path)
 
 
 def write_index(out_dir: str, weight_map: dict[str, str], total_bytes: int) -> None:
-    with open(os.path.join(out_dir, INDEX), "w") as f:
+    path = os.path.join(out_dir, INDEX)
+    with open(path, "w") as f:
         json.dump({"metadata": {"total_size": total_bytes},
                    "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    default_mode(path)

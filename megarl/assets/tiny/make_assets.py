@@ -13,7 +13,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 SEED = 1234
 NUM_TEST = 200
@@ -36,12 +36,38 @@ CHAT_TEMPLATE = (
 )
 
 
+# Qwen2's pre-tokenizer split, as transformers' Qwen2Tokenizer builds it. For a
+# BPE without merges it changes no id (every byte is its own token); it is here
+# so the file and the tokenizer transformers rebuilds from it are the same.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+TOKENIZER_DIRS = ("tokenizer", "init", "sft")  # every asset directory that holds the tokenizer
+
+
+def byte_level(text: str) -> str:
+    """``text`` in the byte-level alphabet of GPT-2 / Qwen2 vocabularies (space -> 'Ġ', newline -> 'Ċ')."""
+    bl = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return "".join(piece for piece, _ in bl.pre_tokenize_str(text))
+
+
 def build_tokenizer() -> Tokenizer:
-    """Char-level WordLevel tokenizer; specials are matched before splitting."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # concatenate chars, no spaces between tokens
+    """Char-level tokenizer in Qwen2's own format: byte-level BPE without merges.
+
+    The model is ``Qwen2ForCausalLM``, and transformers 5 loads any qwen2
+    directory's tokenizer as ``Qwen2Tokenizer``, which keeps only the vocab and
+    merges of tokenizer.json and rebuilds the rest (NFC, Qwen2's split, byte-level
+    pre-tokenizer and decoder). Written in that format, the file means the same
+    to every loader; a vocab with raw ' ' and '\n' keys would lose those ids.
+    Specials are matched before splitting.
+    """
+    chars = {byte_level(c): i for i, c in enumerate(CHARS, start=len(SPECIAL_TOKENS))}
+    vocab = {**{tok: i for i, tok in enumerate(SPECIAL_TOKENS)}, **chars}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
 
@@ -106,7 +132,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(out_dir / "tokenizer")
+    for sub in TOKENIZER_DIRS:  # init/ and sft/ keep their config.json and weights
+        save_tokenizer(out_dir / sub)
     rng = random.Random(SEED)
     test, train, sft = split_strings(rng)
     rl = lambda strings: [{"prompt": prompt_of(d), "answer": d[::-1]} for d in strings]
