@@ -16,7 +16,9 @@ once) plus the live K/V of the batch, averaged over the steps — over
 slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
 then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
 does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
-one (``of_fixed``). Every CUDA-graph bucket is captured before the timed runs. The checkpoint is the
+one (``of_fixed``). Every CUDA-graph bucket is captured before the timed runs.
+``--profile B`` adds a torch.profiler run of 17 tokens at batch B (kernels per
+step in the JSON, the top kernels in ``<out>.profile.txt``). The checkpoint is the
 shipped tiny model (``--shape tiny``) or a random-weight one made by
 benchmarks/make_checkpoint.py.
 """
@@ -184,6 +186,28 @@ def hf_rows(path: str, info, args) -> list[dict]:
     return rows
 
 
+def profile_decode(engine, info, args) -> dict:
+    """Kernels of one decode step at B = --profile: torch.profiler over 16 steps of one eager and one
+    graphed engine (same weights); the top kernels by device time go to <out>.profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.rollout.engine import SamplingParams
+
+    prompts = prompts_of(args.profile, args.prompt_len, info.vocab_size, seed=5)
+    params = SamplingParams(max_new_tokens=17, temperature=1.0)
+    engine.generate(prompts, params)  # warm-up: compile, capture
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        seconds = timed(lambda: engine.generate(prompts, params))
+    events = prof.key_averages()
+    gpu = [e for e in events if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    with open(args.out + ".profile.txt", "w") as f:
+        f.write(events.table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=40))
+    return {"provider": "megarl-profile", "batch": args.profile, "seconds": seconds,
+            "tokens_per_s": args.profile * 17 / seconds, "graphs": engine.graphs is not None,
+            "kernels_per_step": sum(e.count for e in gpu) / 17 if gpu else None}
+
+
 def table(rows: list[dict]) -> str:
     lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"]
     for r in rows:
@@ -203,6 +227,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--ragged", type=int, default=0, help="batch size of the ragged-length run (0: none)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
     ap.add_argument("--work", default="/tmp/megarl_bench")
     ap.add_argument("--out", default="bench_rollout.json")
     args = ap.parse_args()
@@ -223,6 +248,8 @@ def main() -> None:
     module, info, groups = build_model(path, args)
     engine = make_engine(module, info, groups, args, args.prompt_len + args.new_tokens, max(args.batches))
     rows = engine_rows(engine, module, info, args)
+    if args.profile:
+        rows.append(profile_decode(engine, info, args))
     engine.release_memory()
     if args.ragged:
         rows += ragged_rows(module, info, groups, args)

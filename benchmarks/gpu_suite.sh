@@ -32,7 +32,7 @@ case "${1:-models}" in
   rollout)
     T=120 run gpu_tests python3 -m pytest -q -x -m gpu tests/test_rollout_gpu.py
     T=90 run decode_ops python3 -m pytest -q -x tests/test_kernel_decode_ops.py
-    T=330 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --out "$OUT/rollout.json" ;;
+    T=330 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --profile 128 --out "$OUT/rollout.json" ;;
   rollout-kernels)
     T=300 run kernel_tests python3 -m pytest -q -m gpu tests/test_kernel_paged_attention.py tests/test_kernel_sampling.py
     T=120 run attention python3 benchmarks/bench_attention.py --out "$OUT/attention.json"
