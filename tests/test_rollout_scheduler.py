@@ -88,3 +88,16 @@ def test_pool_refuses_what_it_does_not_have():
     pool.alloc(2)
     with pytest.raises(OutOfPages, match="asked for 1 pages, 0 free"):
         pool.alloc(1)
+
+
+def test_long_prompt_chunked_beside_decoding_sequences_in_a_tight_pool():
+    """Three short prompts decode while a 40-token prompt is prefilled in 8-token chunks, in a
+    pool of 13 pages (the long one alone needs 7 with its response, every sample together ~20).
+    Decode runs out of pages while the long prompt is half prefilled: that prompt gives its
+    pages back first (and is recomputed later), then decoding sequences are preempted; every
+    response is still its seed's and every page comes back."""
+    prompts = [[6] * 3, [7] * 5, [8] * 2, [5] * 40]
+    sched, pool, _, done = _run(prompts, n=2, max_new=10, pages=14, max_seqs=4, max_tokens=8)
+    assert sched.preemptions >= 2
+    assert all(s.generated == _expected(s, 10) for s in done) and len(done) == 8
+    assert pool.free == 13

@@ -95,12 +95,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def next_step(self) -> StepPlan:
-        plan = self._plan_prefill() if self.waiting else None
-        if plan is None:
+        while True:
+            plan = self._plan_prefill() if self.waiting else None
+            if plan is not None:
+                return plan
             if not self.running:
                 raise RuntimeError("the KV cache cannot hold one waiting sequence; raise rollout.kv_cache_gb")
-            plan = self._plan_decode()
-        return plan
+            copies = self._pages_for_decode()  # may preempt every running sequence: then prefill again
+            if self.running:
+                return self._plan_decode(copies)
 
     # -- prefill -------------------------------------------------------------
     def _admit(self, seq: Sequence) -> bool:
@@ -163,8 +166,7 @@ class Scheduler:
         )
 
     # -- decode --------------------------------------------------------------
-    def _plan_decode(self) -> StepPlan:
-        copies = self._pages_for_decode()
+    def _plan_decode(self, copies: tuple[list[int], list[int]]) -> StepPlan:
         seqs = self.running
         slots = np.array([s.slot for s in seqs])
         positions = self.lens[slots] - 1  # the last sampled token is fed; its K/V land here
@@ -181,11 +183,14 @@ class Scheduler:
 
     def _pages_for_decode(self) -> tuple[list[int], list[int]]:
         """A page for every sequence whose next token starts one or lands in a shared page."""
-        while True:
+        while self.running:
             needs = self._decode_page_needs()
             if len(needs) <= self.pool.free:
                 break
-            self._preempt(self.running[-1])
+            partial = next((s for s in self.waiting if s.pages), None)  # a prompt half prefilled
+            self._preempt(partial or self.running[-1])
+        else:
+            return [], []
         src, dst = [], []
         for seq, index in needs:
             page = self.pool.alloc(1)[0]
@@ -216,12 +221,18 @@ class Scheduler:
         return needs
 
     def _preempt(self, seq: Sequence) -> None:
-        """Release ``seq``'s pages and slot; it waits at the front to be recomputed."""
-        self.running.remove(seq)
+        """Release ``seq``'s pages and slots; it waits at the front to be recomputed.
+
+        A running sequence goes back to the front of the queue; a half-prefilled
+        prompt keeps its place (and its forks, whose slots it held for them).
+        """
         self.pool.release(seq.pages)
         seq.pages, seq.cached = [], 0
-        self._free_slot(seq)
-        self.waiting.appendleft(seq)
+        for member in [seq] + seq.forks:
+            self._free_slot(member)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
         self.preemptions += 1
 
     # -- results -------------------------------------------------------------
