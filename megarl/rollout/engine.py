@@ -43,8 +43,14 @@ class GenerationResult:
 class RolloutEngine(Protocol):
     """What the trainer needs from an inference engine."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        """``n`` results per prompt, grouped by prompt, in order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[GenerationResult]:
+        """``n`` results per prompt, grouped by prompt, in order.
+
+        ``seeds`` (one per prompt) fix each request's randomness, so its tokens do
+        not depend on the other requests; ``max_new_tokens`` (one per prompt)
+        overrides ``params.max_new_tokens``.
+        """
 
     def update_weights(self) -> dict:
         """Take the actor's current weights; returns metrics (bytes moved, seconds)."""
