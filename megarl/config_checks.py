@@ -4,7 +4,9 @@ Each failure is a :class:`ConfigError` that names the key and the fix.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 from pathlib import Path
 
 from megarl.cli import ConfigError
@@ -22,6 +24,47 @@ def read_hf_config(path: str, key: str = "model.path") -> dict:
         return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{cfg_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def check_numbers(obj, prefix: str, keys, low: float | None = None, strict: bool = False) -> None:
+    """Each ``obj.<key>`` must be finite and, with ``low``, >= low (> low when ``strict``)."""
+    for key in keys:
+        value = getattr(obj, key)
+        bad = not math.isfinite(value) or (low is not None and (value < low or (strict and value == low)))
+        if bad:
+            bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+            raise ConfigError(f"{prefix}.{key}={value} must be a finite number{bound}")
+
+
+def check_counts(obj, prefix: str, keys, low: int = 1) -> None:
+    """Each integer ``obj.<key>`` must be >= low."""
+    for key in keys:
+        if getattr(obj, key) < low:
+            raise ConfigError(f"{prefix}.{key}={getattr(obj, key)} must be >= {low}")
+
+
+def have_te() -> bool:
+    """transformer_engine is importable (megarl.models.builder.have_te, without importing megatron)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_optim(o, prefix: str) -> None:
+    check_numbers(o, prefix, ["lr"], low=0, strict=True)
+    check_numbers(o, prefix, ["min_lr", "weight_decay", "eps", "clip_grad"], low=0)
+    check_counts(o, prefix, ["warmup_steps"], low=0)
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"{prefix}.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
+def check_model(cfg: Config) -> None:
+    spec = cfg.model.layer_spec
+    if spec == "te" and not have_te():
+        raise ConfigError("model.layer_spec=te but transformer_engine is not installed; use model.layer_spec=local")
+    if cfg.parallel.sequence_parallel and not (spec == "te" or (spec == "auto" and have_te())):
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs the transformer-engine layer spec (model.layer_spec={spec}, "
+            f"transformer_engine {'installed' if have_te() else 'not installed'}); set parallel.sequence_parallel=false"
+        )
 
 
 def check_parallel(cfg: Config, world_size: int, hf: dict) -> None:
@@ -49,6 +92,7 @@ def check_parallel(cfg: Config, world_size: int, hf: dict) -> None:
 
 
 def check_batches(cfg: Config, world_size: int) -> None:
+    check_counts(cfg.data, "data", ["batch_size"])
     p = cfg.parallel
     dp = world_size // (p.tp * p.pp * p.cp)
     samples = cfg.data.batch_size * cfg.rollout.n
@@ -61,7 +105,7 @@ def check_batches(cfg: Config, world_size: int) -> None:
         )
     if mini % dp:
         raise ConfigError(f"actor.mini_batch_size={mini} must be a multiple of the data-parallel size {dp}")
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if uses_critic(cfg) else ("actor",):
         micro = getattr(cfg, role).micro_batch_size
         if micro <= 0 or (mini // dp) % micro:
             raise ConfigError(
@@ -72,12 +116,10 @@ def check_batches(cfg: Config, world_size: int) -> None:
 
 def check_rollout(cfg: Config) -> None:
     r = cfg.rollout
-    if r.n < 1 or r.max_new_tokens < 1:
-        raise ConfigError("rollout.n and rollout.max_new_tokens must be >= 1")
-    if r.temperature < 0 or not 0 < r.top_p <= 1:
-        raise ConfigError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
-    if r.max_batch < 1 or r.max_num_batched_tokens < 1:
-        raise ConfigError("rollout.max_batch and rollout.max_num_batched_tokens must be >= 1")
+    check_counts(r, "rollout", ["n", "max_new_tokens", "max_batch", "max_num_batched_tokens"])
+    check_numbers(r, "rollout", ["temperature"], low=0)
+    if not 0 < r.top_p <= 1:  # NaN fails too
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.page_size not in (8, 16, 32, 64, 128):
         raise ConfigError(f"rollout.page_size={r.page_size} must be a power of two in 8..128")
     if r.kv_cache_gb < 0 or not 0 < r.kv_cache_fraction <= 1:
@@ -88,10 +130,47 @@ def check_rollout(cfg: Config) -> None:
         )
 
 
+def check_actor(cfg: Config) -> None:
+    act = cfg.actor
+    check_optim(act.optim, "actor.optim")
+    check_counts(act, "actor", ["ppo_epochs"])
+    check_numbers(act, "actor", ["kl_loss_coef", "entropy_coef"], low=0)
+
+
+def check_critic(cfg: Config) -> None:
+    if uses_critic(cfg):  # an unused critic's knobs are not checked
+        check_optim(cfg.critic.optim, "critic.optim")
+        check_counts(cfg.critic, "critic", ["ppo_epochs"])
+
+
+def check_reward(cfg: Config) -> None:
+    rw, rm = cfg.reward, cfg.reward.model
+    if not rw.terms and not rm.path:
+        raise ConfigError(
+            "reward.terms=[] and reward.model.path is unset: nothing scores; add a term or set reward.model.path"
+        )
+    names = [t.name for t in rw.terms] + (["rm"] if rm.path else [])
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise ConfigError(f"reward.terms names '{dup}' twice (the reward model is 'rm'); give each term its own name")
+    for i, t in enumerate(rw.terms):
+        check_numbers(t, f"reward.terms[{i}]", ["weight"])
+    check_numbers(rw, "reward", ["fallback"])
+    check_numbers(rm, "reward.model", ["weight", "scale"])
+    check_counts(rm, "reward.model", ["micro_batch_size"])
+
+
+def check_trainer(cfg: Config) -> None:
+    t = cfg.trainer
+    check_counts(t, "trainer", ["steps", "keep_last"])
+    check_counts(t, "trainer", ["save_every", "eval_every", "eval_samples"], low=0)
+
+
 def check_algorithm(cfg: Config) -> None:
     a, act = cfg.algorithm, cfg.actor
     if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1):
         raise ConfigError("algorithm.gamma and algorithm.lam must lie in [0, 1]")
+    check_numbers(a, "algorithm", ["kl_coef"], low=0)
     if act.clip_low < 0 or act.clip_high < 0:
         raise ConfigError("actor.clip_low and actor.clip_high must be >= 0")
     for key in ("gspo_clip_low", "gspo_clip_high"):
@@ -118,7 +197,10 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
     """Checks for launch/sft.py."""
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
+    check_model(cfg)
     p, s = cfg.parallel, cfg.sft
+    check_counts(s, "sft", ["epochs", "batch_size", "micro_batch_size", "max_len"])
+    check_optim(s.optim, "sft.optim")
     dp = world_size // (p.tp * p.pp * p.cp)
     if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:
         raise ConfigError(
@@ -133,9 +215,14 @@ def validate(cfg: Config, world_size: int) -> dict:
     """Runs every check; returns the policy's HF config for the caller."""
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
+    check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
     check_batches(cfg, world_size)
+    check_actor(cfg)
+    check_critic(cfg)
     check_algorithm(cfg)
+    check_reward(cfg)
+    check_trainer(cfg)
     check_paths(cfg)
     return hf
 

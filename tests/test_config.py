@@ -173,6 +173,87 @@ def test_impossible_combinations_name_the_key(overrides, world_size, needle):
     assert needle in check_error(overrides, world_size)
 
 
+@pytest.mark.parametrize("overrides, start", [
+    # non-finite or negative optimizer numbers, any section's optim
+    (["actor.optim.lr=nan"], "actor.optim.lr=nan must be a finite number > 0"),
+    (["critic.optim.lr=-1e-5"], "critic.optim.lr=-1e-05 must be a finite number > 0"),
+    (["actor.optim.lr=0"], "actor.optim.lr=0.0 must be a finite number > 0"),
+    (["actor.optim.min_lr=-1"], "actor.optim.min_lr=-1.0 must be a finite number >= 0"),
+    (["actor.optim.weight_decay=nan"], "actor.optim.weight_decay=nan must be a finite number >= 0"),
+    (["actor.optim.eps=-1e-8"], "actor.optim.eps=-1e-08 must be a finite number >= 0"),
+    (["critic.optim.clip_grad=inf"], "critic.optim.clip_grad=inf must be a finite number >= 0"),
+    # zero batch sizes
+    (["data.batch_size=0"], "data.batch_size=0 must be >= 1"),
+    (["rollout.max_batch=0"], "rollout.max_batch=0 must be >= 1"),
+    (["reward.model.micro_batch_size=0"], "reward.model.micro_batch_size=0 must be >= 1"),
+    (["critic.micro_batch_size=0"], "critic.micro_batch_size=0 must divide"),
+    # Adam betas
+    (["actor.optim.betas=[0.9]"], "actor.optim.betas=[0.9] must be two numbers in [0, 1)"),
+    (["actor.optim.betas=[0.9, 1.0]"], "actor.optim.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
+    (["critic.optim.betas=[nan, 0.99]"], "critic.optim.betas=[nan, 0.99] must be two numbers"),
+    # reward terms
+    (["reward.terms=[{name: math}, {name: math, weight: 0.5}]"], "reward.terms names 'math' twice"),
+    (["reward.terms=[]"], "reward.terms=[] and reward.model.path is unset"),
+    (["reward.fallback=nan"], "reward.fallback=nan must be a finite number"),
+    (["reward.model.scale=inf"], "reward.model.scale=inf must be a finite number"),
+    # sequence parallelism without the TE spec (local spec: independent of what is installed)
+    (["parallel.sequence_parallel=true", "model.layer_spec=local"], "parallel.sequence_parallel=true needs"),
+    # loop counts
+    (["trainer.steps=0"], "trainer.steps=0 must be >= 1"),
+    (["trainer.steps=-3"], "trainer.steps=-3 must be >= 1"),
+    (["actor.ppo_epochs=0"], "actor.ppo_epochs=0 must be >= 1"),
+    (["critic.ppo_epochs=0"], "critic.ppo_epochs=0 must be >= 1"),
+    (["trainer.save_every=-1"], "trainer.save_every=-1 must be >= 0"),
+    (["trainer.eval_every=-1"], "trainer.eval_every=-1 must be >= 0"),
+    (["trainer.eval_samples=-1"], "trainer.eval_samples=-1 must be >= 0"),
+    (["trainer.keep_last=0"], "trainer.keep_last=0 must be >= 1"),
+    # sampling and KL coefficients
+    (["rollout.temperature=nan"], "rollout.temperature=nan must be a finite number >= 0"),
+    (["rollout.top_p=nan"], "rollout.top_p=nan must be in (0, 1]"),
+    (["algorithm.kl_coef=-0.1"], "algorithm.kl_coef=-0.1 must be a finite number >= 0"),
+    (["algorithm.kl_coef=nan"], "algorithm.kl_coef=nan must be a finite number >= 0"),
+    (["actor.kl_loss_coef=-1"], "actor.kl_loss_coef=-1.0 must be a finite number >= 0"),
+    (["actor.entropy_coef=nan"], "actor.entropy_coef=nan must be a finite number >= 0"),
+])
+def test_bad_values_are_one_line_errors(overrides, start):
+    assert check_error(overrides).startswith(start)
+
+
+def test_unused_critic_knobs_not_checked():
+    """GRPO trains no critic: its micro-batch and optimizer are never used."""
+    cfg = load_config([str(ROOT / "yaml" / "tiny_grpo.yaml"), "critic.micro_batch_size=0",
+                       "critic.optim.lr=nan"], Config)
+    validate(cfg, 2)
+
+
+@pytest.mark.parametrize("overrides, start", [
+    (["sft.epochs=0"], "sft.epochs=0 must be >= 1"),
+    (["sft.batch_size=0"], "sft.batch_size=0 must be >= 1"),
+    (["sft.micro_batch_size=0"], "sft.micro_batch_size=0 must be >= 1"),
+    (["sft.optim.lr=nan"], "sft.optim.lr=nan must be a finite number > 0"),
+    (["sft.optim.min_lr=-1e-4"], "sft.optim.min_lr=-0.0001 must be a finite number >= 0"),
+    (["parallel.sequence_parallel=true", "model.layer_spec=local"], "parallel.sequence_parallel=true needs"),
+])
+def test_bad_sft_values_are_one_line_errors(overrides, start):
+    cfg = load_config([str(ROOT / "yaml" / "tiny_sft.yaml"), *overrides], Config)
+    with pytest.raises(ConfigError) as e:
+        validate_sft(cfg, 2)
+    assert "\n" not in str(e.value) and str(e.value).startswith(start), str(e.value)
+
+
+@pytest.mark.parametrize("argv, world_size", [
+    ([], 1),  # the dataclass defaults
+    ([str(ROOT / "yaml" / "qwen2.5-1.5b.yaml")], 2),
+    ([str(ROOT / "yaml" / "llama7b.yaml"), f"reward.model.path={ROOT}/megarl/assets/tiny/sft"], 8),
+])
+def test_default_and_large_yaml_values_validate(argv, world_size):
+    """The big yaml files name models we do not ship: the tiny model and data stand in,
+    so every value check runs on their numbers (heads/layers fit tp=2, pp=1)."""
+    tiny = ROOT / "megarl" / "assets" / "tiny"
+    paths = [f"model.path={tiny}/sft", f"data.train_path={tiny}/train.jsonl"] if argv else []
+    validate(load_config([*argv, *paths], Config), world_size)
+
+
 def test_invalid_hf_config_json(tmp_path):
     (tmp_path / "config.json").write_text('{"num_attention_heads": 4,\n  oops}')
     msg = check_error([f"model.path={tmp_path}"])

@@ -48,6 +48,14 @@ def test_cross_field_error_before_joining():
     ]
 
 
+def test_bad_value_error_is_one_line():
+    """A value the type check lets through (NaN is a float) fails in validation, exit 2."""
+    p = run(sys.executable, "launch/ppo.py", "yaml/tiny.yaml", "actor.optim.lr=nan")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.splitlines() == ["config error: actor.optim.lr=nan must be a finite number > 0"]
+    assert "Traceback" not in p.stderr + p.stdout
+
+
 def _torchrun() -> str | None:
     local = Path(sys.executable).parent / "torchrun"
     return str(local) if local.exists() else shutil.which("torchrun")
