@@ -201,6 +201,7 @@ class TrainerConfig:
     dump_rollouts: Optional[str] = opt(None, "write each step's rollout batch to this directory")
     replay_rollouts: Optional[str] = opt(None, "train on rollouts dumped earlier instead of generating")
     rollout_only: bool = opt(False, "generate and score only; no training (use with dump_rollouts)")
+    max_bad_updates: int = opt(3, "stop the run after this many optimizer updates in a row skipped for a non-finite loss or gradient (per role); 0: never stop")
 
 
 @dataclass

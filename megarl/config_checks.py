@@ -163,7 +163,7 @@ def check_reward(cfg: Config) -> None:
 def check_trainer(cfg: Config) -> None:
     t = cfg.trainer
     check_counts(t, "trainer", ["steps", "keep_last"])
-    check_counts(t, "trainer", ["save_every", "eval_every", "eval_samples"], low=0)
+    check_counts(t, "trainer", ["save_every", "eval_every", "eval_samples", "max_bad_updates"], low=0)
 
 
 def check_algorithm(cfg: Config) -> None:

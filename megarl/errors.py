@@ -11,3 +11,10 @@ class DataError(UserInputError):
     """A prompt or SFT data file that cannot be read as asked; the message names file and line."""
 
     kind = "data error"
+
+
+class NonFiniteError(UserInputError):
+    """NaN / inf where training or an export cannot go on (usually a learning rate or loss
+    scale too high); the message names the step or tensor. Printed as one line, exit 2."""
+
+    kind = "non-finite values"

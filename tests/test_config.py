@@ -207,6 +207,7 @@ def test_impossible_combinations_name_the_key(overrides, world_size, needle):
     (["trainer.eval_every=-1"], "trainer.eval_every=-1 must be >= 0"),
     (["trainer.eval_samples=-1"], "trainer.eval_samples=-1 must be >= 0"),
     (["trainer.keep_last=0"], "trainer.keep_last=0 must be >= 1"),
+    (["trainer.max_bad_updates=-1"], "trainer.max_bad_updates=-1 must be >= 0"),
     # sampling and KL coefficients
     (["rollout.temperature=nan"], "rollout.temperature=nan must be a finite number >= 0"),
     (["rollout.top_p=nan"], "rollout.top_p=nan must be in (0, 1]"),

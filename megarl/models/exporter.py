@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megarl.distributed.groups import ParallelGroups
+from megarl.errors import NonFiniteError
 from megarl.models import layouts
 from megarl.models.hf_config import ModelInfo
 from megarl.models.safetensors_io import (
@@ -72,6 +73,24 @@ def gather_hf_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
             for hf_name, t in merge_shards(rule, shards, info).items():
                 out[hf_name] = t.to("cpu", dtype or t.dtype).clone()
     return out
+
+
+def check_finite(model: nn.Module, info: ModelInfo, dtype: Optional[torch.dtype], out_dir: str) -> None:
+    """Collective over the world: raises on every rank if any exported parameter shard, on
+    any rank, has a NaN or inf (in ``dtype``, where the cast could overflow); the message
+    names the first (lowest rank, model order) with its HF names."""
+    params = model.state_dict(keep_vars=True)
+    bad = None
+    for name, rule in model_rules(model, info).items():
+        t = params[name].detach()
+        if rule.export and not torch.isfinite(t if dtype is None else t.to(dtype)).all():
+            bad = f"{name} (HF {', '.join(rule.hf_names)})"
+            break
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, bad)
+    first = next((f for f in found if f is not None), None)
+    if first is not None:
+        raise NonFiniteError(f"export refused: {first} has NaN or inf values; nothing written to {out_dir}")
 
 
 def hf_config_for_export(info: ModelInfo) -> dict:
@@ -128,10 +147,13 @@ def export_hf(
 
     ``dtype``: tensor dtype in the files; default the ``dtype`` / ``torch_dtype``
     that config.json declares, else the parameters' own. ``copy_from``: a HF
-    directory whose tokenizer and generation-config files are copied.
+    directory whose tokenizer and generation-config files are copied. Refused
+    (:class:`NonFiniteError` on every rank, nothing written) if any weight is NaN or inf.
     """
+    dtype = _export_dtype(info, dtype)
+    check_finite(model, info, dtype, out_dir)
     if groups.dp_rank == 0 and groups.cp_rank == 0:
-        tensors = gather_hf_tensors(model, info, groups, _export_dtype(info, dtype))
+        tensors = gather_hf_tensors(model, info, groups, dtype)
         if groups.tp_rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             weight_map, total_bytes = _write_stage(tensors, out_dir, groups, max_shard_bytes)

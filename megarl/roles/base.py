@@ -9,6 +9,7 @@ return the metrics (tensors) of every micro-batch on every stage.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -19,6 +20,7 @@ from megarl.roles.batch import SampleBatch, cat_rows
 from megarl.roles.optim import Trainable
 
 Head = Callable[[SampleBatch, torch.Tensor], tuple]
+LOSS_KEY = "_loss_sum"  # the head's loss, carried beside its metrics to the optimizer step's guard
 
 
 class ModelRole:
@@ -39,9 +41,13 @@ class ModelRole:
     def run(self, micro_batches: list[SampleBatch], head: Head, forward_only: bool) -> list[dict]:
         """Runs ``head`` on every micro-batch's output; the metrics dicts, on every stage."""
 
+        def loss_fn(mb: SampleBatch, output):
+            loss, count, metrics = head(mb, output)
+            return loss, count, metrics if forward_only else {**metrics, LOSS_KEY: loss.detach()}
+
         def forward_step(mb: SampleBatch, model):
             out = model(mb.input_ids, mb.position_ids(), None)  # (b, l, V/tp) | (b, l, 1) | hidden
-            return out, lambda output: head(mb, output)
+            return out, lambda output: loss_fn(mb, output)
 
         width = max(mb.width for mb in micro_batches)
         return run_pipeline(
@@ -71,12 +77,20 @@ class ModelRole:
         return out
 
     def train_step(self, micro_batches: list[SampleBatch], head: Head) -> dict[str, float]:
-        """One optimizer step over ``micro_batches``; summed metrics plus grad norm and LR."""
+        """One optimizer step over ``micro_batches``; summed metrics plus grad norm and LR.
+
+        Skipped, on every rank, when the loss or a gradient is not finite
+        (``nonfinite`` = 1; see :meth:`Trainable.step`).
+        """
         self.trainable.zero_grad()
-        results = self.run(micro_batches, head, forward_only=False)
+        return self.finish_step(self.run(micro_batches, head, forward_only=False))
+
+    def finish_step(self, results: list[dict]) -> dict[str, float]:
+        """Sums the micro-batches' metrics and steps the optimizer unless the loss is not finite."""
         metrics = {}
         for r in results:
             for k, v in r.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
-        metrics.update(self.trainable.step())
+        loss = metrics.pop(LOSS_KEY)  # on every stage: run() broadcasts the last stage's results
+        metrics.update(self.trainable.step(loss_finite=math.isfinite(loss)))
         return metrics

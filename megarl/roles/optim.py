@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.config import OptimConfig
-from megarl.distributed import ParallelGroups
+from megarl.distributed import ParallelGroups, device
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Trainable:
     model: DistributedDataParallel
     optimizer: object  # megatron.core.optimizer.MegatronOptimizer
     scheduler: OptimizerParamScheduler
+    loss_scaled: bool = False  # fp16: megatron's grad scaler checks the gradients itself
 
     @property
     def chunks(self) -> list:
@@ -36,16 +38,44 @@ class Trainable:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self) -> dict:
-        """Optimizer step after the backward passes; returns grad norm and LR.
+    def step(self, loss_finite: bool = True) -> dict:
+        """Optimizer step after the backward passes; returns grad norm, LR and flags.
 
         The schedule already ran ``finalize_model_grads`` (DP reduction, tied
         embeddings across PP, division by the global loss normalizer).
+
+        Guard: when ``loss_finite`` is False or a gradient is not finite, on any
+        rank, every rank skips the update alike: the gradients are zeroed and
+        ``optimizer.step()`` is not called, so parameters and Adam moments stay
+        bitwise unchanged, and the LR schedule does not advance
+        (``nonfinite`` = 1). megatron-core skips by itself only under fp16 loss
+        scaling (``found_inf``; then ``update_ok`` = 0, ``nonfinite`` = 0, and
+        the loss scale backs off); under bf16 / fp32 its ``step()`` clips by a
+        NaN norm and Adam writes NaN into parameters and moments.
         """
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
-        return {"grad_norm": float(grad_norm or 0.0), "lr": lr, "update_ok": float(bool(ok))}
+        if not self._all_finite(loss_finite):
+            self.zero_grad()
+            return {"grad_norm": 0.0, "lr": lr, "update_ok": 0.0, "nonfinite": 1.0}
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:  # as megatron's training loop: no schedule step for a skipped fp16 update
+            self.scheduler.step(increment=1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        return {"grad_norm": float(grad_norm or 0.0), "lr": lr, "update_ok": float(bool(ok)), "nonfinite": 0.0}
+
+    def _all_finite(self, loss_finite: bool) -> bool:
+        """The loss and every gradient finite on every rank (one MAX all-reduce over the world).
+
+        Each rank checks its whole grad buffer: reduced or not, a non-finite local
+        entry makes the DP-reduced one non-finite too, so the OR over ranks is
+        "the reduced gradient has a non-finite entry" for any layout.
+        """
+        bad = [torch.tensor(not loss_finite, device=device())]
+        if not self.loss_scaled:
+            bad += [~torch.isfinite(b.grad_data).all() for b in self.model.buffers + self.model.expert_parallel_buffers]
+        flag = torch.stack([b.to(device(), torch.float32) for b in bad]).max().reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
 
 
 def wrap_ddp(module, groups: ParallelGroups, distributed_optimizer: bool) -> DistributedDataParallel:
@@ -98,7 +128,7 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
         wd_incr_style="constant",
     )
     _sum_losses_then_normalize(module.config, groups, optimizer)
-    return Trainable(model, optimizer, scheduler)
+    return Trainable(model, optimizer, scheduler, loss_scaled=dtype == torch.float16)
 
 
 def _sum_losses_then_normalize(config, groups: ParallelGroups, optimizer) -> None:

@@ -82,11 +82,7 @@ class Policy(ModelRole):
         results = self.run([mini.select(r) for r in rows], self._loss_head(cfg, temperature, norm_len),
                            forward_only=False)
         per_token = {k: [r.pop(k) for r in results] for k in ("logprobs", "entropy")}  # (b_i, l_i) each
-        step = {}
-        for r in results:
-            for k, v in r.items():
-                step[k] = step.get(k, 0.0) + float(v)
-        step.update(self.trainable.step())
+        step = self.finish_step(results)
         batch_rows = [torch.as_tensor(index)[r] for r in rows]  # micro-batch rows as rows of `batch`
         return step, {k: _scatter_rows(parts, batch_rows, len(batch), batch.width) for k, parts in per_token.items()}
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config_checks import uses_critic
+from megarl.errors import NonFiniteError
 from megarl.rollout.engine import SamplingParams
 from megarl.trainer.advantage import compute_rollout_advantages, kl_sum, logprob_mismatch
 from megarl.trainer.rollout import generate_rollout
@@ -110,11 +111,38 @@ def _mini_batches(tr, n_rows: int, epoch: int) -> list[torch.Tensor]:
 
 
 def _record_steps(tr, rollout, role: str, steps: list[dict]) -> None:
+    """Averages grad norm and LR over the updates made; counts and guards the skipped ones."""
+    made = sum(1 for s in steps if s["update_ok"])
+    skipped = f"{role}/skipped_updates"
+    tr.metrics[skipped] = tr.metrics.get(skipped, 0.0)
     for s in steps:
-        for key in ("grad_norm", "lr"):
-            tr.metrics[f"{role}/{key}"] = tr.metrics.get(f"{role}/{key}", 0.0) + s.pop(key) / len(steps)
-        s.pop("update_ok", None)
+        ok, nonfinite, grad_norm, lr = (s.pop(k) for k in ("update_ok", "nonfinite", "grad_norm", "lr"))
+        if ok:
+            tr.metrics[f"{role}/grad_norm"] = tr.metrics.get(f"{role}/grad_norm", 0.0) + grad_norm / made
+            tr.metrics[f"{role}/lr"] = tr.metrics.get(f"{role}/lr", 0.0) + lr / made
+        else:
+            tr.metrics[skipped] += 1.0
+        if ok or nonfinite:  # an fp16 loss-scale skip neither counts nor breaks a run of bad updates
+            _guard_nonfinite(tr, role, bool(nonfinite))
         _add(rollout.metrics, s)
+
+
+def _guard_nonfinite(tr, role: str, nonfinite: bool) -> None:
+    """Counts non-finite updates in a row (the decision is the same on every rank); at
+    ``trainer.max_bad_updates`` stops the run before anything is saved, so the last
+    checkpoint is the last good one. The count starts at 0 again on resume."""
+    if not nonfinite:
+        tr.bad_updates[role] = 0
+        return
+    tr.bad_updates[role] = n = tr.bad_updates.get(role, 0) + 1
+    limit = tr.cfg.trainer.max_bad_updates
+    if dist.get_rank() == 0:
+        print(f"step {tr.step + 1}: {role} update skipped (non-finite loss or gradient; {n} in a row)", flush=True)
+    if limit and n >= limit:
+        raise NonFiniteError(
+            f"{role}: {n} optimizer updates in a row had a non-finite loss or gradient, the last at step "
+            f"{tr.step + 1} (trainer.max_bad_updates={limit}); stopped without saving, the last checkpoint "
+            f"in {tr.cfg.trainer.run_dir} is kept")
 
 
 def update(tr, rollout) -> None:

@@ -76,6 +76,7 @@ class PPOTrainer:
         self.timer = PhaseTimer()
         self.metrics: dict[str, float] = {}
         self.rollout_stats: dict[str, float] = {}
+        self.bad_updates: dict[str, int] = {}  # role -> optimizer updates skipped in a row (non-finite)
         self._resume()
         if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
             self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
