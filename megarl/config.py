@@ -77,7 +77,8 @@ class RolloutConfig:
     page_size: int = opt(16, "tokens per KV-cache page (a power of two, 8..128)")
     kv_cache_gb: float = opt(0.0, "KV-cache budget in GiB; 0: rollout.kv_cache_fraction of free memory")
     kv_cache_fraction: float = opt(0.5, "share of free device memory (CPU: available RAM) the KV cache may take")
-    cuda_graphs: bool = opt(True, "replay the decode step as CUDA graphs (CUDA, pp=1); false: eager")
+    cuda_graphs: bool = opt(True, "replay the decode step as CUDA graphs on CUDA; false: eager")
+    prefix_cache: bool = opt(False, "reuse full K/V pages of equal token prefixes (a request prefilled after another that starts the same way; a conversation's earlier turns) until the weights change; off: every call starts cold, so results never depend on earlier calls")
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
 
 

@@ -129,3 +129,57 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
     assert len({tuple(s) for s in r["sampled"]}) > len(PROMPTS)  # samples of a prompt differ
     for other in results[1:]:  # every rank of the replica decodes the same tokens
         assert other["greedy"] == r["greedy"] and other["sampled"] == r["sampled"]
+
+
+def _multi_turn(rank, ckpt):
+    """Two turns with the prefix cache on and off; turn 2 = turn-1 prompt + response + new tokens."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.roles.build import build_actor
+    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.native import EngineOptions, NativeEngine
+
+    init_distributed()
+    groups = build_parallel_groups(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path = ckpt
+    actor = build_actor(cfg, groups, optimizer_steps=1)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    shared = list(range(30, 47))  # two prompts that start with the same 17 tokens
+    turn1 = [shared + [5, 6], shared + [7]]
+    out = {}
+    for cached in (False, True):
+        engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0,
+                              EngineOptions(max_batch=4, page_size=PAGE, max_num_batched_tokens=8,
+                                            prefix_cache=cached))
+        first = engine.generate(turn1, greedy)
+        hits1 = engine.stats["rollout/prefix_cached_tokens"]
+        turn2 = [r.prompt_ids + r.response_ids + [11, 12, 13] for r in first]
+        second = engine.generate(turn2, greedy)
+        out[cached] = {"turn1": [r.response_ids for r in first], "turn2": [r.response_ids for r in second],
+                       "turn2_prompts": turn2, "hits": (hits1, engine.stats["rollout/prefix_cached_tokens"])}
+        engine.update_weights()
+        out[cached]["after_sync"] = engine.generate(turn2, greedy) and engine.stats["rollout/prefix_cached_tokens"]
+    return out
+
+
+def test_prefix_cache_reuses_a_conversations_pages(ckpt_and_hf):
+    """Turn 1: two prompts sharing 17 tokens (2 full pages of 8), prefilled in 8-token chunks, so
+    the second request, prefilled after the first, takes the first's pages. Turn 2 (prompt + response + 3 tokens) takes turn 1's full pages again. Greedy
+    tokens equal the cold engine's and ``transformers``'; after a weight sync nothing is reused."""
+    ckpt, _, _ = ckpt_and_hf
+    (r,) = spawn(_multi_turn, 1, ckpt)
+    warm, cold = r[True], r[False]
+    assert warm["turn1"] == cold["turn1"] and warm["turn2"] == cold["turn2"]
+    assert cold["hits"] == (0, 0) and cold["after_sync"] == 0
+    # turn 2: each conversation takes its 3 full pages of turn 1 (24 tokens each)
+    assert warm["hits"] == (16, 48)
+    assert warm["after_sync"] == 16  # after a weight sync only the two turn-2 prompts share again
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    for prompt, got in zip(warm["turn2_prompts"], warm["turn2"]):  # turn-1 responses may hold the pad id,
+        assert got == _greedy_no_stop(model, prompt)  # which generate() would mask: plain forwards instead

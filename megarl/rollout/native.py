@@ -54,6 +54,7 @@ class EngineOptions:
     kv_cache_fraction: float = 0.5
     cuda_graphs: bool = True
     max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: model max
+    prefix_cache: bool = False  # keep full K/V pages across generate calls until the weights change
 
 
 class NativeEngine:
@@ -112,12 +113,15 @@ class NativeEngine:
         """The engine reads the training weights in place: nothing to move (graphs check pointers)."""
         if self.graphs is not None:
             self.graphs.check_weights()
+        if self.cache is not None:
+            self.cache.pool.forget()  # cached K/V were computed with the old weights
         return {"weight_sync/bytes": 0.0, "weight_sync/zero_copy": 1.0}
 
     def release_memory(self) -> None:
         """Gives the KV cache's memory back before training (a pinned cache keeps its address)."""
         if self.cache is not None and self.cache.storage is not None:
-            self.cache.release()
+            self.cache.release()  # unmapped: the prefix cache goes with it
+            self.cache.pool.forget()
         elif self.cache is not None and self.graphs is None:
             self.cache = None
         if torch.cuda.is_available():
@@ -137,28 +141,37 @@ class NativeEngine:
         self._ensure_cache(needed, longest, min(o.max_batch, len(seqs)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
         sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens,
-                          max_pages, stops)
+                          max_pages, stops, prefix_cache=o.prefix_cache)
         for start in range(0, len(seqs), params.n):
             sched.add_group(seqs[start:start + params.n])
         return sched
 
     def _ensure_cache(self, needed_tokens: int, longest: int, max_seqs: int) -> None:
-        """A KV cache for this call: sized per call, or (with graphs) once for max_batch x max_len."""
-        if self.graphs is not None:  # graphs hold the address: one cache for the engine's life
+        """A KV cache for this call: sized per call, or once for max_batch x max_len when graphs hold
+        its address or the prefix cache keeps pages between calls."""
+        if self.graphs is not None or self.options.prefix_cache:
             needed_tokens, max_seqs = self.options.max_batch * self.max_len, self.options.max_batch
             if self.cache is not None:
                 self._check_fits(self.cache.capacity, longest)
-                if self.cache.storage is not None:
+                if self.cache.storage is not None and not self.cache.storage.mapped:
                     self.cache.resume()
-                self.cache.pool.reset()
+                self._reuse_pool(self.cache.capacity)
                 return
         pages = pool_pages(self.layout, self._budget_bytes(), needed_tokens, max_seqs)
         self._check_fits(pages, longest)
         if self.cache is not None and self.cache.capacity >= pages:
-            self.cache.pool = PagePool(pages)  # as if new: scheduling never depends on earlier calls
+            self._reuse_pool(pages)
             return
         self.cache = None
         self.cache = self._new_cache(pages)
+
+    def _reuse_pool(self, pages: int) -> None:
+        """A fresh pool, as if new, so scheduling never depends on earlier calls — unless the prefix
+        cache keeps the pages of earlier calls (then the pool only grows, never shrinks)."""
+        pool = self.cache.pool
+        if self.options.prefix_cache and pool.num_pages >= pages:
+            return
+        self.cache.pool = PagePool(pages)
 
     def _new_cache(self, pages: int) -> KVCache:
         if self.graphs is None or self.device.type != "cuda":
@@ -281,6 +294,7 @@ class NativeEngine:
         self.stats = {
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
             "rollout/graph_steps": float(steps["graph"]), "rollout/preemptions": float(sched.preemptions),
+            "rollout/prefix_cached_tokens": float(sched.reused_tokens),
             "rollout/kv_cache_gb": cache.nbytes / 2**30,
         }
         if self.device.type == "cuda":

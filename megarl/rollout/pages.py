@@ -13,6 +13,7 @@ a CUDA-graph batch.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,16 @@ class OutOfPages(Exception):
 
 
 class PagePool:
-    """Free list and reference counts of ``num_pages`` pages (page 0 reserved)."""
+    """Free list and reference counts of ``num_pages`` pages (page 0 reserved), and a prefix cache.
+
+    Prefix cache: a full page can be registered under a key made of its tokens
+    and of every token before it (:func:`prefix_keys`: nested tuples, compared
+    exactly, so no hash collision can hand out wrong K/V); a later sequence
+    whose tokens start the same way takes the page instead of recomputing it. A
+    registered page that nobody holds is *idle*: still cached, but handed out
+    (least recently used first) when the free list runs dry, so it counts as
+    free. :meth:`forget` drops the cache (new weights make its K/V stale).
+    """
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
@@ -35,37 +45,79 @@ class PagePool:
         self.reset()
 
     def reset(self) -> None:
-        """Every page free again (a new generate call reusing the storage)."""
+        """Every page free again and nothing cached (a new generate call reusing the storage)."""
         self.refs = np.zeros(self.num_pages, dtype=np.int32)
         self.refs[SCRATCH_PAGE] = 1 << 30  # never freed
         self._free = list(range(self.num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._page_of: dict[tuple, int] = {}  # prefix key -> page
+        self._key_of: dict[int, tuple] = {}  # page -> prefix key
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
 
     def alloc(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfPages(f"asked for {count} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(count)]
+        if count > self.free:
+            raise OutOfPages(f"asked for {count} pages, {self.free} free")
+        pages = [self._free.pop() if self._free else self._evict() for _ in range(count)]
         self.refs[pages] = 1
         return pages
+
+    def _evict(self) -> int:
+        page, _ = self._idle.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)]
+        return page
 
     def share(self, pages: list[int]) -> None:
         """One more holder of ``pages``."""
         np.add.at(self.refs, pages, 1)
 
     def release(self, pages: list[int]) -> None:
-        """One holder fewer; pages nobody holds go back to the free list."""
+        """One holder fewer; pages nobody holds go back to the free list (cached ones: idle)."""
         for page in pages:
             self.refs[page] -= 1
             if self.refs[page] == 0:
-                self._free.append(page)
+                if page in self._key_of:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
             elif self.refs[page] < 0:
                 raise RuntimeError(f"page {page} released more often than held")
 
     def shared(self, page: int) -> bool:
         return self.refs[page] > 1
+
+    # -- prefix cache --------------------------------------------------------
+    def register(self, page: int, key: tuple) -> None:
+        """``page`` (full, held) holds the K/V of the tokens that ``key`` names."""
+        if key not in self._page_of and page not in self._key_of:
+            self._page_of[key] = page
+            self._key_of[page] = key
+
+    def lookup(self, key: tuple) -> int | None:
+        """The cached page for ``key``, now held once more by the caller; None on a miss."""
+        page = self._page_of.get(key)
+        if page is not None:
+            self._idle.pop(page, None)
+            self.refs[page] += 1
+        return page
+
+    def forget(self) -> None:
+        """Drops every cached prefix; idle pages become free."""
+        self._free += list(self._idle)
+        self._idle.clear()
+        self._page_of.clear()
+        self._key_of.clear()
+
+
+def prefix_keys(tokens: list[int], page_size: int, pages: int) -> list[tuple]:
+    """Keys of the first ``pages`` full pages of ``tokens``: (key of the page before, this page's tokens)."""
+    out, key = [], ()
+    for k in range(pages):
+        key = (key, tuple(tokens[k * page_size:(k + 1) * page_size]))
+        out.append(key)
+    return out
 
 
 @dataclass(frozen=True)
@@ -122,7 +174,7 @@ class KVCache:
     def resume(self) -> None:
         """Pinned storage: map memory again at the same address (contents undefined)."""
         self.storage.map()
-        self.pool.reset()
+        self.pool.reset()  # nothing cached survives an unmap
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]  # (pages, page_size, kv_heads, head_dim)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megarl.rollout.pages import PagePool, pages_for
+from megarl.rollout.pages import PagePool, pages_for, prefix_keys
 
 
 @dataclass
@@ -71,8 +71,9 @@ class Scheduler:
     """Queues, slots and pages for one ``generate`` call."""
 
     def __init__(self, pool: PagePool, page_size: int, max_seqs: int, max_tokens: int,
-                 max_pages: int, stop_ids: set[int]):
-        self.pool, self.page_size = pool, page_size
+                 max_pages: int, stop_ids: set[int], prefix_cache: bool = False):
+        self.pool, self.page_size, self.prefix_cache = pool, page_size, prefix_cache
+        self.reused_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.stop_ids = set(stop_ids)
         self.table = np.zeros((max_seqs, max_pages), dtype=np.int32)  # SCRATCH_PAGE where unused
@@ -121,8 +122,10 @@ class Scheduler:
     def _plan_prefill(self) -> StepPlan | None:
         chunks, budget = [], self.max_tokens
         for seq in list(self.waiting):
-            if budget == 0:
+            if budget == 0 or not self._admit(seq):
                 break
+            if self.prefix_cache and not seq.pages:
+                self._reuse_prefix(seq)
             tokens = len(seq.tokens)
             take = min(tokens - seq.cached, budget)
             grow = pages_for(seq.cached + take, self.page_size) - len(seq.pages)
@@ -130,7 +133,7 @@ class Scheduler:
             reserve = len(self.running) + len(seq.forks)
             if self.pool.free - grow < reserve and (chunks or self.running):
                 break
-            if grow > self.pool.free or not self._admit(seq):
+            if grow > self.pool.free:
                 break
             seq.pages += self.pool.alloc(grow)
             self._set_table(seq)
@@ -139,6 +142,25 @@ class Scheduler:
             if seq.cached + take < tokens:
                 break  # the rest of this prompt goes in the next step
         return self._prefill_plan(chunks) if chunks else None
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Cached full pages that start ``seq``'s tokens (at least its last token is left to compute)."""
+        tokens = seq.tokens
+        for key in prefix_keys(tokens, self.page_size, (len(tokens) - 1) // self.page_size):
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            seq.pages.append(page)
+            seq.cached += self.page_size
+        self.reused_tokens += seq.cached
+        self._set_table(seq)
+
+    def _remember(self, seq: Sequence) -> None:
+        """Registers ``seq``'s full pages of computed K/V in the prefix cache."""
+        if self.prefix_cache:
+            full = seq.cached // self.page_size
+            for page, key in zip(seq.pages, prefix_keys(seq.tokens, self.page_size, full)):
+                self.pool.register(page, key)
 
     def _prefill_plan(self, chunks) -> StepPlan:
         ids, pos, cu, sample_rows, sampled = [], [], [0], [], []
@@ -226,6 +248,7 @@ class Scheduler:
         A running sequence goes back to the front of the queue; a half-prefilled
         prompt keeps its place (and its forks, whose slots it held for them).
         """
+        self._remember(seq)  # its recompute (or a neighbour) may find these pages again
         self.pool.release(seq.pages)
         seq.pages, seq.cached = [], 0
         for member in [seq] + seq.forks:
@@ -240,6 +263,8 @@ class Scheduler:
         """Records the forward (cached tokens) and the sampled tokens (S,)."""
         for seq, start, end in zip(plan.seqs, plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:]):
             seq.cached += int(end - start)
+            if not plan.decode:
+                self._remember(seq)  # full pages now computed, for requests that start the same way
         if not plan.decode:
             self._start_decoding(plan)
         slots = np.array([s.slot for s in plan.sampled], dtype=np.int64)
@@ -255,6 +280,7 @@ class Scheduler:
         finished = [s for s in plan.sampled if s.finish]
         for seq in finished:
             self.running.remove(seq)
+            self._remember(seq)
             self.pool.release(seq.pages)
             seq.pages = []
             self._free_slot(seq)
