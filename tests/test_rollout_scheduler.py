@@ -20,9 +20,10 @@ def _fake_tokens(plan):
     return (plan.seeds + plan.offsets) % 50 + 10
 
 
-def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=()):
-    pool = PagePool(pages)
-    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(stop))
+def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=(), pool=None, prefix_cache=False):
+    """Generates with the fake model; (scheduler, pool, plans, finished sequences in order)."""
+    pool = pool or PagePool(pages)
+    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(stop), prefix_cache)
     seqs = [Sequence(i * n + j, i, list(p), seed=7 * i + 20 * j, max_new=max_new)
             for i, p in enumerate(prompts) for j in range(n)]
     for i in range(len(prompts)):
@@ -108,29 +109,19 @@ def test_prefix_cache_reuses_earlier_pages_and_drops_them_on_forget():
     turn 1 kept: its full pages of turn-1 tokens come from the cache, so prefill feeds only
     the rest; a page nobody holds stays cached but counts as free; forget() drops the cache."""
     pool = PagePool(40)
-    first = _run_on(pool, [[3] * 9], max_new=8)  # 17 tokens cached at the end: 4 full pages of 4
+    _, _, first = _run_on(pool, [[3] * 9], max_new=8)  # 16 tokens computed at the end: 4 full pages
     assert pool.free == 39  # cached pages are idle, hence free
     turn2 = first[0].tokens + [9] * 5  # 22 tokens
-    sched, plans, done = _run_on(pool, [turn2], max_new=3, keep=True)
+    sched, plans, done = _run_on(pool, [turn2], max_new=3)
     assert sched.reused_tokens == 16
     assert sum(len(p.input_ids) for p in plans if not p.decode) == 22 - 16
     assert done[0].generated == _expected(done[0], 3)
     pool.forget()
-    sched, _, _ = _run_on(pool, [turn2], max_new=3, keep=True)
+    sched, _, _ = _run_on(pool, [turn2], max_new=3)
     assert sched.reused_tokens == 0
 
 
-def _run_on(pool, prompts, max_new, keep=False):
-    """Like _run, on a given pool, prefix cache on; returns done (or sched, plans, done)."""
-    sched = Scheduler(pool, PAGE, 8, 64, pages_for(64, PAGE), set(), prefix_cache=True)
-    seqs = [Sequence(i, i, list(p), seed=7 * i, max_new=max_new) for i, p in enumerate(prompts)]
-    for q in seqs:
-        sched.add_group([q])
-    plans = []
-    while sched.has_work():
-        plan = sched.next_step()
-        plans.append(plan)
-        toks = _fake_tokens(plan)
-        sched.commit(plan, toks, np.zeros(len(toks), dtype=np.float32))
-    done = sorted(sched.done, key=lambda s: s.rid)
-    return (sched, plans, done) if keep else done
+def _run_on(pool, prompts, max_new):
+    """One prompt per group on ``pool``, prefix cache on: (scheduler, plans, finished sequences)."""
+    sched, _, plans, done = _run(prompts, 1, max_new, 0, pool=pool, prefix_cache=True)
+    return sched, plans, done
