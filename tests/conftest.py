@@ -1,9 +1,10 @@
-"""Shared pytest setup: markers, and tests/ on sys.path for the helpers."""
+"""Shared pytest setup: markers, tests/ on sys.path for the helpers, and the tiny Llama checkpoint fixture."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU
@@ -25,3 +26,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A random tiny Llama checkpoint (GQA, 57-token vocab padded per TP rank, eos 3) in a temp dir."""
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_checkpoint(str(path), "LlamaForCausalLM", seed=0, vocab_size=57, eos_token_id=3)
+    return str(path)

@@ -10,22 +10,19 @@ in the interpreter, whose fp32 -> bf16 conversion truncates (seen with Triton
 3.9) where the GPU rounds to nearest: there the bf16 residual add is checked
 to one step, on the GPU bitwise.
 """
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_backends import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET first)
 
 import pytest  # noqa: E402
 
-from megarl.kernels import interpret_mode, triton_usable  # noqa: E402
+from megarl.kernels import interpret_mode  # noqa: E402
 from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref  # noqa: E402
 from megarl.kernels.rope_cache import rope_cache, rope_cache_ref  # noqa: E402
 from megarl.kernels.swiglu import silu_mul, silu_mul_ref  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)), reason="needs Triton")
+pytestmark = needs_triton
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 
 

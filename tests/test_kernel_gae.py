@@ -8,25 +8,19 @@ and without PREFETCH, and "rev") and thread-group widths VEC 1..16. Not covered
 here: speed (benchmarks/bench_kernels.py), and the GPU lowering itself (the
 interpreter runs the kernels' Python; `-m gpu` runs them compiled).
 """
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET first)
 
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from megarl.kernels import gae, gae_ref, triton_usable  # noqa: E402
+from megarl.kernels import gae, gae_ref  # noqa: E402
 from megarl.kernels.dispatch import tl, triton  # noqa: E402
 
 gae_mod = importlib.import_module("megarl.kernels.gae")  # the module (the package attribute is the function)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)),
-                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 before importing megarl.kernels")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 # (KERNEL, PREFETCH) of megarl.kernels.gae
 VARIANTS = [("grouped", False), ("grouped", True), ("rev", False)]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-5, rtol=1e-5)}

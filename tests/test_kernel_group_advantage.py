@@ -4,21 +4,15 @@ Group ids are unsorted, non-contiguous, negative and > 2^32; group sizes
 include 1; B crosses the kernel's 32-sample and 128-sample tiles. On CPU the
 Triton path runs in the interpreter (env var set before the import).
 """
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_backends import BACKENDS, DEVICE  # noqa: E402  (sets TRITON_INTERPRET first)
 
 import pytest  # noqa: E402
 
-from megarl.kernels import group_advantage, group_advantage_ref, triton_usable  # noqa: E402
+from megarl.kernels import group_advantage, group_advantage_ref  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)),
-                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 before importing megarl.kernels")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 MODES = ["grpo", "drgrpo", "rloo"]
 
 

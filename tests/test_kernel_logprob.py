@@ -8,12 +8,10 @@ the vocab (ranks own [r*V/2, (r+1)*V/2)), and checks the TP2 outputs equal
 TP1 on the full logits and each rank's gradient equals its slice of the TP1
 gradient. Not covered: NCCL, TP > 2, sequence-parallel hidden states.
 """
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_backends import BACKENDS, DEVICE, HAS_TRITON  # noqa: E402  (sets TRITON_INTERPRET first)
 
 import importlib  # noqa: E402
 
@@ -21,13 +19,9 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from dist_helpers import spawn  # noqa: E402
 
-from megarl.kernels import linear_logprob, logprob_entropy, logprob_entropy_ref, triton_usable  # noqa: E402
+from megarl.kernels import linear_logprob, logprob_entropy, logprob_entropy_ref  # noqa: E402
 
 logprob_mod = importlib.import_module("megarl.kernels.logprob")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HAS_TRITON = triton_usable(torch.empty(0, device=DEVICE))
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1 before import")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 # bf16 grads: the interpreter rounds fp32 -> bf16 toward zero (GPU: nearest), so allow 2 bf16 ulps.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2)}
 

@@ -12,16 +12,13 @@ tl.dot) and CUDA-graph capture; the `gpu` tests do those.
 """
 import contextlib
 import math
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET first)
 
 import pytest  # noqa: E402
 
-from megarl.kernels.dispatch import triton_usable  # noqa: E402
 from megarl.kernels.paged_attention import (  # noqa: E402
     decode_splits,
     paged_decode_attention,
@@ -31,10 +28,6 @@ from megarl.kernels.paged_attention import (  # noqa: E402
     paged_prefill_attention_ref,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)),
-                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 before importing megarl.kernels")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
 GROUPS = [(2, 2), (4, 2), (6, 1)]  # (Hq, Hkv): G = 1, 2, 6

@@ -6,12 +6,10 @@ per TP shard). Odd sizes everywhere (head_dim 3, hidden 5, tensors whose
 byte size is not a multiple of 16, misaligned views). On CPU the Triton
 path runs in the interpreter.
 """
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET first)
 
 import importlib  # noqa: E402
 
@@ -32,17 +30,12 @@ from megarl.kernels import (  # noqa: E402
     qkv_split_ref,
     tp_concat,
     tp_split,
-    triton_usable,
     unpack,
     unpack_into,
     unpad_vocab,
 )
 
 bucket_mod = importlib.import_module("megarl.kernels.bucket")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)),
-                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 before importing megarl.kernels")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 

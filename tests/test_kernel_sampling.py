@@ -7,12 +7,10 @@ Triton path runs in the interpreter (env var set before the import), so
 shapes stay small; the full-size check and CUDA-graph capture are GPU-only.
 Not covered: NaN logits, temperatures so small that l / T overflows.
 """
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET first)
 
 import pytest  # noqa: E402
 
@@ -26,10 +24,6 @@ from megarl.kernels.sampling import (  # noqa: E402
     uniform_noise_ref,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_usable(torch.empty(0, device=DEVICE)),
-                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 before importing megarl.kernels")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 MODES = ["greedy", "temperature", "top_k", "top_p", "top_k_top_p", "mixed"]
 
 

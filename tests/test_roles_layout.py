@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from dist_helpers import spawn
-from megarl.models.tiny import make_tiny_checkpoint
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -65,13 +64,6 @@ def _update(rank, ckpt, tp, pp, max_tokens):
             dist.all_reduce(sums, group=groups.dp)
         out[loss_agg] = (float(sums[0] / sums[1]), m["grad_norm"])
     return out
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_tiny_checkpoint(str(path), "LlamaForCausalLM", seed=0, vocab_size=57, eos_token_id=3)
-    return str(path)
 
 
 def test_loss_and_grad_norm_match_across_layouts(ckpt):

@@ -140,13 +140,6 @@ def _compare(rank, ckpt, pp, settings):
     return out
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_tiny_checkpoint(str(path), "LlamaForCausalLM", seed=0, vocab_size=57, eos_token_id=3)
-    return str(path)
-
-
 def _assert_same(result, name):
     full, skip = result["steps"]
     assert full.keys() == skip.keys(), name
