@@ -52,7 +52,7 @@ def utilization(path: str, since: float) -> float | None:
 def summarize(run_dir: str) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "perf/step_seconds" in r][1:]  # drop the warm-up step
-    keys = sorted({k for r in steps for k in r if k.startswith(("timing/", "perf/", "response/"))})
+    keys = sorted({k for r in steps for k in r if k.startswith(("timing/", "perf/", "response/", "mismatch/"))})
     return {k: statistics.median(r[k] for r in steps if k in r) for k in keys} | {"steps_measured": len(steps)}
 
 

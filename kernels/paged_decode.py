@@ -260,8 +260,9 @@ def decode_splits(batch: int, hkv: int, max_pages: int, page: int, device: torch
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale: float,
-                                  num_splits: int | None = None):
-    """Split-K Triton decode (module docstring). num_splits overrides `decode_splits` (tests)."""
+                                  num_splits: int | None = None, max_seqlen_k: int | None = None):
+    """Split-K Triton decode (module docstring). num_splits overrides `decode_splits` (tests);
+    max_seqlen_k (default: the table's width in keys) sizes the split count."""
     B, Hq, D = q.shape
     _, page, hkv, _ = k_cache.shape
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
@@ -270,7 +271,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, sc
     q, k_cache, v_cache, block_table = unit_last_stride(q, k_cache, v_cache, block_table)
     G, block_d = Hq // hkv, max(16, next_pow2(D))
     block_n = fit_keys(BLOCK_N, block_d, q.element_size(), NUM_STAGES)
-    splits = num_splits or decode_splits(B, hkv, block_table.shape[1], page, q.device, block_n)
+    max_pages = triton.cdiv(max_seqlen_k, page) if max_seqlen_k else block_table.shape[1]
+    splits = num_splits or decode_splits(B, hkv, max_pages, page, q.device, block_n)
     part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     _decode_split_kernel[(B, hkv, splits)](
@@ -285,17 +287,22 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, sc
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: float, backend: str = "auto"):
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: float, backend: str = "auto",
+                           max_seqlen_k: int | None = None):
     """Attention of one query token per row over its paged KV cache; spec in the module docstring.
 
     q: (B, Hq, D); k_cache, v_cache: (num_pages, page_size, Hkv, D), q's dtype, page_size a
     power of two; block_table: (B, max_pages) int32 page ids (every entry a valid page);
     seq_lens: (B,) int32 keys per row, 0 <= seq_lens <= max_pages * page_size. Returns
-    (B, Hq, D) in q.dtype. backend "triton" is CUDA-graph capturable.
+    (B, Hq, D) in q.dtype. backend "triton" is CUDA-graph capturable. max_seqlen_k: the
+    longest row the caller ever passes; the Triton split count comes from it (and B) instead of
+    the table's width, so a trimmed table and a padded one give bit-identical rows.
     """
     if q.dim() != 3:
         raise ValueError(f"paged_decode_attention: q must be (B, Hq, D), got {tuple(q.shape)}")
     check_paged(q, k_cache, v_cache, block_table, seq_lens, q.shape[0], "paged_decode_attention")
     impl = {"triton": paged_decode_attention_triton, "torch": paged_decode_attention_torch,
             "ref": paged_decode_attention_ref}[choose(backend, q, k_cache, v_cache, block_table, seq_lens)]
+    if impl is paged_decode_attention_triton:
+        return impl(q, k_cache, v_cache, block_table, seq_lens, scale, max_seqlen_k=max_seqlen_k)
     return impl(q, k_cache, v_cache, block_table, seq_lens, scale)

@@ -15,7 +15,9 @@ and seed give the same tokens alone or among other requests, in another
 position. The CUDA-graph path's static input buffers and bucket padding (a
 batch of 3 decoding as 4, the pad row reading no keys and writing the scratch
 page; with PP the hidden states in and out of each stage's buffers) run
-eagerly at every layout and must give the same greedy tokens.
+eagerly at every layout and must give the same greedy and sampled tokens; with
+one stage they also plan each decode step before the previous step's tokens
+are read (fed from the device; rows past a stop token dropped).
 Log-probs: the engine's log-prob of each sampled token (temperature 0.7,
 top-k 20, top-p 0.9, n = 2, prefix-shared prompts) equals the actor's training
 forward over the same tokens (fp32, 1e-5). Not covered: graph capture itself
@@ -77,16 +79,19 @@ def _rollout(rank, ckpt, tp, pp, eos):
     padded = [r.response_ids for r in bucketed.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW,
                                                                                 temperature=0.0))]
     padded_steps = bucketed.stats["rollout/graph_steps"]
+    padded_ahead = bucketed.stats["rollout/planned_ahead_steps"]
     roomy = _engine(actor, groups, eos, pages=64, max_batch=16)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_k=20, top_p=0.9, n=2)
     sampled = roomy.generate(PROMPTS, params, seeds=list(range(100, 107)))
     alone = roomy.generate([PROMPTS[4]], params, seeds=[104])
+    bucketed_sampled = bucketed.generate(PROMPTS, params, seeds=list(range(100, 107)))
     batch = to_sample_batch(sampled, 0, "cpu")
     train = actor.logprobs(batch, micro_batch_size=4, temperature=0.7)["logprobs"]
     diff = ((train - batch.tensors["rollout_logprobs"]).abs() * batch.response_mask).max()
     return {"greedy": [r.response_ids for r in greedy], "finish": [r.finish_reason for r in greedy],
             "preemptions": preemptions, "diff": float(diff), "too_small": too_small,
-            "padded": padded, "padded_steps": padded_steps,
+            "padded": padded, "padded_steps": padded_steps, "padded_ahead": padded_ahead,
+            "bucketed_sampled": [r.response_ids for r in bucketed_sampled],
             "sampled": [r.response_ids for r in sampled], "alone": [r.response_ids for r in alone]}
 
 
@@ -124,6 +129,9 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
     assert r["too_small"].startswith("rollout.kv_cache_gb:")
     # decode through the graph buffers, batches padded to buckets (3 -> 4): same tokens
     assert r["padded"] == expected and r["padded_steps"] > 0
+    # one stage: decode steps were planned while the previous one ran (its tokens fed on the device)
+    assert (r["padded_ahead"] > 0) == (pp == 1)
+    assert r["bucketed_sampled"] == r["sampled"]
     assert r["diff"] < 1e-5
     assert r["alone"] == r["sampled"][8:10]  # prompt 4's two samples, same seed, alone
     assert len({tuple(s) for s in r["sampled"]}) > len(PROMPTS)  # samples of a prompt differ

@@ -20,20 +20,48 @@ def _fake_tokens(plan):
     return (plan.seeds + plan.offsets) % 50 + 10
 
 
-def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=(), pool=None, prefix_cache=False):
-    """Generates with the fake model; (scheduler, pool, plans, finished sequences in order)."""
+def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=(), pool=None, prefix_cache=False,
+         ahead=False):
+    """Generates with the fake model; (scheduler, pool, plans, finished sequences in order).
+
+    ``ahead``: the engine's overlapped loop — a decode step's tokens are recorded only after
+    the next decode step is planned, whose pending inputs name rows of the previous output;
+    every fed token is checked against the sequence's final tokens at the end.
+    """
     pool = pool or PagePool(pages)
     sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(stop), prefix_cache)
     seqs = [Sequence(i * n + j, i, list(p), seed=7 * i + 20 * j, max_new=max_new)
             for i, p in enumerate(prompts) for j in range(n)]
     for i in range(len(prompts)):
         sched.add_group(seqs[i * n:(i + 1) * n])
-    plans = []
-    while sched.has_work():
+    plans, fed, pending, last_out = [], [], None, None
+    while True:
+        if pending is not None and not sched.can_plan_ahead():
+            sched.record(*pending)
+            pending = None
+        if not sched.has_work():
+            break
         plan = sched.next_step()
         plans.append(plan)
         toks = _fake_tokens(plan)
-        sched.commit(plan, toks, np.zeros(len(toks), dtype=np.float32))
+        if plan.decode:  # what the device would feed
+            ids = plan.input_ids.copy()
+            if plan.src_rows is not None and (plan.src_rows >= 0).any():
+                ids = np.where(plan.src_rows >= 0, last_out[np.maximum(plan.src_rows, 0)], ids)
+            fed += [(s, int(p), int(t)) for s, p, t in zip(plan.seqs, plan.positions, ids)]
+        step = (plan, toks, np.zeros(len(toks), dtype=np.float32))
+        if ahead and plan.decode:
+            sched.advance(plan, on_device=True)
+            if pending is not None:
+                sched.record(*pending)
+            pending, last_out = step, toks
+        else:
+            sched.commit(*step)
+            last_out = toks
+    if pending is not None:
+        sched.record(*pending)
+    for seq, pos, tok in fed:
+        assert pos >= len(seq.tokens) or seq.tokens[pos] == tok  # (past the end: a row after a stop)
     return sched, pool, plans, sorted(sched.done, key=lambda s: s.rid)
 
 
@@ -82,6 +110,23 @@ def test_stop_tokens_end_sequences_and_free_slots():
     assert done[0].finish == "stop" and done[0].generated == [10, stop]
     assert [s.finish for s in done[1:]] == ["length"] * 3
     assert pool.free == 19
+
+
+@pytest.mark.parametrize("max_seqs,pages", [(3, 40), (4, 7)])
+def test_planning_ahead_gives_the_same_responses(max_seqs, pages):
+    """The overlapped loop (tokens recorded a step late, fed from the device meanwhile) against
+    the step-by-step one: stop tokens at varied steps, more requests than slots, and (7 pages) a
+    pool tight enough to preempt; same responses, finish reasons, and every page back."""
+    prompts = [[1, 2], [3], [4, 5, 6], [7] * 9, [8, 9]]
+    stops = [(7 * i + 20 * j + k) % 50 + 10 for i, j, k in ((0, 0, 2), (2, 1, 4), (3, 0, 0))]
+    runs = [_run(prompts, n=2, max_new=7, pages=pages, max_seqs=max_seqs, stop=stops, ahead=a) for a in (False, True)]
+    (_, pool_a, _, sync), (sched_b, pool_b, plans_b, ahead) = runs
+    assert any(p.decode and (p.src_rows >= 0).any() for p in plans_b)  # some steps were planned ahead
+    assert (sched_b.preemptions > 0) == (pages == 7)
+    assert [(s.generated, s.finish) for s in ahead] == [(s.generated, s.finish) for s in sync]
+    assert {s.finish for s in sync} == {"stop", "length"}
+    assert pool_b.free == pool_a.free == pages - 1
+    assert sched_b.running == [] and not sched_b.waiting
 
 
 def test_pool_refuses_what_it_does_not_have():

@@ -11,11 +11,16 @@ all-gather run inside the graph; with PP each stage replays its own graph
 between receiving and sending hidden states (point-to-point stays outside),
 and the last stage's tokens are broadcast to the pipeline group.
 
-Inputs live in two static buffers, (6, B) int64 rows (ids, positions, cache
-rows, lengths, seeds, token indices) and the (B, max_pages) block table: each
-replay fills their host copies and moves each with one copy; rows past the
-real batch read nothing (0 keys) and write their K/V to the scratch page. ``capture=False`` runs the very same
-buffers and padding eagerly (CPU tests of this path).
+Inputs live in two static buffers, (7, B) int64 rows (ids, positions, cache
+rows, lengths, seeds, token indices, source rows) and the (B, max_pages) block
+table: each replay fills their pinned host copies (two sets, used in turn) and
+moves each with one asynchronous copy; rows past the real batch read nothing
+(0 keys) and write their K/V to the scratch page. A row whose token is still
+on the device (planned ahead, see ``scheduler.py``) takes it from the previous
+replay's output row ``src_rows`` inside the graph. :meth:`DecodeGraphs.launch`
+returns at once; the tokens come back through a pinned buffer and an event, so
+the host plans the next step while this one runs. ``capture=False`` runs the
+very same buffers and padding eagerly (CPU tests of this path).
 """
 from __future__ import annotations
 
@@ -29,11 +34,30 @@ from megarl.rollout.stage import ForwardBatch
 # Batch sizes with a graph: padding a batch up to its bucket costs at most ~1/3 extra rows,
 # and decode time is dominated by reading the weights, not by the rows.
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
-_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "seeds", "offsets")  # (B,) each
+_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "seeds", "offsets", "src_rows")  # (B,) each
+_SRC = _ROW_FIELDS.index("src_rows")
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
+def _host(shape, dtype, pin: bool) -> torch.Tensor:
+    t = torch.zeros(shape, dtype=dtype)
+    return t.pin_memory() if pin else t
+
+
+class Launched:
+    """A decode step in flight: its (2, n) [tokens; log-probs] land in a host buffer."""
+
+    def __init__(self, out: torch.Tensor, done):
+        self.out, self.done = out, done
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.done is not None:
+            self.done.synchronize()
+        out = self.out.numpy()
+        return out[0].astype(np.int64), out[1].copy()
 
 
 class DecodeGraphs:
@@ -42,16 +66,19 @@ class DecodeGraphs:
     def __init__(self, engine, max_batch: int, capture: bool = True):
         self.engine, self.max_batch, self.capture = engine, max_batch, capture
         self.buckets = buckets_up_to(max_batch)
+        self.max_len = engine.max_len  # longest sequence the static block table holds
         self.max_pages = pages_for(engine.max_len, engine.options.page_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.pointers: list[int] = []
         self.rows_seen = None  # the sampling settings now in the static buffers
         b, dev = max_batch, engine.device
-        self.host = np.zeros((len(_ROW_FIELDS), b), dtype=np.int64)  # one contiguous (B,) row per field
-        self.host_table = np.zeros((b, self.max_pages), dtype=np.int32)
-        self.inputs = torch.zeros(self.host.shape, dtype=torch.long, device=dev)
-        self.table = torch.zeros(self.host_table.shape, dtype=torch.int32, device=dev)
+        pin = dev.type == "cuda"  # host buffers the copies read (or write) while the host goes on
+        self.staging = [(_host((len(_ROW_FIELDS), b), torch.long, pin), _host((b, self.max_pages), torch.int32, pin),
+                         _host((2, b), torch.float32, pin)) for _ in range(2)]
+        self.turn = 0
+        self.inputs = torch.zeros((len(_ROW_FIELDS), b), dtype=torch.long, device=dev)
+        self.table = torch.zeros((b, self.max_pages), dtype=torch.int32, device=dev)
         self.temperature = torch.ones(b, device=dev)
         self.top_k = torch.full((b,), -1, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(b, device=dev)
@@ -76,8 +103,10 @@ class DecodeGraphs:
     def _body(self, b: int) -> None:
         """The decode step of this stage on the first ``b`` rows of the static buffers."""
         f = lambda name: self._field(name, b)  # noqa: E731
-        batch = ForwardBatch(f("input_ids"), f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
-                             self.cu[: b + 1], 1, True)
+        src = f("src_rows")  # tokens still on the device: the previous replay's output rows
+        ids = torch.where(src >= 0, self.sampled[0].index_select(0, src.clamp(min=0)).long(), f("input_ids"))
+        batch = ForwardBatch(ids, f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
+                             self.cu[: b + 1], 1, True, self.engine.max_len)
         engine = self.engine
         x = None if engine.groups.is_first_stage else self.hidden_in[:b]
         out = engine.compute(batch, x, self.rows[:b])
@@ -107,31 +136,56 @@ class DecodeGraphs:
         return graph
 
     def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and log-probs (n,) of a decode step, through the bucket's graph."""
+        """Tokens and log-probs (n,) of a decode step, through the bucket's graph (any PP)."""
         engine, n = self.engine, len(plan.seqs)
-        b = next(x for x in self.buckets if x >= n)
+        if engine.groups.pp_size == 1:
+            return self.launch(plan, rows).result()
+        b = self._prepare(plan, rows)
+        if engine.receive_hidden(n, into=self.hidden_in[:n]) is not None:
+            self.hidden_in[n:b].zero_()
+        self._replay(b)
+        engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n])
+        return engine.share(self.sampled[:, :n] if engine.groups.is_last_stage else None, n)
+
+    def launch(self, plan, rows) -> "Launched":
+        """Starts a decode step (one stage, no PP) and returns at once; ``.result()`` waits."""
+        n = len(plan.seqs)
+        self._replay(self._prepare(plan, rows))
+        out = self.staging[self.turn][2][:, :n]
+        out.copy_(self.sampled[:, :n], non_blocking=True)
+        done = torch.cuda.Event() if self.engine.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        return Launched(out, done)
+
+    def _prepare(self, plan, rows) -> int:
+        """Captures the bucket's graph if new, loads the inputs; returns the bucket size."""
+        b = next(x for x in self.buckets if x >= len(plan.seqs))
         if self.capture and b not in self.graphs:
             self.graphs[b] = self._capture(b)
         self._load(plan, rows, b)
-        if engine.receive_hidden(n, into=self.hidden_in[:n]) is not None:
-            self.hidden_in[n:b].zero_()
+        return b
+
+    def _replay(self, b: int) -> None:
         if self.capture:
             self.graphs[b].replay()
         else:
             self._body(b)
-        engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n])
-        return engine.share(self.sampled[:, :n] if engine.groups.is_last_stage else None, n)
 
     def _load(self, plan, rows, b: int) -> None:
         """The step's inputs into the static buffers (padded rows zero): two host fills, two copies."""
         n, width = len(plan.seqs), plan.block_table.shape[1]
-        self.host[:, n:b] = 0
-        for i, name in enumerate(_ROW_FIELDS):
-            self.host[i, :n] = getattr(plan, name)
-        self.host_table[:b] = 0
-        self.host_table[:n, :width] = plan.block_table
-        self.inputs.copy_(torch.from_numpy(self.host))
-        self.table[:b].copy_(torch.from_numpy(self.host_table[:b]))
+        self.turn ^= 1  # the other set's copies may still be queued
+        host, host_table, _ = (t.numpy() for t in self.staging[self.turn])
+        host[:, n:b] = 0
+        for i, name in enumerate(_ROW_FIELDS[:_SRC]):
+            host[i, :n] = getattr(plan, name)
+        host[_SRC, :n] = plan.src_rows if plan.src_rows is not None else -1
+        host[_SRC, n:b] = -1
+        host_table[:b] = 0
+        host_table[:n, :width] = plan.block_table
+        self.inputs.copy_(self.staging[self.turn][0], non_blocking=True)
+        self.table[:b].copy_(self.staging[self.turn][1][:b], non_blocking=True)
         if rows is not self.rows_seen:  # the sampling settings change per generate call, not per step
             rows = rows.grow(self.max_batch)
             for name in ("temperature", "top_k", "top_p"):

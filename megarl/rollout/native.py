@@ -97,13 +97,10 @@ class NativeEngine:
         rows = _SamplingRows(params, self.device)
         was_training = self.module.training
         self.module.eval()
-        steps = {"prefill": 0, "decode": 0, "graph": 0}
+        steps = {"prefill": 0, "decode": 0, "graph": 0, "ahead": 0}
         try:
             with torch.no_grad(), cpu_compat.paused():
-                while sched.has_work():
-                    plan = sched.next_step()
-                    tokens, logprobs = self._step(plan, rows, steps)
-                    sched.commit(plan, tokens, logprobs)
+                self._loop(sched, rows, steps, ahead=self._can_overlap(longest))
         finally:
             self.module.train(was_training)
         self._record(sched, steps)
@@ -201,6 +198,41 @@ class NativeEngine:
 
         return o.kv_cache_fraction * psutil.virtual_memory().available
 
+    def _can_overlap(self, longest: int) -> bool:
+        """Plan decode steps ahead (one stage, every decode through the graphs' buffers)?"""
+        return self.graphs is not None and self.groups.pp_size == 1 and longest <= self.graphs.max_len
+
+    def _loop(self, sched: Scheduler, rows: "_SamplingRows", steps: dict, ahead: bool) -> None:
+        """Steps until every request is done. With ``ahead``, a decode step is launched before the
+        previous one's tokens are read back: the host plans step t + 1 while the device runs t
+        (the tokens it feeds stay on the device), then records t."""
+        pending = None  # (plan, Launched) of a graph decode step not yet recorded
+        while True:
+            if pending is not None and not sched.can_plan_ahead():
+                sched.record(pending[0], *pending[1].result())
+                pending = None
+            if not sched.has_work():
+                break
+            plan = sched.next_step()
+            if ahead and plan.decode:
+                launched = self._launch(plan, rows, steps)
+                sched.advance(plan, on_device=True)
+                if pending is not None:
+                    steps["ahead"] += 1
+                    sched.record(pending[0], *pending[1].result())
+                pending = (plan, launched)
+            else:
+                sched.commit(plan, *self._step(plan, rows, steps))
+        if pending is not None:
+            sched.record(pending[0], *pending[1].result())
+
+    def _launch(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
+        steps["decode"] += 1
+        steps["graph"] += 1
+        if plan.copies[0]:
+            self.cache.copy_pages(*plan.copies)
+        return self.graphs.launch(plan, rows)
+
     def _step(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
         steps["decode" if plan.decode else "prefill"] += 1
         if plan.copies[0]:
@@ -222,7 +254,7 @@ class NativeEngine:
         return ForwardBatch(
             put(plan.input_ids, torch.long), put(plan.positions, torch.long), put(plan.slot_mapping, torch.long),
             put(plan.block_table, torch.int32), put(plan.seq_lens, torch.int32),
-            put(plan.cu_seqlens_q, torch.int32), int(q_lens.max()), plan.decode,
+            put(plan.cu_seqlens_q, torch.int32), int(q_lens.max()), plan.decode, self.max_len,
         )
 
     def _forward(self, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor | None:
@@ -293,7 +325,8 @@ class NativeEngine:
         cache = self.cache
         self.stats = {
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
-            "rollout/graph_steps": float(steps["graph"]), "rollout/preemptions": float(sched.preemptions),
+            "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
+            "rollout/preemptions": float(sched.preemptions),
             "rollout/prefix_cached_tokens": float(sched.reused_tokens),
             "rollout/kv_cache_gb": cache.nbytes / 2**30,
         }

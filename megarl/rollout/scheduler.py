@@ -15,6 +15,17 @@ front of the queue, to be recomputed from their tokens — never an OOM.
 
 Hot state is per slot in numpy arrays (block table, length, last token), so a
 decode step costs a few vector ops, not a Python loop over the batch.
+
+A step is committed in two halves, so the engine can plan (and launch) the
+next decode while the device still runs this one: :meth:`Scheduler.advance`
+does what does not depend on the sampled tokens (lengths, pages, slots of
+sequences at their length limit), :meth:`Scheduler.record` appends the tokens
+and ends sequences at a stop token. Between the two the last token of a
+sequence is *pending*: the next decode plan names its row in the previous
+step's output (``src_rows``) instead of the token. :meth:`can_plan_ahead`
+says when planning ahead is safe (a decode, no admission, no preemption); a
+row planned for a sequence whose pending token was a stop is dropped by
+``record``.
 """
 from __future__ import annotations
 
@@ -24,6 +35,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megarl.rollout.pages import PagePool, pages_for, prefix_keys
+
+# While others decode, a prefill waits until this fraction of the slots is free (or every
+# waiting request fits): each eager prefill step costs ~P of launch overhead whatever its size,
+# and the optimum of (idle slots) x (decode step) against P / (slots admitted) is near 1/8 at
+# B = 128 (P ~ 12 ms, decode 3 ms, a slot freed every ~4 steps; see benchmarks/RESULTS.md).
+ADMIT_FRACTION = 1 / 8
 
 
 @dataclass
@@ -65,6 +82,8 @@ class StepPlan:
     seeds: np.ndarray  # (S,) int64
     offsets: np.ndarray  # (S,) int64 index of the token being sampled in its response
     copies: tuple[list[int], list[int]] = ((), ())  # copy-on-write pages (src, dst) before the step
+    src_rows: np.ndarray | None = None  # (N,) decode: row of the previous step's output holding the
+    #                                     fed token, -1 where input_ids has it (None: all in input_ids)
 
 
 class Scheduler:
@@ -75,15 +94,20 @@ class Scheduler:
         self.pool, self.page_size, self.prefix_cache = pool, page_size, prefix_cache
         self.reused_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.admit_slots = max(1, int(max_seqs * ADMIT_FRACTION))
         self.stop_ids = set(stop_ids)
         self.table = np.zeros((max_seqs, max_pages), dtype=np.int32)  # SCRATCH_PAGE where unused
         self.lens = np.zeros(max_seqs, dtype=np.int64)  # tokens per slot (prompt + generated)
         self.last = np.zeros(max_seqs, dtype=np.int64)
+        self.pending = np.full(max_seqs, -1, dtype=np.int64)  # output row of a slot's unrecorded token
+        self.prompt_len = np.zeros(max_seqs, dtype=np.int64)
+        self.max_new = np.zeros(max_seqs, dtype=np.int64)
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.done: list[Sequence] = []
         self.preemptions = 0
+        self._latest: StepPlan | None = None  # the last plan advanced
 
     # -- queue ---------------------------------------------------------------
     def add_group(self, seqs: list[Sequence]) -> None:
@@ -119,7 +143,21 @@ class Scheduler:
             f.slot = self.free_slots.pop()
         return True
 
+    def _worth_admitting(self) -> bool:
+        """Prefill now, or keep decoding until more slots are free (``ADMIT_FRACTION``)?"""
+        head = self.waiting[0]
+        if not self.running or head.slot >= 0:  # nothing to decode, or a prompt half prefilled
+            return True
+        wanted = 0  # slots the waiting groups need, counted up to admit_slots
+        for seq in self.waiting:
+            wanted += 1 + len(seq.forks)
+            if wanted >= self.admit_slots:
+                break
+        return len(self.free_slots) >= min(wanted, self.admit_slots)
+
     def _plan_prefill(self) -> StepPlan | None:
+        if not self._worth_admitting():
+            return None
         chunks, budget = [], self.max_tokens
         for seq in list(self.waiting):
             if budget == 0 or not self._admit(seq):
@@ -158,7 +196,7 @@ class Scheduler:
     def _remember(self, seq: Sequence) -> None:
         """Registers ``seq``'s full pages of computed K/V in the prefix cache."""
         if self.prefix_cache:
-            full = seq.cached // self.page_size
+            full = min(seq.cached, len(seq.tokens)) // self.page_size  # a pending token's page waits
             for page, key in zip(seq.pages, prefix_keys(seq.tokens, self.page_size, full)):
                 self.pool.register(page, key)
 
@@ -200,7 +238,7 @@ class Scheduler:
             seq_lens=seq_lens, cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
             sample_rows=np.arange(n, dtype=np.int64), sampled=list(seqs),
             seeds=np.array([s.seed for s in seqs], dtype=np.int64),
-            offsets=self.lens[slots] - np.array([len(s.prompt) for s in seqs]), copies=copies,
+            offsets=self.lens[slots] - self.prompt_len[slots], copies=copies, src_rows=self.pending[slots],
         )
 
     def _pages_for_decode(self) -> tuple[list[int], list[int]]:
@@ -259,8 +297,22 @@ class Scheduler:
         self.preemptions += 1
 
     # -- results -------------------------------------------------------------
+    def can_plan_ahead(self) -> bool:
+        """True if the next step is a decode of running sequences that needs neither an admission
+        nor a preemption: it can be planned before the pending tokens are recorded."""
+        if not self.running or (self.waiting and self._worth_admitting()):
+            return False
+        return len(self._decode_page_needs()) <= self.pool.free
+
     def commit(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray) -> None:
-        """Records the forward (cached tokens) and the sampled tokens (S,)."""
+        """Both halves at once: the step ran and its tokens (S,) are here."""
+        self.advance(plan)
+        self.record(plan, tokens, logprobs)
+
+    def advance(self, plan: StepPlan, on_device: bool = False) -> None:
+        """The token-independent half of a step: cached tokens, lengths, and sequences that reach
+        their length limit with this step's token end now. ``on_device``: the sampled tokens stay
+        in the step's output rows (the next decode reads them there)."""
         for seq, start, end in zip(plan.seqs, plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:]):
             seq.cached += int(end - start)
             if not plan.decode:
@@ -269,22 +321,39 @@ class Scheduler:
             self._start_decoding(plan)
         slots = np.array([s.slot for s in plan.sampled], dtype=np.int64)
         self.lens[slots] += 1
-        self.last[slots] = tokens
+        self.pending[slots] = np.arange(len(slots)) if on_device else -1
+        self._latest = plan
+        at_limit = self.lens[slots] - self.prompt_len[slots] >= self.max_new[slots]
+        for i in np.flatnonzero(at_limit):
+            seq = plan.sampled[i]
+            seq.finish = "length"
+            self._retire(seq)
+
+    def record(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """The sampled tokens (S,) of an advanced step; a stop token ends its sequence."""
+        latest = plan is self._latest  # else a later advanced step's rows are the pending ones
         for seq, tok, lp in zip(plan.sampled, tokens.tolist(), logprobs.tolist()):
+            if seq.finish == "stop":
+                continue  # a row planned ahead past the sequence's stop token
             seq.generated.append(tok)
             seq.logprobs.append(lp)
+            if seq.slot >= 0 and seq.finish is None:
+                self.last[seq.slot] = tok
+                if latest:
+                    self.pending[seq.slot] = -1
             if tok in self.stop_ids:
+                if seq.finish is None:
+                    self._retire(seq)
                 seq.finish = "stop"
-            elif len(seq.generated) >= seq.max_new:
-                seq.finish = "length"
-        finished = [s for s in plan.sampled if s.finish]
-        for seq in finished:
-            self.running.remove(seq)
-            self._remember(seq)
-            self.pool.release(seq.pages)
-            seq.pages = []
-            self._free_slot(seq)
-            self.done.append(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """A finished sequence gives back its slot and pages (later kernels run after this step's)."""
+        self.running.remove(seq)
+        self._remember(seq)
+        self.pool.release(seq.pages)
+        seq.pages = []
+        self._free_slot(seq)
+        self.done.append(seq)
 
     def _start_decoding(self, plan: StepPlan) -> None:
         """Prefilled sequences (and their forks, sharing the pages) start decoding."""
@@ -298,6 +367,7 @@ class Scheduler:
                     self.pool.share(seq.pages)
                     self._set_table(member)
                 self.lens[member.slot] = len(member.tokens)
+                self.prompt_len[member.slot], self.max_new[member.slot] = len(member.prompt), member.max_new
                 self.running.append(member)
             seq.forks = []
 
@@ -307,6 +377,7 @@ class Scheduler:
 
     def _free_slot(self, seq: Sequence) -> None:
         self.table[seq.slot] = 0
+        self.pending[seq.slot] = -1
         self.free_slots.append(seq.slot)
         seq.slot = -1
 

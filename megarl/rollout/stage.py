@@ -45,6 +45,7 @@ class ForwardBatch:
     cu_seqlens_q: torch.Tensor  # (N + 1,) int32
     max_seqlen_q: int
     decode: bool  # one token per sequence (T == N)
+    max_seqlen_k: int  # the engine's longest sequence: fixes the decode split count (graph == eager)
 
 
 @dataclass
@@ -168,7 +169,8 @@ class StageForward:
         q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
                        self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
         if batch.decode:
-            o = paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale)
+            o = paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale,
+                                       max_seqlen_k=batch.max_seqlen_k)
         else:
             o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
                                         batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
