@@ -128,6 +128,7 @@ def engine_rows(engine, module, info, args) -> list[dict]:
         row = {"provider": "megarl", "batch": b, "seconds": seconds, "ms_per_step": seconds / args.new_tokens * 1e3,
                "tokens_per_s": b * args.new_tokens / seconds, **engine.stats}
         if engine.device.type == "cuda":
+            row["replay_ms"] = replay_ms(engine, b) if engine.graphs is not None else None  # at the last step
             row["floor_ms"] = floor_ms(module, info, b, args.prompt_len, args.new_tokens)
             row["floor_fraction"] = row["floor_ms"] / row["ms_per_step"]
         rows.append(row)
@@ -144,8 +145,9 @@ def capture_buckets(engine, prompts) -> None:
 
 
 def ragged_rows(module, info, groups, args) -> list[dict]:
-    """4 x B requests on B slots: lengths fixed at --new-tokens, then drawn from 16..1024."""
-    from megarl.rollout.engine import SamplingParams
+    """4 x B requests on B slots: lengths fixed at --new-tokens, then drawn from 16..1024 (and
+    again under each --admit-fractions value of the scheduler's admission constant)."""
+    from megarl.rollout import scheduler
 
     b, n = args.ragged, 4 * args.ragged
     engine = make_engine(module, info, groups, args, args.prompt_len + 1024, max_batch=b)
@@ -156,13 +158,26 @@ def ragged_rows(module, info, groups, args) -> list[dict]:
              "megarl-ragged": torch.randint(16, 1025, (n,), generator=g).tolist()}
     rows = []
     for name, limits in cases.items():
-        params = SamplingParams(max_new_tokens=max(limits), temperature=1.0, seed=2)
-        seconds = timed(lambda: engine.generate(prompts, params, max_new_tokens=limits))
-        rows.append({"provider": name, "batch": b, "requests": n, "seconds": seconds, "useful_tokens": sum(limits),
-                     "tokens_per_s": sum(limits) / seconds, "lengths": [min(limits), max(limits)], **engine.stats})
+        rows.append(_ragged_run(engine, prompts, name, limits, b))
     rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    for fraction in args.admit_fractions:  # the scheduler's admission constant, tried on the ragged case
+        default, scheduler.ADMIT_FRACTION = scheduler.ADMIT_FRACTION, fraction
+        try:
+            rows.append(_ragged_run(engine, prompts, f"megarl-ragged-admit{fraction:g}", cases["megarl-ragged"], b))
+        finally:
+            scheduler.ADMIT_FRACTION = default
+        rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     engine.release_memory()
     return rows
+
+
+def _ragged_run(engine, prompts, name: str, limits: list[int], b: int) -> dict:
+    from megarl.rollout.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max(limits), temperature=1.0, seed=2)
+    seconds = timed(lambda: engine.generate(prompts, params, max_new_tokens=limits))
+    return {"provider": name, "batch": b, "requests": len(prompts), "seconds": seconds, "useful_tokens": sum(limits),
+            "tokens_per_s": sum(limits) / seconds, "lengths": [min(limits), max(limits)], **engine.stats}
 
 
 def hf_rows(path: str, info, args) -> list[dict]:
@@ -188,6 +203,22 @@ def hf_rows(path: str, info, args) -> list[dict]:
     return rows
 
 
+def replay_ms(engine, batch: int) -> float:
+    """Device ms of one decode step: its bucket's CUDA graph replayed back to back on the static
+    inputs of the last step (CUDA events, median of 5 x 20 replays)."""
+    graph = engine.graphs.graphs[min(b for b in engine.graphs.graphs if b >= batch)]
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 20)
+    return sorted(times)[2]
+
+
 def profile_decode(engine, info, args) -> dict:
     """One decode step at B = --profile, taken apart: the whole step (17 tokens of a generate
     call, host included) against back-to-back replays of its CUDA graph (device time alone, CUDA
@@ -206,15 +237,7 @@ def profile_decode(engine, info, args) -> dict:
         return row
     bucket = min(b for b in engine.graphs.graphs if b >= args.profile)
     graph = engine.graphs.graphs[bucket]  # its static inputs still hold the last step's batch
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 20)
+    row["replay_ms"] = replay_ms(engine, args.profile)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             graph.replay()
@@ -223,17 +246,19 @@ def profile_decode(engine, info, args) -> dict:
     with open(args.out + ".profile.txt", "w") as f:
         f.write(events.table(sort_by="self_cuda_time_total", row_limit=40))
     kernels = sum(e.count for e in events if "CUDA" in str(getattr(e, "device_type", ""))) / 10
-    return row | {"replay_ms": sorted(times)[2], "kernels_per_step": kernels or None}
+    return row | {"kernels_per_step": kernels or None}
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"]
+    def cell(r, key, fmt, width):
+        return f"{r[key]:{width}{fmt}}" if r.get(key) is not None else " " * width
+
+    lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'replay ms':>10} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"]
     for r in rows:
-        floor = f"{r['floor_ms']:9.3f} {100 * r['floor_fraction']:7.1f}%" if "floor_ms" in r else f"{'':>9} {'':>8}"
-        ms = r.get("ms_per_step", r.get("replay_ms"))
-        ms = f"{ms:9.2f}" if ms is not None else f"{'':>9}"
-        tps = f"{r['tokens_per_s']:10.0f}" if "tokens_per_s" in r else f"{'':>10}"
-        lines.append(f"{r['provider']:>22} {r['batch']:>5} {ms} {tps} {floor}")
+        pct = f"{100 * r['floor_fraction']:7.1f}%" if "floor_fraction" in r else " " * 8
+        lines.append(f"{r['provider']:>22} {r['batch']:>5} {cell(r, 'ms_per_step', '.2f', 9)} "
+                     f"{cell(r, 'replay_ms', '.2f', 10)} {cell(r, 'tokens_per_s', '.0f', 10)} "
+                     f"{cell(r, 'floor_ms', '.3f', 9)} {pct}")
     return "\n".join(lines)
 
 
@@ -246,6 +271,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--ragged", type=int, default=0, help="batch size of the ragged-length run (0: none)")
+    ap.add_argument("--admit-fractions", default="", help="comma list: ragged run again per scheduler.ADMIT_FRACTION")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
     ap.add_argument("--work", default="/tmp/megarl_bench")
@@ -255,6 +281,7 @@ def parse() -> argparse.Namespace:
     args.shape = args.shape or ("tiny" if cpu else "qwen2.5-1.5b")
     args.batches = [int(x) for x in (args.batches or ("32" if cpu else "32,128,512")).split(",")]
     args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x]
+    args.admit_fractions = [float(x) for x in args.admit_fractions.split(",") if x]
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
     args.dtype = "float32" if cpu else "bfloat16"

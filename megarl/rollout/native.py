@@ -15,6 +15,7 @@ the sampled tokens to its pipeline group.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,7 +98,7 @@ class NativeEngine:
         rows = _SamplingRows(params, self.device)
         was_training = self.module.training
         self.module.eval()
-        steps = {"prefill": 0, "decode": 0, "graph": 0, "ahead": 0}
+        steps = {"prefill": 0, "decode": 0, "graph": 0, "ahead": 0, "prefill_s": 0.0}
         try:
             with torch.no_grad(), cpu_compat.paused():
                 self._loop(sched, rows, steps, ahead=self._can_overlap(longest))
@@ -222,7 +223,10 @@ class NativeEngine:
                     sched.record(pending[0], *pending[1].result())
                 pending = (plan, launched)
             else:
-                sched.commit(plan, *self._step(plan, rows, steps))
+                start = time.perf_counter()
+                sched.commit(plan, *self._step(plan, rows, steps))  # synchronous: tokens on the host
+                if not plan.decode:
+                    steps["prefill_s"] += time.perf_counter() - start
         if pending is not None:
             sched.record(pending[0], *pending[1].result())
 
@@ -326,7 +330,7 @@ class NativeEngine:
         self.stats = {
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
             "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
-            "rollout/preemptions": float(sched.preemptions),
+            "rollout/preemptions": float(sched.preemptions), "rollout/prefill_seconds": steps["prefill_s"],
             "rollout/prefix_cached_tokens": float(sched.reused_tokens),
             "rollout/kv_cache_gb": cache.nbytes / 2**30,
         }
