@@ -98,7 +98,8 @@ class NativeEngine:
         rows = _SamplingRows(params, self.device)
         was_training = self.module.training
         self.module.eval()
-        steps = {"prefill": 0, "decode": 0, "graph": 0, "ahead": 0, "prefill_s": 0.0}
+        steps = {"prefill": 0, "decode": 0, "graph": 0, "ahead": 0, "prefill_s": 0.0, "sync_s": 0.0, "wait_s": 0.0,
+                 "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
         try:
             with torch.no_grad(), cpu_compat.paused():
                 self._loop(sched, rows, steps, ahead=self._can_overlap(longest))
@@ -206,29 +207,43 @@ class NativeEngine:
     def _loop(self, sched: Scheduler, rows: "_SamplingRows", steps: dict, ahead: bool) -> None:
         """Steps until every request is done. With ``ahead``, a decode step is launched before the
         previous one's tokens are read back: the host plans step t + 1 while the device runs t
-        (the tokens it feeds stay on the device), then records t."""
+        (the tokens it feeds stay on the device), then records t. ``steps`` gets the seconds spent
+        waiting for the device (``wait_s``) and in synchronous steps (``prefill_s``, ``sync_s``)."""
         pending = None  # (plan, Launched) of a graph decode step not yet recorded
+        clock = time.perf_counter
+
+        def record_pending():
+            start = clock()
+            tokens, logprobs = pending[1].result()
+            steps["wait_s"] += clock() - start
+            sched.record(pending[0], tokens, logprobs)
+
+        loop_start = clock()
         while True:
             if pending is not None and not sched.can_plan_ahead():
-                sched.record(pending[0], *pending[1].result())
+                record_pending()
                 pending = None
             if not sched.has_work():
                 break
+            start = clock()
             plan = sched.next_step()
+            steps["plan_s"] += clock() - start
             if ahead and plan.decode:
+                start = clock()
                 launched = self._launch(plan, rows, steps)
+                steps["launch_s"] += clock() - start
                 sched.advance(plan, on_device=True)
                 if pending is not None:
                     steps["ahead"] += 1
-                    sched.record(pending[0], *pending[1].result())
+                    record_pending()
                 pending = (plan, launched)
             else:
-                start = time.perf_counter()
+                start = clock()
                 sched.commit(plan, *self._step(plan, rows, steps))  # synchronous: tokens on the host
-                if not plan.decode:
-                    steps["prefill_s"] += time.perf_counter() - start
+                steps["prefill_s" if not plan.decode else "sync_s"] += clock() - start
         if pending is not None:
-            sched.record(pending[0], *pending[1].result())
+            record_pending()
+        steps["loop_s"] = clock() - loop_start
 
     def _launch(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
         steps["decode"] += 1
@@ -331,6 +346,10 @@ class NativeEngine:
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
             "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
             "rollout/preemptions": float(sched.preemptions), "rollout/prefill_seconds": steps["prefill_s"],
+            "rollout/device_wait_seconds": steps["wait_s"], "rollout/loop_seconds": steps["loop_s"],
+            # host time of the planned-ahead decode steps: planning, launching, recording
+            "rollout/host_seconds": steps["loop_s"] - steps["wait_s"] - steps["prefill_s"] - steps["sync_s"],
+            "rollout/host_plan_seconds": steps["plan_s"], "rollout/host_launch_seconds": steps["launch_s"],
             "rollout/prefix_cached_tokens": float(sched.reused_tokens),
             "rollout/kv_cache_gb": cache.nbytes / 2**30,
         }
