@@ -75,7 +75,7 @@ class DecodeGraphs:
         b, dev = max_batch, engine.device
         pin = dev.type == "cuda"  # host buffers the copies read (or write) while the host goes on
         self.staging = [(_host((len(_ROW_FIELDS), b), torch.long, pin), _host((b, self.max_pages), torch.int32, pin),
-                         _host((2, b), torch.float32, pin)) for _ in range(2)]
+                         _host((2 * b,), torch.float32, pin)) for _ in range(2)]
         self.turn = 0
         self.inputs = torch.zeros((len(_ROW_FIELDS), b), dtype=torch.long, device=dev)
         self.table = torch.zeros((b, self.max_pages), dtype=torch.int32, device=dev)
@@ -151,7 +151,8 @@ class DecodeGraphs:
         """Starts a decode step (one stage, no PP) and returns at once; ``.result()`` waits."""
         n = len(plan.seqs)
         self._replay(self._prepare(plan, rows))
-        out = self.staging[self.turn][2][:, :n]
+        # a contiguous (2, n) destination: a strided one makes torch stage the copy and block
+        out = self.staging[self.turn][2][: 2 * n].view(2, n)
         out.copy_(self.sampled[:, :n], non_blocking=True)
         done = torch.cuda.Event() if self.engine.device.type == "cuda" else None
         if done is not None:
