@@ -39,8 +39,8 @@ from megarl.rollout.pages import PagePool, pages_for, prefix_keys
 # While others decode, a prefill waits until this fraction of the slots is free (or every
 # waiting request fits): each eager prefill step costs ~17 ms whatever its size, against idle
 # slots while waiting. H200, 1.5B shape, 512 requests of 16-1024 tokens on 128 slots
-# (benchmarks/RESULTS.md): 1/16 34,794, 1/8 35,734, 1/4 34,544 useful tokens/s; admitting at
-# every free slot was 51% slower (347 prefills, measured before planning ahead).
+# (benchmarks/RESULTS.md): 1/16 34,794, 1/8 35,734, 1/4 34,544 useful tokens/s (26 prefill
+# steps at 1/8; admitting at every free slot takes ~350).
 ADMIT_FRACTION = 1 / 8
 
 
