@@ -61,12 +61,28 @@ class OptimConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (megarl/rollout/agent.py): the model calls tools and continues."""
+
+    enable: bool = opt(False, "generate conversations: tool calls run and their results are appended (loss mask 0)")
+    tools: list[str] = opt(["calculator"], "tools by name (calculator, python) or module:function returning a Tool")
+    parser: str = opt("hermes", "tool-call parser: hermes (<tool_call>{json}</tool_call>) or module:function")
+    tool_call_end: str = opt("</tool_call>", "the token that ends a tool call (one token of the tokenizer)")
+    max_turns: int = opt(4, "assistant turns per sample")
+    max_tool_output_tokens: int = opt(256, "tokens per tool result; longer ones are cut with a note")
+    tool_timeout_s: float = opt(10.0, "wall seconds per tool call")
+    tool_workers: int = opt(8, "tool calls running at once (threads; the python tool runs in a subprocess)")
+    interaction: str = opt("", "simulated user: module:function(messages) -> next user message or None; empty: none")
+
+
+@dataclass
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
-    engine: Literal["native"] = opt("native", "native: decoding on the actor's own Megatron weights (an SGLang adapter is planned)")
+    engine: Literal["native", "sglang"] = opt("native", "native: decoding on the actor's own Megatron weights; sglang: an SGLang engine per TP group (where installed)")
+    multi_turn: MultiTurnConfig = opt(MultiTurnConfig(), "multi-turn rollouts with tools")
     n: int = opt(1, "responses sampled per prompt")
-    max_new_tokens: int = opt(16, "response length limit")
+    max_new_tokens: int = opt(16, "response length limit (multi-turn: sampled plus appended tool/user tokens)")
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")
     top_p: float = opt(1.0, "nucleus sampling mass")
     top_k: int = opt(-1, "top-k sampling; -1 disables")

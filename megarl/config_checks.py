@@ -13,6 +13,7 @@ from megarl.cli import ConfigError
 from megarl.config import Config
 
 GROUP_ADVANTAGES = {"grpo", "rloo", "reinforce_pp_baseline"}
+SCORE_ONLY_ADVANTAGES = {"grpo", "rloo"}  # advantages from sequence scores alone (no token rewards)
 
 
 def read_hf_config(path: str, key: str = "model.path") -> dict:
@@ -180,6 +181,29 @@ def check_algorithm(cfg: Config) -> None:
         raise ConfigError(f"actor.dual_clip={act.dual_clip} must be > 1 (or 0 to disable)")
     if cfg.critic.enable is False and a.advantage == "gae":
         raise ConfigError("algorithm.advantage=gae needs values; set critic.enable=true or pick grpo/rloo/...")
+    if cfg.ref.enable is False and (a.kl_in_reward or act.kl_loss_coef > 0):
+        key = "algorithm.kl_in_reward=true" if a.kl_in_reward else f"actor.kl_loss_coef={act.kl_loss_coef}"
+        raise ConfigError(f"{key} needs the reference model but ref.enable=false; enable it or turn the KL term off")
+    if a.kl_in_reward and a.advantage in SCORE_ONLY_ADVANTAGES:
+        raise ConfigError(f"algorithm.kl_in_reward=true with algorithm.advantage={a.advantage}: its advantages read "
+                          "sequence scores only, so the KL token rewards would be ignored; use actor.kl_loss_coef "
+                          "(KL as a loss) or advantage gae / reinforce_pp_baseline")
+
+
+def check_multi_turn(cfg: Config) -> None:
+    m = cfg.rollout.multi_turn
+    if not m.enable:
+        return
+    check_counts(m, "rollout.multi_turn", ["max_turns", "max_tool_output_tokens", "tool_workers"])
+    check_numbers(m, "rollout.multi_turn", ["tool_timeout_s"], low=0, strict=True)
+    if not m.tools:
+        raise ConfigError("rollout.multi_turn.tools=[]: a multi-turn rollout needs at least one tool")
+    dup = next((t for i, t in enumerate(m.tools) if t in m.tools[:i]), None)
+    if dup is not None:
+        raise ConfigError(f"rollout.multi_turn.tools lists '{dup}' twice")
+    if cfg.rollout.ignore_eos:
+        raise ConfigError("rollout.ignore_eos=true with rollout.multi_turn.enable=true: a turn would never end; "
+                          "turn one of them off")
 
 
 def check_paths(cfg: Config) -> None:
@@ -217,6 +241,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
+    check_multi_turn(cfg)
     check_batches(cfg, world_size)
     check_actor(cfg)
     check_critic(cfg)

@@ -51,7 +51,7 @@ def _export_and_evaluate(rank, src, out_dir, sharded_dir):
     from megarl.rollout.engine import SamplingParams
     from megarl.rollout.native import NativeEngine
     from megarl.trainer.evaluate import held_out_accuracy
-    from megarl.trainer.ppo import engine_options
+    from megarl.rollout.factory import engine_options
 
     init_distributed()
     groups = build_parallel_groups(1, 1)

@@ -35,9 +35,11 @@ class GenerationResult:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # per response token, under temperature (1.0 when greedy)
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "max_turns"
     prompt_index: int = 0  # which prompt of the request it answers
     extra: dict = field(default_factory=dict)
+    loss_mask: list[int] | None = None  # per response token: 1 sampled by the model, 0 appended context
+    #                                     (tool / user / template tokens); None: every token sampled
 
 
 class RolloutEngine(Protocol):

@@ -24,7 +24,8 @@ def held_out_accuracy(engine: RolloutEngine, dataset: PromptDataset, tokenizer, 
     if items:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         results = engine.generate([it.prompt_ids for it in items], params)
-        texts = tokenizer.batch_decode([r.response_ids for r in results], skip_special_tokens=True)
+        answers = [r.extra.get("final_turn_ids", r.response_ids) for r in results]  # multi-turn: the last turn
+        texts = tokenizer.batch_decode(answers, skip_special_tokens=True)
         correct = sum(math_answer_reward(t, it.answer) for t, it in zip(texts, items) if it.answer is not None)
     counts = torch.tensor([correct, float(len(items))], dtype=torch.float64)
     if groups.dp_size > 1:

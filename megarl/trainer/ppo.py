@@ -21,7 +21,7 @@ from megarl.distributed import build_parallel_groups, device
 from megarl.models.exporter import export_hf
 from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
 from megarl.rollout.engine import SamplingParams
-from megarl.rollout.native import EngineOptions, NativeEngine
+from megarl.rollout.factory import build_engine
 from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer
 from megarl.trainer.evaluate import held_out_accuracy
@@ -36,16 +36,6 @@ def _kl_controller(cfg: Config):
     if a.kl_controller == "adaptive":
         return AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
     return FixedKLController(a.kl_coef)
-
-
-def engine_options(cfg: Config) -> EngineOptions:
-    r = cfg.rollout
-    return EngineOptions(
-        max_batch=r.max_batch, page_size=r.page_size, max_num_batched_tokens=r.max_num_batched_tokens,
-        kv_cache_gb=r.kv_cache_gb, kv_cache_fraction=r.kv_cache_fraction, cuda_graphs=r.cuda_graphs,
-        prefix_cache=r.prefix_cache,
-        max_model_len=cfg.data.max_prompt_len + r.max_new_tokens,
-    )
 
 
 class PPOTrainer:
@@ -66,8 +56,7 @@ class PPOTrainer:
         self.ref = build_reference(cfg, g) if uses_ref(cfg) else None
         self.critic = build_critic(cfg, g, self.optimizer_steps) if uses_critic(cfg) else None
         self.rm = build_reward_model(cfg, g) if cfg.reward.model.path else None
-        self.engine = NativeEngine(self.actor.module, g, self.actor.info.vocab_size,
-                                   self._stop_ids(), self.pad_id, engine_options(cfg))
+        self.engine = build_engine(cfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
         rm_scorer = (lambda b: self.rm.scores(b, cfg.reward.model.micro_batch_size)) if self.rm else None
         self.reward = build_reward(cfg.reward, rm_scorer)
         self.kl_ctl = _kl_controller(cfg)

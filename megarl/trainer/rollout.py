@@ -26,7 +26,11 @@ class Rollout:
 
 
 def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> SampleBatch:
-    """Right-padded prompt+response ids, response mask and rollout log-probs, (B, L)."""
+    """Right-padded prompt+response ids, response mask and rollout log-probs, (B, L).
+
+    The response mask is each result's loss mask: 1 at tokens the model sampled, 0 at
+    appended context (tool results, user turns) inside a multi-turn response, which
+    therefore gets no loss, no advantage and no KL."""
     seqs = [r.prompt_ids + r.response_ids for r in results]
     width = max(len(s) for s in seqs)
     batch = len(results)
@@ -36,7 +40,7 @@ def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> Sam
     for i, r in enumerate(results):
         p, n = len(r.prompt_ids), len(r.response_ids)
         ids[i, : p + n] = torch.tensor(seqs[i])
-        mask[i, p : p + n] = 1.0
+        mask[i, p : p + n] = 1.0 if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=mask.dtype)
         rollout_lp[i, p : p + n] = torch.tensor(r.logprobs)
     lengths = torch.tensor([len(s) for s in seqs])
     return SampleBatch(ids.to(device), mask.to(device), lengths.to(device),
@@ -45,14 +49,19 @@ def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> Sam
 
 def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: SamplingParams,
                      tokenizer, pad_id: int, device) -> Rollout:
+    """Generates and packs one step's samples. A multi-turn result (``extra["trajectory"]``, from
+    :class:`~megarl.rollout.agent.AgentLoop`) gives rewards its last assistant turn as the response
+    and the whole conversation as ``extra["trajectory"]``."""
     results = engine.generate(prompts.prompt_ids, params)
     items = [prompts.items[r.prompt_index] for r in results]
     return Rollout(
         batch=to_sample_batch(results, pad_id, device),
         prompts=[it.prompt_text for it in items],
-        responses=tokenizer.batch_decode([r.response_ids for r in results], skip_special_tokens=True),
+        responses=tokenizer.batch_decode([r.extra.get("final_turn_ids", r.response_ids) for r in results],
+                                         skip_special_tokens=True),
         answers=[it.answer for it in items],
-        extras=[it.extra for it in items],
+        extras=[{**it.extra, "trajectory": r.extra["trajectory"]} if "trajectory" in r.extra else it.extra
+                for it, r in zip(items, results)],
         group_ids=torch.tensor([it.index for it in items], device=device),
         finish_reasons=[r.finish_reason for r in results],
     )

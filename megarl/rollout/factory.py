@@ -1,0 +1,58 @@
+"""The rollout engine a run asks for (``rollout.engine``), wrapped for multi-turn when enabled."""
+from __future__ import annotations
+
+from megarl.cli import ConfigError
+from megarl.config import Config
+from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.native import EngineOptions, NativeEngine
+
+
+def engine_options(cfg: Config) -> EngineOptions:
+    r = cfg.rollout
+    return EngineOptions(
+        max_batch=r.max_batch, page_size=r.page_size, max_num_batched_tokens=r.max_num_batched_tokens,
+        kv_cache_gb=r.kv_cache_gb, kv_cache_fraction=r.kv_cache_fraction, cuda_graphs=r.cuda_graphs,
+        prefix_cache=r.prefix_cache,
+        max_model_len=cfg.data.max_prompt_len + r.max_new_tokens,
+    )
+
+
+def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:
+    """``rollout.engine`` on the actor's weights; an :class:`~megarl.rollout.agent.AgentLoop` over it
+    when ``rollout.multi_turn.enable``."""
+    if cfg.rollout.engine == "native":
+        engine = NativeEngine(actor.module, groups, actor.info.vocab_size, stop_ids, pad_id, engine_options(cfg))
+    else:
+        engine = _sglang(cfg, actor, groups, stop_ids, pad_id)
+    return _agent(cfg, engine, tokenizer, groups) if cfg.rollout.multi_turn.enable else engine
+
+
+def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> RolloutEngine:
+    from megarl.rollout.sglang import SGLangEngine, options_from_config
+
+    return SGLangEngine(actor.module, groups, actor.info, stop_ids, pad_id, options_from_config(cfg))
+
+
+def _agent(cfg: Config, engine: RolloutEngine, tokenizer, groups) -> RolloutEngine:
+    from megarl.rollout.agent import AgentLoop, AgentOptions
+    from megarl.rollout.turns import single_token_id
+    from megarl.tools import ToolExecutor, resolve_parser, resolve_tools
+
+    m = cfg.rollout.multi_turn
+    end = single_token_id(tokenizer, m.tool_call_end, "rollout.multi_turn.tool_call_end")
+    tools = resolve_tools(list(m.tools))
+    executor = ToolExecutor(tools, max_workers=m.tool_workers, timeout_s=m.tool_timeout_s)
+    options = AgentOptions(tool_call_end=end, max_turns=m.max_turns, max_tool_output_tokens=m.max_tool_output_tokens)
+    return AgentLoop(engine, tokenizer, executor, resolve_parser(m.parser), options, groups,
+                     interaction=_interaction(m.interaction))
+
+
+def _interaction(spec: str):
+    if not spec:
+        return None
+    from megarl.algos.registry import load_dotted
+
+    try:
+        return load_dotted(spec)
+    except ValueError as e:
+        raise ConfigError(f"rollout.multi_turn.interaction: {e}") from None
