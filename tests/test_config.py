@@ -215,6 +215,19 @@ def test_impossible_combinations_name_the_key(overrides, world_size, needle):
     (["algorithm.kl_coef=nan"], "algorithm.kl_coef=nan must be a finite number >= 0"),
     (["actor.kl_loss_coef=-1"], "actor.kl_loss_coef=-1.0 must be a finite number >= 0"),
     (["actor.entropy_coef=nan"], "actor.entropy_coef=nan must be a finite number >= 0"),
+    # KL terms without a reference; KL token rewards an advantage would ignore
+    (["actor.kl_loss_coef=0.01", "ref.enable=false"], "actor.kl_loss_coef=0.01 needs the reference model"),
+    (["algorithm.kl_in_reward=true", "ref.enable=false"], "algorithm.kl_in_reward=true needs the reference"),
+    (["algorithm.kl_in_reward=true", "algorithm.advantage=grpo", "rollout.n=2"],
+     "algorithm.kl_in_reward=true with algorithm.advantage=grpo"),
+    # multi-turn
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=0"], "rollout.multi_turn.max_turns=0 must be >= 1"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_timeout_s=0"],
+     "rollout.multi_turn.tool_timeout_s=0.0 must be a finite number > 0"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[]"], "rollout.multi_turn.tools=[]"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[python, python]"],
+     "rollout.multi_turn.tools lists 'python' twice"),
+    (["rollout.multi_turn.enable=true", "rollout.ignore_eos=true"], "rollout.ignore_eos=true with rollout.multi_turn"),
 ])
 def test_bad_values_are_one_line_errors(overrides, start):
     assert check_error(overrides).startswith(start)
