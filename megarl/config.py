@@ -76,11 +76,23 @@ class MultiTurnConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """rollout.engine=sglang: one SGLang engine per TP group (megarl/rollout/sglang.py, sglang==0.5.23)."""
+
+    mem_fraction_static: float = opt(0.5, "share of each GPU's memory SGLang takes for its weights and KV cache")
+    deterministic: bool = opt(True, "SGLang's deterministic inference: per-request seeds are honoured")
+    enable_memory_saver: bool = opt(True, "release SGLang's memory during training and map it back for rollout")
+    max_running_requests: int = opt(0, "requests SGLang runs at once; 0: its default")
+    update_bucket_mb: float = opt(512.0, "weight-sync bucket size in MiB")
+
+
+@dataclass
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
     engine: Literal["native", "sglang"] = opt("native", "native: decoding on the actor's own Megatron weights; sglang: an SGLang engine per TP group (where installed)")
     multi_turn: MultiTurnConfig = opt(MultiTurnConfig(), "multi-turn rollouts with tools")
+    sglang: SGLangConfig = opt(SGLangConfig(), "SGLang engine options (rollout.engine=sglang)")
     n: int = opt(1, "responses sampled per prompt")
     max_new_tokens: int = opt(16, "response length limit (multi-turn: sampled plus appended tool/user tokens)")
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")

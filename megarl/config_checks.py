@@ -190,6 +190,18 @@ def check_algorithm(cfg: Config) -> None:
                           "(KL as a loss) or advantage gae / reinforce_pp_baseline")
 
 
+def check_sglang(cfg: Config) -> None:
+    s = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang":
+        return
+    if not 0 < s.mem_fraction_static < 1:
+        raise ConfigError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
+    check_numbers(s, "rollout.sglang", ["update_bucket_mb"], low=0, strict=True)
+    check_counts(s, "rollout.sglang", ["max_running_requests"], low=0)
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"rollout.engine=sglang needs parallel.pp=1 (got {cfg.parallel.pp}); use rollout.engine=native")
+
+
 def check_multi_turn(cfg: Config) -> None:
     m = cfg.rollout.multi_turn
     if not m.enable:
@@ -242,6 +254,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
     check_multi_turn(cfg)
+    check_sglang(cfg)
     check_batches(cfg, world_size)
     check_actor(cfg)
     check_critic(cfg)

@@ -31,7 +31,7 @@ def make_tokenizer():
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 :*\n[]()")
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 :*\n[](){}\",_")
     vocab = {c: i for i, c in enumerate(chars)}
     vocab["ab"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
@@ -177,6 +177,34 @@ def _tp_rank(rank):
     prompt = [tok.encode("<s>user:mul</s><s>assistant:")]
     results = _loop(tok, ScriptedEngine(tok), executor, groups=groups).generate(prompt, SamplingParams(max_new_tokens=60, n=2))
     return {"ids": [r.response_ids for r in results], "tool_runs": len(executor.calls)}
+
+
+def test_real_tools_through_the_factory_pieces():
+    """Hermes JSON parsed, the calculator run in the executor, its result in the conversation."""
+    from megarl.tools import ToolExecutor, parse_hermes, resolve_tools
+
+    tok = make_tokenizer()
+    engine = ScriptedEngine(tok)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}'
+    engine.script[0] = tok.encode(call, add_special_tokens=False) + [tok.convert_tokens_to_ids("</tool_call>")]
+    options = AgentOptions(tok.convert_tokens_to_ids("</tool_call>"))
+    with ToolExecutor(resolve_tools(["calculator"])) as executor:
+        loop = AgentLoop(engine, tok, executor, parse_hermes, options)
+        (r,) = loop.generate([tok.encode("<s>user:mul</s><s>assistant:")], SamplingParams(max_new_tokens=120))
+    assert r.extra["trajectory"][1] == {"role": "tool", "name": "calculator", "content": "42"}
+    assert r.finish_reason == "stop" and r.extra["final_turn_ids"] == engine.script[1]
+
+
+def test_a_multi_token_tool_call_end_is_a_config_error():
+    from transformers import AutoTokenizer
+
+    from megarl.assets import TINY_DIR
+    from megarl.cli import ConfigError
+    from megarl.rollout.turns import single_token_id
+
+    tiny = AutoTokenizer.from_pretrained(str(TINY_DIR / "tokenizer"))
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.tool_call_end='</tool_call>' is \d+ tokens"):
+        single_token_id(tiny, "</tool_call>", "rollout.multi_turn.tool_call_end")
 
 
 def test_tools_run_on_tp_rank_zero_and_reach_every_rank():

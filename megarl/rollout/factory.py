@@ -28,9 +28,14 @@ def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad
 
 
 def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> RolloutEngine:
-    from megarl.rollout.sglang import SGLangEngine, options_from_config
+    from megarl.rollout.sglang import SGLangEngine, SGLangOptions
 
-    return SGLangEngine(actor.module, groups, actor.info, stop_ids, pad_id, options_from_config(cfg))
+    s = cfg.rollout.sglang
+    options = SGLangOptions(
+        model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=cfg.model.dtype,
+        seed=cfg.rollout.seed, deterministic=s.deterministic, enable_memory_saver=s.enable_memory_saver,
+        max_running_requests=s.max_running_requests, update_bucket_mb=s.update_bucket_mb)
+    return SGLangEngine(actor.module, groups, actor.info, stop_ids, options)  # SGLang needs no pad id
 
 
 def _agent(cfg: Config, engine: RolloutEngine, tokenizer, groups) -> RolloutEngine:

@@ -1,0 +1,274 @@
+"""SGLang rollout: one SGLang engine per TP group, colocated on the group's GPUs.
+
+Pinned to ``sglang==0.5.23``: ``tests/data/sglang_0.5.23_api.json`` lists every
+method, keyword, field, tag and result key used here; test_rollout_sglang_api.py
+checks this file against it and it against the wheel's source.
+
+Layout (PP = 1). TP rank 0 of each TP group starts SGLang's offline engine
+(``sglang.srt.entrypoints.engine.Engine``) with ``tp_size`` = the TP size and
+``base_gpu_id`` = its own GPU, so SGLang's TP workers share the group's GPUs
+(one node, consecutive GPUs, each process seeing all of them: torchrun's
+default). Only that rank talks to SGLang; each call's result, or its error,
+reaches the other TP ranks by ``broadcast_object_list`` over the TP group.
+
+generate: token in / token out (``skip_tokenizer_init``); ``n`` requests per
+prompt, request ``j`` of prompt ``i`` with ``sampling_seed`` = ``mix_seed(seeds[i],
+j)`` as in the native engine. SGLang honours it only under
+``enable_deterministic_inference`` (``deterministic``, default on); off, tokens
+depend on SGLang's batching. Stops: ``eos_ids`` + ``params.stop_token_ids``;
+none: ``ignore_eos`` (otherwise SGLang also stops at the model config's eos).
+Log-probs: ``meta_info["output_token_logprobs"]``, (logprob, token id, text)
+per token, computed under the temperature (greedy: 1.0) before top-k / top-p.
+Finish types "stop" / "length" map through; "abort" raises.
+
+update_weights: :func:`~megarl.rollout.weight_stream.iter_hf_buckets` (the HF
+export's tensors) in buckets of at most ``update_bucket_mb``, each a ``(name,
+tensor)`` list for ``update_weights_from_tensor`` (SGLang serializes it per
+its TP rank; CUDA tensors travel as IPC handles) between ``begin_weight_update``
+and ``end_weight_update``, then ``flush_cache``. The engine starts with
+``load_format="dummy"`` and gets the actor's weights at construction.
+release_memory / resume_memory: ``release`` / ``resume_memory_occupation`` of
+the kv_cache, weights and cuda_graph tags; a weight sync resumes "weights"
+alone, generate whatever is still released.
+
+Verified only where SGLang is installed (the CPU tests use a fake engine with
+its signatures and output format): that Engine starts with these arguments
+beside Megatron, that its ``load_weights`` takes the streamed names, that CUDA
+IPC tensors reach its workers, that seeds make tokens batch-independent, that
+its log-probs match the training forward, and what release_memory frees.
+"""
+from __future__ import annotations
+
+import importlib.util
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.cli import ConfigError
+from megarl.distributed import ParallelGroups
+from megarl.models.hf_config import ModelInfo
+from megarl.rollout.engine import GenerationResult, SamplingParams
+from megarl.rollout.native import mix_seed
+from megarl.rollout.weight_stream import iter_hf_buckets, tensor_bytes
+
+SGLANG_VERSION = "0.5.23"
+NOT_INSTALLED = (f"rollout.engine=sglang: SGLang is not installed (pip install sglang=={SGLANG_VERSION}); "
+                 "use rollout.engine=native")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+_FINISH = {"stop": "stop", "length": "length"}  # SGLang finish_reason["type"] -> megarl
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """How the SGLang engine is started and fed (from ``rollout.*``)."""
+
+    model_path: str  # HF directory; SGLang reads config.json from it (weights come from the actor)
+    mem_fraction_static: float = 0.5  # share of each GPU's memory SGLang takes for weights + KV cache
+    dtype: str = "auto"  # SGLang's dtype ("auto", "bfloat16", "float16", "float32")
+    seed: int = 1234  # SGLang's random_seed
+    deterministic: bool = True  # enable_deterministic_inference: per-request seeds are honoured
+    enable_memory_saver: bool = True  # release_memory / resume_memory free and re-map GPU memory
+    max_running_requests: int = 0  # 0: SGLang's default
+    nccl_port: int = 0  # 0: SGLang picks one; else nccl_port + global rank of TP rank 0 (one per engine)
+    update_bucket_mb: float = 512.0  # weight-sync bucket size
+
+
+def load_engine_class() -> Callable:
+    """SGLang's offline engine class; :class:`ConfigError` (one line) when sglang does not import."""
+    try:
+        from sglang.srt.entrypoints.engine import Engine
+    except ImportError as e:
+        raise ConfigError(NOT_INSTALLED) from e
+    return Engine
+
+
+def _server_kwargs(o: SGLangOptions, tp_size: int, base_gpu_id: int, nccl_port: Optional[int]) -> dict:
+    """Keyword arguments of ``Engine(...)`` (fields of SGLang's ServerArgs)."""
+    return {"model_path": o.model_path, "tp_size": tp_size, "base_gpu_id": base_gpu_id,
+            "mem_fraction_static": o.mem_fraction_static, "dtype": o.dtype, "random_seed": o.seed,
+            "load_format": "dummy", "skip_tokenizer_init": True, "enable_memory_saver": o.enable_memory_saver,
+            "enable_deterministic_inference": o.deterministic, "nccl_port": nccl_port,
+            "max_running_requests": o.max_running_requests or None}
+
+
+def _sampling_kwargs(params: SamplingParams, seed: int, max_new_tokens: int, stops: list[int]) -> dict:
+    """One request's ``sampling_params`` dict (fields of SGLang's SamplingParams)."""
+    return {"max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "stop_token_ids": stops or None, "ignore_eos": not stops,
+            "sampling_seed": seed}
+
+
+def build_requests(prompts: list[list[int]], params: SamplingParams, eos_ids: list[int],
+                   seeds: Optional[list[int]] = None, max_new_tokens: Optional[list[int]] = None) -> list[dict]:
+    """SGLang sampling dicts, ``params.n`` per prompt, grouped by prompt (request k answers prompt k // n)."""
+    base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
+    limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
+    stops = sorted(set(eos_ids) | set(params.stop_token_ids))
+    return [_sampling_kwargs(params, mix_seed(base[i], j), limits[i], stops)
+            for i in range(len(prompts)) for j in range(params.n)]
+
+
+def parse_output(out: dict, k: int) -> tuple[list[int], list[float], str]:
+    """(response ids, log-probs, finish reason) of SGLang's result dict for request ``k``."""
+    meta = out["meta_info"]
+    reason = meta["finish_reason"]
+    kind = reason["type"] if isinstance(reason, dict) else None
+    if kind not in _FINISH:
+        raise RuntimeError(f"SGLang request {k} did not finish normally: {reason!r}")
+    ids = [int(t) for t in out["output_ids"]]
+    entries = meta["output_token_logprobs"]
+    if [int(e[1]) for e in entries] != ids:
+        raise RuntimeError(f"SGLang request {k}: output_token_logprobs do not match output_ids")
+    return ids, [float(e[0]) for e in entries], _FINISH[kind]
+
+
+def _check(result, what: str) -> None:
+    """SGLang's (success, message) answers."""
+    ok, message = result
+    if not ok:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def _base_gpu_id(groups: ParallelGroups) -> int:
+    """TP rank 0's GPU; the TP group must be on one node, on consecutive GPUs. 0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0
+    peers = [None] * groups.tp_size
+    dist.all_gather_object(peers, (socket.gethostname(), torch.cuda.current_device()), group=groups.tp)
+    host, base = peers[0]
+    if any(p != (host, base + i) for i, p in enumerate(peers)):
+        raise ConfigError(f"rollout.engine=sglang: a TP group must be on one node on consecutive GPUs; "
+                          f"got (host, GPU) per TP rank {peers}")
+    return base
+
+
+class SGLangEngine:
+    """RolloutEngine on SGLang; one engine per TP group, on TP rank 0 (see the module docstring)."""
+
+    def __init__(self, module, groups: ParallelGroups, info: ModelInfo, eos_ids: list[int],
+                 options: SGLangOptions, engine_factory: Optional[Callable] = None):
+        """``engine_factory(**server kwargs)`` builds the engine (default: SGLang's Engine class)."""
+        if groups.pp_size > 1:
+            raise ConfigError("rollout.engine=sglang needs parallel.pp=1 (SGLang holds the whole model per "
+                              "TP group); use rollout.engine=native with pipeline parallelism")
+        if engine_factory is None and importlib.util.find_spec("sglang") is None:
+            raise ConfigError(NOT_INSTALLED)
+        self.module, self.groups, self.info, self.options = module, groups, info, options
+        self.eos_ids = list(eos_ids)
+        self.is_src = groups.tp_rank == 0
+        self.engine = None
+        self.released: set[str] = set()
+        self.stats: dict[str, float] = {}
+        base = _base_gpu_id(groups)
+        port = options.nccl_port + groups.tp_src_rank if options.nccl_port else None
+        kwargs = _server_kwargs(options, groups.tp_size, base, port)
+        self._call(lambda: self._start(engine_factory or load_engine_class(), kwargs))
+        self.update_weights()  # dummy weights until now
+
+    def _start(self, factory: Callable, kwargs: dict) -> None:
+        self.engine = factory(**kwargs)
+
+    # -- RolloutEngine -------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[GenerationResult]:
+        """``params.n`` results per prompt, grouped by prompt, in order (same on every TP rank)."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("SGLang rollout: every prompt needs at least one token")
+        requests = build_requests(prompts, params, self.eos_ids, seeds, max_new_tokens)
+        outputs, self.stats = self._call(lambda: self._generate(prompts, params.n, requests))
+        return [GenerationResult(list(prompts[k // params.n]), ids, lps, reason, prompt_index=k // params.n)
+                for k, (ids, lps, reason) in enumerate(outputs)]
+
+    def _generate(self, prompts, n: int, requests: list[dict]):
+        if not requests:
+            return [], {"rollout/requests": 0.0}
+        self._resume(MEMORY_TAGS)
+        start = time.perf_counter()
+        input_ids = [list(prompts[k // n]) for k in range(len(requests))]
+        raw = self.engine.generate(input_ids=input_ids, sampling_params=requests, return_logprob=True)
+        outputs = [parse_output(out, k) for k, out in enumerate(raw)]
+        stats = {"rollout/requests": float(len(requests)), "rollout/engine_seconds": time.perf_counter() - start,
+                 "rollout/response_tokens": float(sum(len(ids) for ids, _, _ in outputs))}
+        return outputs, stats
+
+    def update_weights(self) -> dict:
+        """Streams the actor's weights into SGLang; collective over TP. Metrics: bytes, seconds, buckets."""
+        start = time.perf_counter()
+        self._call(self._begin_update)
+        nbytes, buckets, failure = 0, 0, None
+        limit = int(self.options.update_bucket_mb * 2**20)
+        for bucket in iter_hf_buckets(self.module, self.groups, self.info, limit):  # buckets on TP rank 0 only
+            buckets += 1
+            nbytes += sum(tensor_bytes(t) for _, t in bucket)
+            if failure is None:  # after a failure, keep iterating: the other ranks are in the all-gathers
+                try:
+                    _check(self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None,
+                                                                  flush_cache=False), "update_weights_from_tensor")
+                except Exception as e:  # noqa: BLE001 - re-raised on every rank by _call
+                    failure = e
+        return self._call(lambda: self._end_update(failure, {
+            "weight_sync/bytes": float(nbytes), "weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/buckets": float(buckets)}))
+
+    def _begin_update(self) -> None:
+        self._resume(("weights",))  # the KV cache stays released until resume_memory or generate
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def _end_update(self, failure: Optional[BaseException], metrics: dict) -> dict:
+        if failure is not None:
+            raise failure
+        _check(self.engine.end_weight_update(), "end_weight_update")
+        flushed = self.engine.flush_cache()
+        if not getattr(flushed, "success", True):
+            raise RuntimeError(f"SGLang flush_cache failed: {getattr(flushed, 'message', '')}")
+        return metrics
+
+    def release_memory(self) -> None:
+        """Frees SGLang's KV cache, weights and CUDA graphs (with enable_memory_saver)."""
+        if self.options.enable_memory_saver:
+            self._call(self._release)
+
+    def resume_memory(self) -> None:
+        """Re-maps what release_memory freed (generate and update_weights also do it when needed)."""
+        self._call(lambda: self._resume(MEMORY_TAGS))
+
+    def close(self) -> None:
+        """Shuts the SGLang engine down (its scheduler processes exit)."""
+        self._call(lambda: self.engine.shutdown())
+
+    # -- helpers ---------------------------------------------------------------
+    def _release(self) -> None:
+        tags = [t for t in MEMORY_TAGS if t not in self.released]
+        if tags:
+            self.engine.release_memory_occupation(tags=tags)
+            self.released.update(tags)
+
+    def _resume(self, wanted) -> None:
+        tags = [t for t in MEMORY_TAGS if t in wanted and t in self.released]  # SGLang raises on others
+        if tags:
+            self.engine.resume_memory_occupation(tags=tags)
+            self.released.difference_update(tags)
+
+    def _call(self, fn: Callable):
+        """``fn()`` on TP rank 0, its value (or its error) on every TP rank."""
+        box, error = [None], None
+        if self.is_src:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = e
+                box[0] = ("config" if isinstance(e, ConfigError) else "error", f"{type(e).__name__}: {e}")
+        if self.groups.tp_size > 1:
+            dist.broadcast_object_list(box, src=self.groups.tp_src_rank, group=self.groups.tp)
+        status, value = box[0]
+        if error is not None:
+            raise error
+        if status == "config":
+            raise ConfigError(value.split(": ", 1)[1])
+        if status == "error":
+            raise RuntimeError(f"SGLang engine (on TP rank 0) failed: {value}")
+        return value

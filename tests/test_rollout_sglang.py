@@ -1,0 +1,272 @@
+"""SGLang adapter on CPU, without SGLang: the weight stream and the control flow against a fake engine.
+
+Setup: the tiny random Llama checkpoint (GQA, vocab 57, eos 3) is loaded into
+the actor at TP1 and TP2 (one spawn each) and exported with ``export_hf``.
+
+Weight stream. ``iter_hf_buckets`` must yield, on TP rank 0, exactly the
+tensors the export wrote (same names, once each; same shapes, dtypes and bits)
+and nothing on TP rank 1. With a 20,000-byte limit the fp32 tensors of this
+model are 256 B (norms) to 32 KiB (gate/up/down), so buckets both pack several
+tensors and hold a single over-limit tensor alone; no bucket of two or more
+tensors may exceed the limit.
+
+Control flow. ``FakeEngine`` has the method and parameter names of SGLang
+0.5.23's Engine for everything the adapter calls (test_rollout_sglang_api.py
+checks it against the manifest), answers in its formats (result dicts with
+``output_ids`` and ``meta_info`` holding ``finish_reason`` {"type": ...} and
+``output_token_logprobs`` as (logprob, token id, None)), and enforces its
+preconditions (weight updates only inside begin/end_weight_update; no resume
+of a tag that was not released; no generate or update into released memory).
+Expected: the fake is built once, on TP rank 0 only (``tp_size`` = TP); each
+prompt becomes ``n`` requests with seed ``mix_seed(seeds[i], j)``, its own
+``max_new_tokens``, stops = eos + params' stops; results are grouped by prompt
+with the fake's ids, log-probs and finish types ("stop" and "length" both
+occur) and are identical on both TP ranks; every weight sync sends exactly the
+stream's buckets in order, then flushes; release frees all three memory tags,
+a weight sync re-maps "weights" only, resume_memory the rest, and a generate
+after release_memory re-maps all three first.
+
+Not covered: a real SGLang (see megarl/rollout/sglang.py for what only a GPU
+run with SGLang verifies), the consecutive-GPU check (CUDA only), PP > 1.
+"""
+import io
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist_helpers import spawn
+
+EOS = 3
+LIMIT = 20000  # bytes per bucket
+PROMPTS = [[7, 8, 9], [13, 14], [20, 21, 22, 23], [30]]
+SEEDS, LIMITS = [11, 12, 13, 14], [6, 3, 8, 5]
+
+
+class FakeEngine:
+    """Stands in for ``sglang.srt.entrypoints.engine.Engine`` (0.5.23) and records every call."""
+
+    def __init__(self, **kwargs):
+        self.calls = [("__init__", kwargs)]
+        self.released, self.session = set(), False
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False):
+        assert prompt is None and not self.released, "token ids in; memory resumed"
+        outs = [self._one(ids, sp, return_logprob) for ids, sp in zip(input_ids, sampling_params)]
+        self.calls.append(("generate", {"input_ids": input_ids, "sampling_params": sampling_params,
+                                        "return_logprob": return_logprob}, outs))
+        return outs
+
+    @staticmethod
+    def _one(ids, sp, return_logprob):
+        rng = random.Random(sp["sampling_seed"] * 1_000_003 + sum(ids))
+        out, reason = [], {"type": "length", "length": sp["max_new_tokens"]}
+        for _ in range(sp["max_new_tokens"]):
+            out.append(rng.randrange(8))  # small ids: eos 3 and stop 5 come up often
+            if not sp["ignore_eos"] and out[-1] in (sp["stop_token_ids"] or ()):
+                reason = {"type": "stop", "matched": out[-1]}
+                break
+        meta = {"id": f"req-{rng.random()}", "finish_reason": reason, "prompt_tokens": len(ids)}
+        if return_logprob:
+            meta["output_token_logprobs"] = [(-0.1 - rng.random(), t, None) for t in out]
+            meta["output_token_logprobs_length"] = len(out)
+        return {"output_ids": out, "meta_info": meta}
+
+    def begin_weight_update(self, selector="all"):
+        self.calls.append(("begin_weight_update", {}))
+        ok = not self.session and "weights" not in self.released
+        self.session = True
+        return ok, "Success" if ok else "a weight-update session is already open"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update_weights_from_tensor", {
+            "named_tensors": [(n, t.detach().clone()) for n, t in named_tensors],
+            "load_format": load_format, "flush_cache": flush_cache}))
+        return self.session, "Success" if self.session else "must run between begin and end_weight_update"
+
+    def end_weight_update(self):
+        self.calls.append(("end_weight_update", {}))
+        ok, self.session = self.session, False
+        return ok, "Success" if ok else "no weight-update session is open"
+
+    def flush_cache(self):
+        self.calls.append(("flush_cache", {}))
+        return SimpleNamespace(success=True, message="")
+
+    def release_memory_occupation(self, tags=None):
+        assert not self.released & set(tags)
+        self.released.update(tags)
+        self.calls.append(("release_memory_occupation", {"tags": tags}))
+
+    def resume_memory_occupation(self, tags=None):
+        if not set(tags) <= self.released:  # SGLang: offload_tags.remove(tag) raises
+            raise KeyError(f"not released: {set(tags) - self.released}")
+        self.released.difference_update(tags)
+        self.calls.append(("resume_memory_occupation", {"tags": tags}))
+
+    def shutdown(self):
+        self.calls.append(("shutdown", {}))
+
+
+def _job(rank, ckpt, tp, out_dir):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.models import export_hf
+    from megarl.roles.build import build_actor
+    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.sglang import SGLangEngine, SGLangOptions
+    from megarl.rollout.weight_stream import iter_hf_buckets
+
+    init_distributed()
+    groups = build_parallel_groups(tp, 1)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path = ckpt
+    actor = build_actor(cfg, groups, optimizer_steps=1)
+    export_hf(actor.module, actor.info, groups, out_dir)
+    stream = [[(n, t.clone()) for n, t in b] for b in iter_hf_buckets(actor.module, groups, actor.info, LIMIT)]
+    options = SGLangOptions(model_path=ckpt, update_bucket_mb=LIMIT / 2**20)
+    engine = SGLangEngine(actor.module, groups, actor.info, [EOS], options, engine_factory=FakeEngine)
+    sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.7, top_p=0.9, top_k=5, n=2, stop_token_ids=(5,)),
+                              seeds=SEEDS, max_new_tokens=LIMITS)
+    greedy = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=0.0))
+    engine.release_memory()
+    metrics = engine.update_weights()
+    engine.resume_memory()
+    engine.release_memory()
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))  # resumes everything first
+    engine.close()
+    calls = engine.engine.calls if engine.engine is not None else None
+    buf = io.BytesIO()  # by value: tensors in shared memory would not outlive this process
+    torch.save({"stream": stream, "sampled": sampled, "greedy": greedy, "metrics": metrics, "calls": calls}, buf)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def run(request, ckpt, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp(f"export_tp{request.param}"))
+    ranks = spawn(_job, request.param, ckpt, request.param, out)
+    return request.param, out, [torch.load(io.BytesIO(r), weights_only=False) for r in ranks]
+
+
+def _calls(ranks, name):
+    return [c for c in ranks[0]["calls"] if c[0] == name]
+
+
+def test_stream_equals_export(run):
+    from safetensors.torch import load_file
+
+    tp, out, ranks = run
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    streamed = [pair for bucket in ranks[0]["stream"] for pair in bucket]
+    assert sorted(n for n, _ in streamed) == sorted(exported)  # each name once
+    for name, t in streamed:
+        ref = exported[name]
+        assert (t.dtype, t.shape) == (ref.dtype, ref.shape), name
+        assert torch.equal(t.view(torch.uint8), ref.view(torch.uint8)), name  # bitwise
+    assert all(r["stream"] == [] for r in ranks[1:])
+
+
+def test_buckets_within_limit(run):
+    buckets = run[2][0]["stream"]
+    sizes = [[t.numel() * t.element_size() for _, t in b] for b in buckets]
+    assert all(sum(s) <= LIMIT or len(s) == 1 for s in sizes)
+    assert any(len(s) > 1 for s in sizes) and any(s[0] > LIMIT for s in sizes if len(s) == 1)
+    for a, b in zip(sizes, sizes[1:]):  # greedy: the next tensor did not fit
+        assert sum(a) + b[0] > LIMIT
+
+
+def test_generate_control_flow(run):
+    from megarl.rollout.native import mix_seed
+
+    tp, _, ranks = run
+    assert ranks[0]["calls"][0][1]["tp_size"] == tp and all(r["calls"] is None for r in ranks[1:])
+    assert ranks[0]["calls"][0][1]["skip_tokenizer_init"] and ranks[0]["calls"][0][1]["load_format"] == "dummy"
+    (_, sent, outs), (_, greedy_sent, _), _ = _calls(ranks, "generate")
+    assert sent["return_logprob"] and sent["input_ids"] == [p for p in PROMPTS for _ in range(2)]
+    for k, sp in enumerate(sent["sampling_params"]):
+        i, j = divmod(k, 2)
+        assert (sp["sampling_seed"], sp["max_new_tokens"]) == (mix_seed(SEEDS[i], j), LIMITS[i])
+        assert (sp["stop_token_ids"], sp["ignore_eos"], sp["temperature"], sp["top_k"]) == ([3, 5], False, 0.7, 5)
+    results = ranks[0]["sampled"]
+    assert [r.prompt_index for r in results] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for r, out in zip(results, outs):
+        assert r.prompt_ids == PROMPTS[r.prompt_index] and r.response_ids == out["output_ids"]
+        assert r.logprobs == [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert r.finish_reason == out["meta_info"]["finish_reason"]["type"]
+    assert {r.finish_reason for r in results} == {"stop", "length"}
+    g = greedy_sent["sampling_params"]
+    assert [sp["sampling_seed"] for sp in g] == [mix_seed(mix_seed(0, i), 0) for i in range(2)]
+    assert all(sp["temperature"] == 0.0 and sp["max_new_tokens"] == 4 for sp in g)
+    for other in ranks[1:]:
+        assert (other["sampled"], other["greedy"]) == (ranks[0]["sampled"], ranks[0]["greedy"])
+
+
+def test_weight_sync_and_memory_calls(run):
+    _, _, ranks = run
+    stream = ranks[0]["stream"]
+    names = [c[0] for c in ranks[0]["calls"]]
+    sync = ["begin_weight_update"] + ["update_weights_from_tensor"] * len(stream) + ["end_weight_update", "flush_cache"]
+    assert names == (["__init__"] + sync + ["generate", "generate", "release_memory_occupation",
+                                            "resume_memory_occupation"] + sync
+                     + ["resume_memory_occupation", "release_memory_occupation", "resume_memory_occupation",
+                        "generate", "shutdown"])
+    updates = _calls(ranks, "update_weights_from_tensor")
+    for k, (_, sent) in enumerate(updates):
+        bucket = stream[k % len(stream)]
+        assert [n for n, _ in sent["named_tensors"]] == [n for n, _ in bucket]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent["named_tensors"], bucket))
+        assert sent["load_format"] is None and sent["flush_cache"] is False
+    every = ["kv_cache", "weights", "cuda_graph"]
+    assert [c[1]["tags"] for c in _calls(ranks, "release_memory_occupation")] == [every, every]
+    resumed = [c[1]["tags"] for c in _calls(ranks, "resume_memory_occupation")]
+    assert resumed == [["weights"], ["kv_cache", "cuda_graph"], every]
+    m = ranks[0]["metrics"]
+    assert m["weight_sync/buckets"] == len(stream) and m["weight_sync/seconds"] >= 0
+    assert m["weight_sync/bytes"] == sum(t.numel() * t.element_size() for b in stream for _, t in b)
+    assert all(r["metrics"] == m for r in ranks[1:])
+
+
+def test_requests_and_outputs_edge_cases():
+    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.sglang import build_requests, parse_output
+
+    (sp,) = build_requests([[1, 2]], SamplingParams(max_new_tokens=3), eos_ids=[])
+    assert sp["ignore_eos"] and sp["stop_token_ids"] is None  # megarl's ignore_eos: no stop at all
+    ok = {"output_ids": [4, 3], "meta_info": {"finish_reason": {"type": "stop", "matched": 3},
+                                               "output_token_logprobs": [(-0.5, 4, None), (-1.5, 3, None)]}}
+    assert parse_output(ok, 0) == ([4, 3], [-0.5, -1.5], "stop")
+    aborted = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "oom"},
+                                                "output_token_logprobs": []}}
+    with pytest.raises(RuntimeError, match="oom"):
+        parse_output(aborted, 1)
+    with pytest.raises(RuntimeError, match="do not match"):
+        parse_output({**ok, "output_ids": [4, 4]}, 2)
+
+
+def test_pipeline_parallel_is_refused():
+    from megarl.cli import ConfigError
+    from megarl.rollout.sglang import SGLangEngine, SGLangOptions
+
+    with pytest.raises(ConfigError, match="parallel.pp=1"):
+        SGLangEngine(None, SimpleNamespace(pp_size=2), None, [3], SGLangOptions(model_path="x"), FakeEngine)
+
+
+def test_missing_sglang_is_a_config_error():
+    import importlib.util
+
+    from megarl.cli import ConfigError
+    from megarl.rollout.sglang import NOT_INSTALLED, SGLangEngine, SGLangOptions, load_engine_class
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    assert NOT_INSTALLED == ("rollout.engine=sglang: SGLang is not installed (pip install sglang==0.5.23); "
+                             "use rollout.engine=native")
+    with pytest.raises(ConfigError, match="^rollout.engine=sglang: SGLang is not installed"):
+        load_engine_class()
+    with pytest.raises(ConfigError, match="pip install sglang==0.5.23"):
+        SGLangEngine(None, SimpleNamespace(pp_size=1), None, [3], SGLangOptions(model_path="x"))
