@@ -20,11 +20,12 @@ MAX_NEW = 48
 
 
 def _greedy(model, ids, n):
-    x = torch.tensor([ids])  # id 0 is a real token here: an explicit mask, or generate masks it as padding
+    """n argmax steps of the HF model (no generation config: its eos and pad rules stay out)."""
+    ids = list(ids)
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(ids) - n:]
 
 
 def _run(rank, ckpt, end_id):
