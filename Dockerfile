@@ -19,13 +19,13 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
 FROM ${BASE_IMAGE}
 
-# SGLang (for the planned SGLang rollout adapter; megarl's native engine needs
+# SGLang (for rollout.engine=sglang, megarl/rollout/sglang.py; the native engine needs
 # none) pins its own torch release, which replaces the container's PyTorch and
 # can break the Transformer Engine and apex builds that came with it; off by
 # default. With WITH_SGLANG=1 the container's pip constraints are bypassed for
 # that one install, and the smoke test below reports what still imports.
 ARG WITH_SGLANG=0
-ARG SGLANG_SPEC=sglang
+ARG SGLANG_SPEC=sglang==0.5.23
 
 ENV NCCL_NVLS_ENABLE=0 \
     TOKENIZERS_PARALLELISM=false \

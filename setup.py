@@ -32,7 +32,7 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
-        "sglang": ["sglang"],
+        "sglang": ["sglang==0.5.23"],  # the release megarl/rollout/sglang.py is written against
         "mpi": ["mpi4py", "mpich"],
         "dev": ["pytest", "triton"],
     },

@@ -34,14 +34,26 @@ def _sandbox_processes() -> list[psutil.Process]:
     return found
 
 
+def _live_children() -> list[psutil.Process]:
+    live = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE:
+                live.append(c)
+        except psutil.NoSuchProcess:  # ended meanwhile
+            pass
+    return live
+
+
 def _run(code: str, limits: SandboxLimits = LIMITS, max_s: float = 6.0) -> SandboxResult:
     """run_python + the leave-nothing-behind checks."""
     before = set(os.listdir(tempfile.gettempdir()))
+    others = {c.pid for c in _live_children()}  # what earlier tests of the session left running
     start = time.monotonic()
     result = run_python(code, limits)
     assert time.monotonic() - start < max_s
     assert _sandbox_processes() == []
-    assert [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE] == []
+    assert [c for c in _live_children() if c.pid not in others] == []
     assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("megarl-sandbox-")]
     return result
 

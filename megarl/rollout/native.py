@@ -345,11 +345,13 @@ class NativeEngine:
         self.stats = {
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
             "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
-            "rollout/preemptions": float(sched.preemptions), "rollout/prefill_seconds": steps["prefill_s"],
-            "rollout/device_wait_seconds": steps["wait_s"], "rollout/loop_seconds": steps["loop_s"],
+            "rollout/preemptions": float(sched.preemptions),
+            # wall seconds of this call (timing/: run-dependent, unlike the counters)
+            "timing/rollout_prefill": steps["prefill_s"], "timing/rollout_device_wait": steps["wait_s"],
+            "timing/rollout_loop": steps["loop_s"],
             # host time of the planned-ahead decode steps: planning, launching, recording
-            "rollout/host_seconds": steps["loop_s"] - steps["wait_s"] - steps["prefill_s"] - steps["sync_s"],
-            "rollout/host_plan_seconds": steps["plan_s"], "rollout/host_launch_seconds": steps["launch_s"],
+            "timing/rollout_host": steps["loop_s"] - steps["wait_s"] - steps["prefill_s"] - steps["sync_s"],
+            "timing/rollout_host_plan": steps["plan_s"], "timing/rollout_host_launch": steps["launch_s"],
             "rollout/prefix_cached_tokens": float(sched.reused_tokens),
             "rollout/kv_cache_gb": cache.nbytes / 2**30,
         }
