@@ -29,7 +29,7 @@ def _batch(vocab: int):
     ids = torch.randint(5, vocab, (4, 10), generator=gen)
     mask = torch.zeros(4, 10)
     mask[:, 4:] = 1.0
-    return SampleBatch(ids, mask, torch.full((4,), 10), {})
+    return SampleBatch(ids, mask, torch.full((4,), 10))
 
 
 def _head(kind: str):

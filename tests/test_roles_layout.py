@@ -28,11 +28,8 @@ def fixed_batch(vocab: int):
     for i, n in enumerate(lengths.tolist()):
         mask[i, prompt:n] = 1.0
         ids[i, n:] = 0
-    tensors = {
-        "old_logprobs": -torch.rand(b, width, generator=gen) * 4,
-        "advantages": torch.randn(b, width, generator=gen),
-    }
-    return SampleBatch(ids, mask, lengths, tensors)
+    return SampleBatch(ids, mask, lengths, old_logprobs=-torch.rand(b, width, generator=gen) * 4,
+                       advantages=torch.randn(b, width, generator=gen))
 
 
 def _update(rank, ckpt, tp, pp, max_tokens):

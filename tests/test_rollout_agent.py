@@ -134,7 +134,7 @@ def test_loss_mask_becomes_the_batch_response_mask():
     p = len(prompt)
     assert batch.response_mask[0, :p].sum() == 0
     assert batch.response_mask[0, p:p + len(r.response_ids)].tolist() == [float(m) for m in r.loss_mask]
-    assert batch.tensors["rollout_logprobs"][0, p:p + len(r.response_ids)].tolist() == r.logprobs
+    assert batch.rollout_logprobs[0, p:p + len(r.response_ids)].tolist() == r.logprobs
 
 
 def test_turn_budget_and_tool_output_limits():

@@ -56,7 +56,7 @@ def _run(rank, ckpt):
     sampled = graphed.generate(prompts, SamplingParams(max_new_tokens=48, temperature=1.0, n=2, seed=5))
     batch = to_sample_batch(sampled, 0, "cuda")
     train = actor.logprobs(batch, micro_batch_size=16, temperature=1.0)["logprobs"]
-    gap = (train - batch.tensors["rollout_logprobs"]).abs()[batch.response_mask > 0]
+    gap = (train - batch.rollout_logprobs).abs()[batch.response_mask > 0]
     out["gap_mean"], out["gap_max"] = float(gap.mean()), float(gap.max())
     p = next(actor.module.parameters())
     p.data = p.data.clone()  # moved: the graphs would read the old address

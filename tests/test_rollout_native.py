@@ -87,7 +87,7 @@ def _rollout(rank, ckpt, tp, pp, eos):
     bucketed_sampled = bucketed.generate(PROMPTS, params, seeds=list(range(100, 107)))
     batch = to_sample_batch(sampled, 0, "cpu")
     train = actor.logprobs(batch, micro_batch_size=4, temperature=0.7)["logprobs"]
-    diff = ((train - batch.tensors["rollout_logprobs"]).abs() * batch.response_mask).max()
+    diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
     return {"greedy": [r.response_ids for r in greedy], "finish": [r.finish_reason for r in greedy],
             "preemptions": preemptions, "diff": float(diff), "too_small": too_small,
             "padded": padded, "padded_steps": padded_steps, "padded_ahead": padded_ahead,

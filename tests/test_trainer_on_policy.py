@@ -85,9 +85,9 @@ def test_on_policy_predicate(changes, step, rows, dp, dropout, expected):
 def _batch(vocab: int):
     """The layout test's batch without old log-probs, with reference log-probs."""
     batch = fixed_batch(vocab)
-    del batch.tensors["old_logprobs"]
+    batch.old_logprobs = None
     gen = torch.Generator().manual_seed(1)
-    batch.tensors["ref_logprobs"] = -torch.rand(batch.input_ids.shape, generator=gen) * 4
+    batch.ref_logprobs = -torch.rand(batch.input_ids.shape, generator=gen) * 4
     return batch
 
 
@@ -111,7 +111,7 @@ def _one_update(ckpt, groups, overrides: dict, skip: bool):
         old = out["logprobs"]
     else:
         old = actor.logprobs(batch, cfg.actor.micro_batch_size, 1.0, cfg.actor.max_tokens_per_micro)["logprobs"]
-        batch.tensors["old_logprobs"] = old
+        batch.old_logprobs = old
         (step,) = actor.update(batch, cfg.actor, 1.0, [index], norm_len=8)
     weights = {k: v.detach().clone() for k, v in actor.module.named_parameters()}
     moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)

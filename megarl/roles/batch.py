@@ -1,26 +1,40 @@
-"""The batch every role reads: prompt + response tokens and per-token tensors.
+"""The batch every role reads: prompt + response tokens and typed per-token tensors.
 
 Layout: ``input_ids`` (B, L) holds prompt then response, right-padded;
-``response_mask`` (B, L) is 1 at response tokens. Per-token tensors in
-``tensors`` are (B, L) aligned with ``input_ids``: entry t belongs to token t
-(the log-prob of token t given tokens < t; the value of the state before
-token t). Entry 0 of a log-prob is 0: nothing predicts the first token.
+``response_mask`` (B, L) is the loss mask: 1 at response tokens the model
+sampled, 0 at the prompt, padding, and context appended inside a multi-turn
+response (tool results, user turns). Every per-token field is (B, L) aligned
+with ``input_ids``: entry t belongs to token t (the log-prob of token t given
+tokens < t; the value of the state before token t). Entry 0 of a log-prob is 0:
+nothing predicts the first token. A field is None until the phase that fills it
+has run (rollout -> ref / values / old log-probs -> advantages).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 import torch
+
+PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+PER_SEQUENCE = ("greedy_scores",)
 
 
 @dataclass
 class SampleBatch:
     """B sequences of one DP rank."""
 
-    input_ids: torch.Tensor  # (B, L) long
-    response_mask: torch.Tensor  # (B, L) float
+    input_ids: torch.Tensor  # (B, L) long tokens
+    response_mask: torch.Tensor  # (B, L) float loss mask
     lengths: torch.Tensor  # (B,) real tokens (prompt + response)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # (B, L) or (B,)
+    rollout_logprobs: Optional[torch.Tensor] = None  # (B, L) the engine's, under the sampling temperature
+    old_logprobs: Optional[torch.Tensor] = None  # (B, L) training forward with the weights that sampled
+    ref_logprobs: Optional[torch.Tensor] = None  # (B, L) reference model
+    values: Optional[torch.Tensor] = None  # (B, L) critic, before the update
+    advantages: Optional[torch.Tensor] = None  # (B, L)
+    returns: Optional[torch.Tensor] = None  # (B, L) value targets
+    greedy_scores: Optional[torch.Tensor] = None  # (B,) score of the prompt's greedy response (remax)
+    policy_version: int = 0  # trainer steps of the weights that sampled (how stale a replayed batch is)
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
@@ -34,12 +48,9 @@ class SampleBatch:
         index = torch.as_tensor(index, dtype=torch.long, device=self.input_ids.device)
         lengths = self.lengths[index]
         width = int(lengths.max()) if len(index) else 1
-        return SampleBatch(
-            self.input_ids[index, :width],
-            self.response_mask[index, :width],
-            lengths,
-            {k: (v[index, :width] if v.dim() == 2 else v[index]) for k, v in self.tensors.items()},
-        )
+        rows = {f.name: _rows(getattr(self, f.name), index, width) for f in fields(self)
+                if f.name in PER_TOKEN + PER_SEQUENCE or f.name in ("input_ids", "response_mask")}
+        return replace(self, lengths=lengths, **rows)
 
     def micro_batch_index(self, micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
         """Row indices of each micro-batch: fixed ``micro_batch_size`` rows, or
@@ -53,6 +64,12 @@ class SampleBatch:
 
     def position_ids(self) -> torch.Tensor:
         return torch.arange(self.width, device=self.input_ids.device).expand(len(self), -1)
+
+
+def _rows(t: Optional[torch.Tensor], index: torch.Tensor, width: int) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    return t[index, :width] if t.dim() == 2 else t[index]
 
 
 def pad_to(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:

@@ -60,7 +60,7 @@ class Policy(ModelRole):
     def update(self, batch: SampleBatch, cfg: ActorConfig, temperature: float, mini_batches: list,
                norm_len: int) -> list[dict[str, float]]:
         """One optimizer step per mini-batch (index lists into ``batch``, which holds old_logprobs)."""
-        if "old_logprobs" not in batch.tensors:
+        if batch.old_logprobs is None:
             raise ValueError("Policy.update needs old_logprobs in the batch; an on-policy step uses update_on_policy")
         head = self._loss_head(cfg, temperature, norm_len)
         return [self.train_step(self._micro_batches(batch.select(idx), cfg), head) for idx in mini_batches]
@@ -74,7 +74,7 @@ class Policy(ModelRole):
         with the same weights would give. Returns the step's metrics and
         {"logprobs", "entropy"} (B, L) of this forward in ``batch`` order, on every stage.
         """
-        if "old_logprobs" in batch.tensors or len(index) != len(batch):
+        if batch.old_logprobs is not None or len(index) != len(batch):
             raise ValueError("update_on_policy takes a batch without old_logprobs and one mini-batch of all its rows")
         mini = batch.select(index)
         rows = mini.micro_batch_index(cfg.micro_batch_size, cfg.max_tokens_per_micro)
@@ -98,15 +98,14 @@ class Policy(ModelRole):
         def head(mb: SampleBatch, logits):
             mask = mb.response_mask
             lp, ent = token_logprobs(logits, mb.input_ids, self.groups, self.info.vocab_size, temperature)
-            t = mb.tensors
-            on_policy = "old_logprobs" not in t
-            old = lp.detach() if on_policy else t["old_logprobs"]
-            pg, m = loss_fn(lp, old, t["advantages"], mask, loss_cfg, sums)
+            on_policy = mb.old_logprobs is None
+            old = lp.detach() if on_policy else mb.old_logprobs
+            pg, m = loss_fn(lp, old, mb.advantages, mask, loss_cfg, sums)
             loss = pg
             if cfg.entropy_coef:
                 loss = loss + entropy_loss(ent, mask, cfg.entropy_coef, sums)[0]
             if cfg.kl_loss_coef:
-                kl, kl_m = kl_loss(lp, t["ref_logprobs"], mask, cfg.kl_loss_estimator, sums)
+                kl, kl_m = kl_loss(lp, mb.ref_logprobs, mask, cfg.kl_loss_estimator, sums)
                 loss = loss + cfg.kl_loss_coef * kl
                 m["kl_loss"] = kl_m["kl"]
             count = mask.sum() if by_tokens else (mask.sum(-1) > 0).sum()

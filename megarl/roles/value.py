@@ -34,9 +34,9 @@ class Critic(ModelRole):
         sums = Aggregation("token-mean", global_tokens=1.0)
 
         def head(mb: SampleBatch, out):
-            mask, t = mb.response_mask, mb.tensors
+            mask = mb.response_mask
             v = token_values(out)
-            loss, m = value_loss(v, t["values"], t["returns"], mask, cfg.value_clip, sums)
+            loss, m = value_loss(v, mb.values, mb.returns, mask, cfg.value_clip, sums)
             tokens = mask.sum()
             return loss, tokens.long(), {
                 "critic/vf_loss": loss.detach(), "critic/tokens": tokens.detach(),

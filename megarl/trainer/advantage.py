@@ -39,10 +39,10 @@ def gather_rows(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
 
 def token_kl(rollout: Rollout, estimator: str) -> torch.Tensor:
     """(B, L) KL(policy || ref) per response token from the stored log-probs."""
-    t = rollout.batch.tensors
-    if "ref_logprobs" not in t:
-        return torch.zeros_like(rollout.batch.response_mask)
-    return kl_penalty(t["old_logprobs"], t["ref_logprobs"], estimator) * rollout.batch.response_mask
+    b = rollout.batch
+    if b.ref_logprobs is None:
+        return torch.zeros_like(b.response_mask)
+    return kl_penalty(b.old_logprobs, b.ref_logprobs, estimator) * b.response_mask
 
 
 def kl_sum(rollout: Rollout, estimator: str) -> float:
@@ -51,14 +51,14 @@ def kl_sum(rollout: Rollout, estimator: str) -> float:
 
 
 def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: float, dp_group) -> dict:
-    """Fills tensors["advantages"], ["returns"] (B, L); returns local sums (advantages, tokens).
+    """Fills batch.advantages and batch.returns (B, L); returns local sums (advantages, tokens).
 
     The KL penalty (``cfg.kl_in_reward``) needs the old log-probs; without it they
     may come after this (from an on-policy update's own forward).
     """
     b = rollout.batch
     mask = b.response_mask
-    if "old_logprobs" in b.tensors:
+    if b.old_logprobs is not None:
         kl = token_kl(rollout, cfg.kl_estimator)
     elif cfg.kl_in_reward:
         raise ValueError("algorithm.kl_in_reward=true needs old_logprobs before the advantages")
@@ -66,10 +66,10 @@ def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: flo
         kl = torch.zeros_like(mask)
     rewards = apply_kl_to_rewards(rollout.scores, kl, mask, beta if cfg.kl_in_reward else 0.0)
     local = {"rewards": rewards, "mask": mask, "scores": rollout.scores, "groups": rollout.group_ids}
-    if "values" in b.tensors:
-        local["values"] = b.tensors["values"]
-    if "greedy_scores" in b.tensors:
-        local["greedy"] = b.tensors["greedy_scores"]
+    if b.values is not None:
+        local["values"] = b.values
+    if b.greedy_scores is not None:
+        local["greedy"] = b.greedy_scores
     full, start = {}, 0
     for key, value in local.items():
         full[key], start = gather_rows(value, dp_group)
@@ -81,17 +81,17 @@ def compute_rollout_advantages(rollout: Rollout, cfg: AlgorithmConfig, beta: flo
     adv_cfg = AdvantageConfig(gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten, norm_by_std=cfg.norm_by_std)
     adv, ret = compute_advantages(cfg.advantage, inputs, adv_cfg)  # (B_global, L')
     rows = slice(start, start + len(b))
-    b.tensors["advantages"] = pad_to(adv[rows], b.width)
-    b.tensors["returns"] = pad_to(ret[rows], b.width)
+    b.advantages = pad_to(adv[rows], b.width)
+    b.returns = pad_to(ret[rows], b.width)
     tokens = float(mask.sum())
-    return {"kl/tokens": tokens, "advantage/sum": float(masked_sum(b.tensors["advantages"], mask))}
+    return {"kl/tokens": tokens, "advantage/sum": float(masked_sum(b.advantages, mask))}
 
 
 def logprob_mismatch(rollout: Rollout) -> dict[str, float]:
     """Rollout-engine vs training log-probs (old_logprobs: the weights that generated) of the
     same tokens (local sums and max)."""
-    t, mask = rollout.batch.tensors, rollout.batch.response_mask
-    diff = torch.where(mask != 0, (t["rollout_logprobs"] - t["old_logprobs"]).abs(), 0.0)
+    b, mask = rollout.batch, rollout.batch.response_mask
+    diff = torch.where(mask != 0, (b.rollout_logprobs - b.old_logprobs).abs(), 0.0)
     return {"mismatch/abs_sum": float(diff.sum()), "mismatch/abs_max": float(diff.max()),
             "mismatch/tokens": float(mask.sum())}
 

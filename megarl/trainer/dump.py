@@ -27,8 +27,8 @@ def save_rollout(rollout: Rollout, root: str, step: int, groups) -> None:
     b = rollout.batch
     payload = {
         "input_ids": b.input_ids.cpu(), "response_mask": b.response_mask.cpu(), "lengths": b.lengths.cpu(),
-        "rollout_logprobs": b.tensors["rollout_logprobs"].cpu(), "group_ids": rollout.group_ids.cpu(),
-        "scores": None if rollout.scores is None else rollout.scores.cpu(),
+        "rollout_logprobs": b.rollout_logprobs.cpu(), "group_ids": rollout.group_ids.cpu(),
+        "scores": None if rollout.scores is None else rollout.scores.cpu(), "policy_version": b.policy_version,
         **{k: getattr(rollout, k) for k in _TEXT_FIELDS},
     }
     torch.save(payload, dump_path(root, step, groups.dp_rank))
@@ -43,7 +43,7 @@ def load_rollout(root: str, step: int, dp_rank: int, device) -> Rollout:
         )
     d = torch.load(path, weights_only=False)
     batch = SampleBatch(d["input_ids"].to(device), d["response_mask"].to(device), d["lengths"].to(device),
-                        {"rollout_logprobs": d["rollout_logprobs"].to(device)})
+                        rollout_logprobs=d["rollout_logprobs"].to(device), policy_version=d.get("policy_version", 0))
     scores = None if d["scores"] is None else d["scores"].to(device)
     return Rollout(batch=batch, group_ids=d["group_ids"].to(device), scores=scores,
                    **{k: d[k] for k in _TEXT_FIELDS})

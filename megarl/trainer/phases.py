@@ -35,7 +35,7 @@ def greedy_baseline(tr, prompts, rollout) -> None:
                             stop_token_ids=tuple(tr.cfg.rollout.stop_token_ids))
     greedy = generate_rollout(tr.engine, prompts, params, tr.tokenizer, tr.pad_id, tr.device)
     score_rollout(tr.reward, greedy)
-    rollout.batch.tensors["greedy_scores"] = greedy.scores.repeat_interleave(tr.cfg.rollout.n)
+    rollout.batch.greedy_scores = greedy.scores.repeat_interleave(tr.cfg.rollout.n)
 
 
 def on_policy_update(cfg, step: int, rows: int, dp_size: int, dropout: float = 0.0) -> bool:
@@ -70,17 +70,17 @@ def prepare(tr, rollout) -> None:
             _set_old_logprobs(rollout, out)
     if tr.ref is not None:
         with tr.timer("ref_logprobs"):
-            b.tensors["ref_logprobs"] = tr.ref.logprobs(
+            b.ref_logprobs = tr.ref.logprobs(
                 b, cfg.actor.micro_batch_size, train_temperature(cfg), cfg.actor.max_tokens_per_micro)["logprobs"]
     if tr.critic is not None:
         with tr.timer("values"):
-            b.tensors["values"] = tr.critic.values(b, cfg.critic.micro_batch_size)
+            b.values = tr.critic.values(b, cfg.critic.micro_batch_size)
 
 
 def _set_old_logprobs(rollout, out: dict) -> None:
     """Stores the policy's (B, L) log-probs under the generating weights; their metrics."""
     b = rollout.batch
-    b.tensors["old_logprobs"] = out["logprobs"]
+    b.old_logprobs = out["logprobs"]
     _add(rollout.metrics, {"policy/entropy_sum": (out["entropy"] * b.response_mask).sum()})
     rollout.metrics.update(logprob_mismatch(rollout))
 
@@ -89,7 +89,7 @@ def advantages(tr, rollout) -> None:
     dp = tr.groups.dp if tr.groups.dp_size > 1 else None
     _add(rollout.metrics, compute_rollout_advantages(rollout, tr.cfg.algorithm, tr.kl_ctl.beta, dp))
     tr.metrics["kl/beta"] = tr.kl_ctl.beta
-    if "old_logprobs" in rollout.batch.tensors:  # else after the on-policy update
+    if rollout.batch.old_logprobs is not None:  # else after the on-policy update
         _kl_metrics(tr, rollout)
 
 
@@ -147,7 +147,7 @@ def _guard_nonfinite(tr, role: str, nonfinite: bool) -> None:
 
 def update(tr, rollout) -> None:
     cfg, b = tr.cfg, rollout.batch
-    on_policy = "old_logprobs" not in b.tensors  # prepare skipped the old forward
+    on_policy = b.old_logprobs is None  # prepare skipped the old forward
     tr.metrics["perf/old_logprob_forward_skipped"] = float(on_policy)
     if tr.critic is not None:
         with tr.timer("critic_update"):
@@ -164,7 +164,7 @@ def update(tr, rollout) -> None:
                                             norm_len=cfg.rollout.max_new_tokens)
                     _record_steps(tr, rollout, "actor", steps)
     if on_policy:
-        if "old_logprobs" not in b.tensors:
+        if b.old_logprobs is None:
             raise RuntimeError("the old forward was skipped but the actor did not update this step")
         _kl_metrics(tr, rollout)
 
@@ -204,11 +204,11 @@ _RATIOS = (  # (metric, numerator, denominator) over DP-summed local sums
 
 
 def _explained_variance(rollout) -> dict[str, float]:
-    t, mask = rollout.batch.tensors, rollout.batch.response_mask
-    if "values" not in t:
+    b, mask = rollout.batch, rollout.batch.response_mask
+    if b.values is None:
         return {}
     real = mask != 0  # selected, not multiplied: a NaN at padding stays out of the sums
-    r, err = torch.where(real, t["returns"], 0.0), torch.where(real, t["returns"] - t["values"], 0.0)
+    r, err = torch.where(real, b.returns, 0.0), torch.where(real, b.returns - b.values, 0.0)
     return {"ev/r": r.sum(), "ev/r2": (r * r).sum(), "ev/e": err.sum(), "ev/e2": (err * err).sum()}
 
 
@@ -244,7 +244,7 @@ def step_metrics(tr, rollout) -> dict[str, float]:
 
 def _maxima(tr, rollout) -> dict[str, float]:
     b = rollout.batch
-    mismatch = b.tensors["rollout_logprobs"] - b.tensors.get("old_logprobs", b.tensors["rollout_logprobs"])
+    mismatch = b.rollout_logprobs - (b.old_logprobs if b.old_logprobs is not None else b.rollout_logprobs)
     t = torch.tensor([float(b.response_mask.sum(-1).max()), float((mismatch.abs() * b.response_mask).max())],
                      dtype=torch.float64)
     if tr.groups.dp_size > 1:

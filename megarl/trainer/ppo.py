@@ -125,6 +125,7 @@ class PPOTrainer:
             self.engine.resume_memory()
             rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer,
                                        self.pad_id, self.device)
+            rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
             if self.cfg.algorithm.advantage == "remax":
                 phases.greedy_baseline(self, prompts, rollout)
             self.engine.release_memory()

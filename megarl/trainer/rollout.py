@@ -43,8 +43,7 @@ def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> Sam
         mask[i, p : p + n] = 1.0 if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=mask.dtype)
         rollout_lp[i, p : p + n] = torch.tensor(r.logprobs)
     lengths = torch.tensor([len(s) for s in seqs])
-    return SampleBatch(ids.to(device), mask.to(device), lengths.to(device),
-                       {"rollout_logprobs": rollout_lp.to(device)})
+    return SampleBatch(ids.to(device), mask.to(device), lengths.to(device), rollout_logprobs=rollout_lp.to(device))
 
 
 def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: SamplingParams,
