@@ -2,6 +2,7 @@
 
 One step: generate -> score -> old/ref log-probs and values -> advantages
 -> critic and actor updates -> weights to the engine -> metrics, checkpoint.
+SIGTERM / SIGINT: the run finishes its step, saves a checkpoint and exits 0 (resume continues it).
 """
 import torch.distributed as dist
 from tqdm import tqdm
@@ -15,8 +16,10 @@ from megarl.trainer.metrics import console_line
 def main(argv):
     cfg, rank = setup(argv, Config)
     from megarl.trainer.ppo import PPOTrainer
+    from megarl.trainer.signals import StopSignal
 
     trainer = PPOTrainer(cfg)
+    stop = StopSignal(trainer.device)
     before = trainer.evaluate() if trainer.step == 0 else None
     if before is not None:
         trainer.writer.write(0, {"eval/accuracy": before})
@@ -35,7 +38,13 @@ def main(argv):
             trainer.writer.write(trainer.step, {"eval/accuracy": metrics["eval/accuracy"]})
         bar.set_description(console_line(trainer.step, cfg.trainer.steps, metrics))
         bar.update(1)
+        if trainer.step < cfg.trainer.steps and stop.agreed():
+            bar.close()
+            trainer.stop_early(stop.received)
+            dist.destroy_process_group()
+            return
     bar.close()
+    stop.restore()
     trainer.finish(before)
     dist.destroy_process_group()
 

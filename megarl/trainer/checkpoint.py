@@ -8,6 +8,11 @@ Layout under ``<run_dir>/checkpoints/``::
     step_000004/rng/rank_N.pt  this rank's RNG states
     latest                  the newest complete step (written last)
 
+A save is atomic: everything goes to ``step_N.partial/``, which is renamed to
+``step_N/`` once every rank has written its part, and ``latest`` is replaced
+after that; a run killed mid-save leaves a ``.partial`` directory that resume
+ignores and the next save removes, and ``latest`` still names a whole step.
+
 Frozen roles (reference, reward model) are reloaded from their HF directories.
 """
 from __future__ import annotations
@@ -19,6 +24,8 @@ import shutil
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+
+from megarl.cli import ConfigError
 
 _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -72,15 +79,27 @@ class Checkpointer:
     def _dir(self, step: int) -> str:
         return os.path.join(self.root, f"step_{step:06d}")
 
+    def _steps(self) -> list[int]:
+        """Complete step directories on disk, oldest first (``.partial`` ones are not)."""
+        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        return sorted(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
+
     def latest_step(self) -> int | None:
         path = os.path.join(self.root, "latest")
         if not os.path.isfile(path):
             return None
-        return int(open(path).read().strip())
+        text = open(path).read().strip()
+        if not text.isdigit() or not os.path.isdir(self._dir(int(text))):
+            raise ConfigError(f"{path} names step {text!r}, which is not a saved step here; delete it to resume "
+                              f"from step_* by hand, or set trainer.resume=false to start over")
+        return int(text)
 
     def save(self, step: int, roles: dict, state: dict) -> str:
-        path = self._dir(step)
+        final = self._dir(step)
+        path = final + ".partial"
         if self.rank == 0:
+            for stale in (d for d in os.listdir(self.root) if d.endswith(".partial")) if os.path.isdir(self.root) else ():
+                shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)  # an interrupted save
             os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         dist.barrier()
         stepped = {}
@@ -98,15 +117,18 @@ class Checkpointer:
                 json.dump(state, f)
         dist.barrier()
         if self.rank == 0:
+            if os.path.isdir(final):  # the same step saved again (a resumed run re-saving it)
+                shutil.rmtree(final)
+            os.replace(path, final)
             with open(os.path.join(self.root, "latest.tmp"), "w") as f:
                 f.write(str(step))
             os.replace(os.path.join(self.root, "latest.tmp"), os.path.join(self.root, "latest"))
             self._prune(step)
         dist.barrier()
-        return path
+        return final
 
     def _prune(self, newest: int) -> None:
-        steps = sorted(int(d[5:]) for d in os.listdir(self.root) if d.startswith("step_"))
+        steps = self._steps()
         for old in steps[: -self.keep_last]:
             if old != newest:
                 shutil.rmtree(self._dir(old), ignore_errors=True)

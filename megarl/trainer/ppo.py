@@ -193,6 +193,16 @@ class PPOTrainer:
                 print(f"actor exported to {out}", flush=True)
         self.writer.close()
 
+    def stop_early(self, signal_name: str | None) -> None:
+        """A stop signal: save this step (unless just saved) and close; resume picks it up."""
+        if not self.cfg.trainer.rollout_only and self.checkpointer.latest_step() != self.step:
+            self.save()
+        self.writer.close()
+        if torch.distributed.get_rank() == 0:
+            why = signal_name or "a stop signal on another rank"
+            print(f"stopped by {why} after step {self.step}; checkpoint saved in "
+                  f"{self.checkpointer.root} (run the same command to resume)", flush=True)
+
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()}
         self.checkpointer.save(self.step, self.trainable_roles(), state)
