@@ -2,7 +2,7 @@
 from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent
-TINY_DIR = ASSETS_DIR / "tiny"  # tiny addition task: tokenizer/, train/test/sft.jsonl
+TINY_DIR = ASSETS_DIR / "tiny"  # tiny digit-reversal task: tokenizer/, train/test/sft.jsonl
 
 
 def asset_path(relative: str) -> Path:

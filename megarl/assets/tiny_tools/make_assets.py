@@ -24,7 +24,8 @@ NUM_TEST = 200
 NUM_TRAIN = 2000
 NUM_SFT = 4000
 SFT_CALLS = 0.4  # fraction of SFT rows that call the calculator; the rest answer in their head
-SMALL, LARGE = (10, 99), (100, 999)  # a 2-digit times a 3-digit operand: a 4-5 digit product
+SMALL, LARGE = (10, 99), (100, 999)  # a 2-digit times a 3-digit operand ...
+MIN_PRODUCT = 10000  # ... with a 5-digit product: the answer sits a fixed distance after the tool result
 
 PAD, EOT, IM_START, IM_END, UNK = (
     "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>")
@@ -82,12 +83,13 @@ def save_tokenizer(out_dir: Path) -> None:
 
 
 def split_problems(rng: random.Random) -> tuple[list, list, list]:
-    """Disjoint (a, b) problems for test, RL train and SFT; disjoint also up to operand order."""
+    """Disjoint (a, b) problems with 5-digit products for test, RL train and SFT; disjoint also up
+    to operand order (the 2-digit operand comes first or second at random)."""
     seen: set[tuple[int, int]] = set()
     picked: list[tuple[int, int]] = []
     while len(picked) < NUM_TEST + NUM_TRAIN + NUM_SFT:
         small, large = rng.randint(*SMALL), rng.randint(*LARGE)
-        if (small, large) in seen:
+        if (small, large) in seen or small * large < MIN_PRODUCT:
             continue
         seen.add((small, large))
         picked.append((small, large) if rng.random() < 0.5 else (large, small))
