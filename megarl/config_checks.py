@@ -7,10 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 from megarl.cli import ConfigError
 from megarl.config import Config
+from megarl.rewards.registry import get_reward
 
 GROUP_ADVANTAGES = {"grpo", "rloo", "reinforce_pp_baseline"}
 SCORE_ONLY_ADVANTAGES = {"grpo", "rloo"}  # advantages from sequence scores alone (no token rewards)
@@ -156,6 +158,10 @@ def check_reward(cfg: Config) -> None:
         raise ConfigError(f"reward.terms names '{dup}' twice (the reward model is 'rm'); give each term its own name")
     for i, t in enumerate(rw.terms):
         check_numbers(t, f"reward.terms[{i}]", ["weight"])
+        try:
+            get_reward(t.name)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"reward.terms[{i}].name={t.name!r}: {_one_line(e)}") from None
     check_numbers(rw, "reward", ["fallback"])
     check_numbers(rm, "reward.model", ["weight", "scale"])
     check_counts(rm, "reward.model", ["micro_batch_size"])
@@ -218,7 +224,17 @@ def check_multi_turn(cfg: Config) -> None:
                           "turn one of them off")
 
 
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e.args[0] if e.args else e).split())
+
+
 def check_paths(cfg: Config) -> None:
+    run_dir = Path(cfg.trainer.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"trainer.run_dir: '{run_dir}' is a file, not a directory; pick another run_dir")
+    parent = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
+    if parent is not None and not os.access(parent, os.W_OK):
+        raise ConfigError(f"trainer.run_dir: '{parent}' is not writable; pick a run_dir you can write to")
     if not Path(cfg.data.train_path).is_file():
         raise ConfigError(f"data.train_path: '{cfg.data.train_path}' not found")
     if cfg.data.eval_path and not Path(cfg.data.eval_path).is_file():

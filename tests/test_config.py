@@ -233,6 +233,16 @@ def test_bad_values_are_one_line_errors(overrides, start):
     assert check_error(overrides).startswith(start)
 
 
+def test_run_dir_that_is_a_file_and_reward_specs_that_do_not_load(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert check_error([f"trainer.run_dir={f}"]).startswith(f"trainer.run_dir: '{f}' is a file, not a directory")
+    assert check_error(["reward.terms=[{name: 'nomod:fn'}]"]).startswith(
+        "reward.terms[0].name='nomod:fn': cannot import module 'nomod'")
+    assert check_error(["reward.terms=[{name: nosuch}]"]).startswith(
+        "reward.terms[0].name='nosuch': unknown reward function 'nosuch'; available: format, math")
+
+
 def test_unused_critic_knobs_not_checked():
     """GRPO trains no critic: its micro-batch and optimizer are never used."""
     cfg = load_config([str(ROOT / "yaml" / "tiny_grpo.yaml"), "critic.micro_batch_size=0",

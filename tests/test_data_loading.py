@@ -85,6 +85,16 @@ def test_malformed_names_file_line(tmp_path, tok, line, message):
         load([p], tok)
 
 
+def test_a_line_that_is_not_utf8_is_a_data_error_or_a_counted_skip(tmp_path, tok):
+    from megarl.errors import DataError
+
+    p = tmp_path / "u.jsonl"
+    p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "\xff\xfe"}\n{"prompt": "ok2"}\n')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(p))}:2: not UTF-8 \(byte 0xff at column 13\); re-encode"):
+        load([p], tok)
+    assert load([p], tok, skip_malformed=True).counts["malformed"] == 1
+
+
 def test_skip_malformed_counts(tmp_path, tok):
     p = write_jsonl(tmp_path / "c.jsonl", ['{"prompt": "ok"}', "{bad", '{"answer": 1}', '{"prompt": "ok2"}'])
     ds = load([p], tok, skip_malformed=True)

@@ -42,15 +42,21 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes, so one line that is not UTF-8 is a bad row, not a crash
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                        "re-encode the file as UTF-8")
+                continue
             if not line.strip():
                 continue  # blank lines are not rows
-            where = f"{path}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, ValueError(f"{where}: bad JSON ({e.msg} at column {e.colno}); fix the line")
+                yield where, DataError(f"{where}: bad JSON ({e.msg} at column {e.colno}); fix the line")
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
