@@ -19,6 +19,13 @@ def main(argv):
     from megarl.trainer.signals import StopSignal
 
     trainer = PPOTrainer(cfg)
+    if trainer.step >= cfg.trainer.steps:  # resumed a finished run: no second eval row, no re-export
+        if rank == 0:
+            print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="
+                  f"{cfg.trainer.steps}); nothing to do: raise trainer.steps to go on", flush=True)
+        trainer.writer.close()
+        dist.destroy_process_group()
+        return
     stop = StopSignal(trainer.device)
     before = trainer.evaluate() if trainer.step == 0 else None
     if before is not None:

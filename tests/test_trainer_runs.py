@@ -2,7 +2,7 @@
 
 Resume: 4 steps straight must equal 2 steps, a stop, and 2 resumed steps,
 bitwise in fp32: the exported actor weights and every logged metric of steps
-3 and 4 except wall-clock ones. This holds because all randomness is a
+3 and 4 except wall-clock ones; re-running the finished run adds nothing. This holds because all randomness is a
 function of (seed, step, rank) or lives in the checkpoint (models, Adam
 state, LR schedule, data position, KL controller, RNG).
 
@@ -57,6 +57,11 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert sorted(os.listdir(resumed / "checkpoints")) == ["latest", "step_000002", "step_000004"]
+    rows, exported = open(resumed / "metrics.jsonl").read(), os.path.getmtime(resumed / "hf" / "model.safetensors")
+    again = ppo("yaml/tiny.yaml", resumed, *SMALL, "trainer.save_every=2", steps=4)  # the finished run, re-run
+    assert "already finished step 4" in again
+    assert open(resumed / "metrics.jsonl").read() == rows  # no duplicate eval row
+    assert os.path.getmtime(resumed / "hf" / "model.safetensors") == exported  # not exported again
 
 
 @pytest.mark.slow
