@@ -50,7 +50,7 @@ def byte_level(text: str) -> str:
     return "".join(piece for piece, _ in bl.pre_tokenize_str(text))
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(chars: str = CHARS, specials: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     """Char-level tokenizer in Qwen2's own format: byte-level BPE without merges.
 
     The model is ``Qwen2ForCausalLM``, and transformers 5 loads any qwen2
@@ -60,25 +60,27 @@ def build_tokenizer() -> Tokenizer:
     to every loader; a vocab with raw ' ' and '\n' keys would lose those ids.
     Specials are matched before splitting.
     """
-    chars = {byte_level(c): i for i, c in enumerate(CHARS, start=len(SPECIAL_TOKENS))}
-    vocab = {**{tok: i for i, tok in enumerate(SPECIAL_TOKENS)}, **chars}
+    ids = {byte_level(c): i for i, c in enumerate(chars, start=len(specials))}
+    vocab = {**{tok: i for i, tok in enumerate(specials)}, **ids}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(specials)
     return tok
 
 
-def save_tokenizer(out_dir: Path) -> None:
-    """Save as a PreTrainedTokenizerFast directory that AutoTokenizer loads offline."""
+def save_tokenizer(out_dir: Path, chars: str = CHARS, specials: list[str] = SPECIAL_TOKENS,
+                   extra_specials: tuple[str, ...] = ()) -> None:
+    """Save as a PreTrainedTokenizerFast directory that AutoTokenizer loads offline
+    (``extra_specials``: special tokens beyond this task's, e.g. tiny_tools' tool-call markers)."""
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(), eos_token=IM_END, pad_token=PAD,
-        unk_token=UNK, additional_special_tokens=[IM_START, EOT],
+        tokenizer_object=build_tokenizer(chars, specials), eos_token=IM_END, pad_token=PAD,
+        unk_token=UNK, additional_special_tokens=[IM_START, EOT, *extra_specials],
         model_max_length=512, padding_side="left", clean_up_tokenization_spaces=False)
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(out_dir))

@@ -15,9 +15,8 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-from megarl.assets.tiny.make_assets import CHAT_TEMPLATE, QWEN2_SPLIT, byte_level
+from megarl.assets.tiny.make_assets import save_tokenizer as save_tiny_tokenizer
+from megarl.assets.tiny.make_assets import write_jsonl
 
 SEED = 4321
 NUM_TEST = 200
@@ -45,41 +44,10 @@ MODEL_CONFIG = {  # init/: 4 layers, 128 wide, 256 positions; fp32 weights under
 }
 
 
-def build_tokenizer() -> Tokenizer:
-    """Char-level byte-level BPE without merges, as megarl/assets/tiny (see its README), plus the
-    tool-call markers as single special tokens (the engine stops on the id of ``</tool_call>``)."""
-    chars = {byte_level(c): i for i, c in enumerate(CHARS, start=len(SPECIAL_TOKENS))}
-    vocab = {**{tok: i for i, tok in enumerate(SPECIAL_TOKENS)}, **chars}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return tok
-
-
 def save_tokenizer(out_dir: Path) -> None:
-    """A PreTrainedTokenizerFast directory that AutoTokenizer and megarl's loader read alike."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(), eos_token=IM_END, pad_token=PAD, unk_token=UNK,
-        additional_special_tokens=[IM_START, EOT, CALL_START, CALL_END],
-        model_max_length=512, padding_side="left", clean_up_tokenization_spaces=False)
-    hf.chat_template = CHAT_TEMPLATE
-    hf.save_pretrained(str(out_dir))
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.update(chat_template=CHAT_TEMPLATE, tokenizer_class="PreTrainedTokenizerFast")
-    extra = cfg.pop("extra_special_tokens", None)  # transformers 5 writes a list; 4.x wants a dict there
-    if isinstance(extra, list):
-        cfg["additional_special_tokens"] = extra
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    jinja = out_dir / "chat_template.jinja"
-    if jinja.exists():
-        jinja.unlink()  # one source of truth: tokenizer_config.json
+    """The tiny task's char-level tokenizer format (megarl/assets/tiny) with this task's characters,
+    plus the tool-call markers as single special tokens (the engine stops on the id of ``</tool_call>``)."""
+    save_tiny_tokenizer(out_dir, CHARS, SPECIAL_TOKENS, (CALL_START, CALL_END))
 
 
 def split_problems(rng: random.Random) -> tuple[list, list, list]:
@@ -130,10 +98,6 @@ def sft_rows(tokenizer, problems: list, rng: random.Random) -> list[dict]:
     calls = set(rng.sample(range(len(problems)), round(SFT_CALLS * len(problems))))
     return [{"prompt": prompt_of(a, b), "response": sft_response(tokenizer, conversation(a, b, i in calls))}
             for i, (a, b) in enumerate(problems)]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
 
 
 def main(out_dir: Path) -> None:
