@@ -4,7 +4,6 @@
 #   bash benchmarks/gpu_suite.sh ppo        # PPO steps on random-weight checkpoints
 #   bash benchmarks/gpu_suite.sh rollout    # engine GPU tests, decode throughput vs generate and the floor
 #   bash benchmarks/gpu_suite.sh rollout-kernels  # paged attention + sampling: GPU tests and benchmarks
-#   bash benchmarks/gpu_suite.sh gemm       # decode-step GEMMs: GPU tests, Triton vs cuBLAS and the tile sweep
 #   bash benchmarks/gpu_suite.sh e2e        # GRPO step, megarl vs TRL (needs TRL wheels in .whl/)
 #   bash benchmarks/gpu_suite.sh issue8     # rollout, then e2e: every issue-8 number in one call
 # Needs .whl/ (megatron-core wheel: ../shared/gpu/fetch_wheels.sh) carried to the machine.
@@ -39,9 +38,6 @@ case "${1:-models}" in
     T=300 run kernel_tests python3 -m pytest -q -m gpu tests/test_kernel_paged_attention.py tests/test_kernel_sampling.py
     T=120 run attention python3 benchmarks/bench_attention.py --out "$OUT/attention.json"
     T=120 run sampling python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json" ;;
-  gemm)
-    T=120 run gemm_tests python3 -m pytest -q -x tests/test_kernel_decode_linear.py tests/test_kernel_decode_ops.py
-    T=${GEMM_T:-420} run gemm python3 benchmarks/bench_gemm.py --out "$OUT/gemm.json" "${@:2}" ;;
   issue8)
     bash "$0" rollout && bash "$0" e2e ;;
   e2e)

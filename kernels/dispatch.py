@@ -11,7 +11,6 @@ must be in the environment before `megarl.kernels` is first imported.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 
@@ -73,28 +72,6 @@ def choose(backend: str, *tensors: torch.Tensor) -> str:
             f" (now TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
         raise RuntimeError(f"backend='triton' unavailable: {why}")
     return backend
-
-
-def pdl_usable(device: torch.device) -> bool:
-    """Programmatic dependent launch for the decode chain's kernels: Hopper or newer, compiled
-    (not the interpreter), Triton with `gdc_wait`, and MEGARL_PDL not "0".
-
-    A kernel launched with it may start while its predecessor in the stream drains; it does
-    its independent work (prefetching weights), then `gdc_wait`s for the predecessor's
-    writes before it reads or writes anything the predecessor touches.
-    """
-    if device.type != "cuda" or not HAS_TRITON or os.environ.get("MEGARL_PDL", "1") == "0":
-        return False
-    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
-    try:
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def next_pow2(n: int) -> int:

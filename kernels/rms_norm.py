@@ -17,7 +17,7 @@ x and residual, one write of y and s. The decode step calls it twice per layer
 import torch
 import torch.nn.functional as F
 
-from megarl.kernels.dispatch import choose, next_pow2, pdl_usable, tl, triton
+from megarl.kernels.dispatch import choose, next_pow2, tl, triton
 
 
 def add_rms_norm_ref(x, residual, weight, eps: float):
@@ -34,10 +34,7 @@ def add_rms_norm_torch(x, residual, weight, eps: float):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, stride_r, stride_y, stride_s,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched early (see dispatch.pdl_usable): wait for the predecessor's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < h
@@ -54,17 +51,16 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, st
     tl.store(y_ptr + row * stride_y + cols, (sf * rstd * w).to(x.dtype), mask=ok)
 
 
-def add_rms_norm_triton(x, residual, weight, eps: float, pdl: bool | None = None):
+def add_rms_norm_triton(x, residual, weight, eps: float):
     t, h = x.shape
     y = torch.empty_like(x)
     s = torch.empty_like(x) if residual is not None else x
     if t:
         r = residual if residual is not None else x
         block = next_pow2(h)
-        pdl = pdl_usable(x.device) if pdl is None else pdl
         _add_rms_norm_kernel[(t,)](x, r, weight, y, s, h, eps, x.stride(0), r.stride(0), y.stride(0), s.stride(0),
-                                   HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
-                                   num_warps=max(1, min(16, block // 256)), **({"launch_pdl": True} if pdl else {}))
+                                   HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                   num_warps=max(1, min(16, block // 256)))
     return y, s
 
 

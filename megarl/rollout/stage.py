@@ -13,10 +13,9 @@ modules are built for [s, b, h] training batches with their own static KV
 cache, and each call walks ~15 modules per layer in Python. Here one decode
 step is a fixed sequence of tensor ops on fixed-shape inputs, which is what a
 CUDA graph captures, and the elementwise work between the GEMMs is fused
-(``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write; the
-decode-batch GEMMs stream their weights at HBM speed, fc1 with its SwiGLU,
-in ``decode_linear``; on CPU the same calls run their torch specs). Local-spec
-names (``input_layernorm.weight``) and TE's fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
+(``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write, SiLU-mul;
+on CPU the same calls run their torch specs). Local-spec names (``input_layernorm.weight``) and TE's
+fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
 training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
 from __future__ import annotations
@@ -28,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.kernels.decode_linear import decode_linear, decode_swiglu
 from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from megarl.kernels.rms_norm import add_rms_norm
 from megarl.kernels.rope_cache import rope_cache
+from megarl.kernels.swiglu import silu_mul
 
 
 @dataclass
@@ -162,7 +161,7 @@ class StageForward:
 
     def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache):
         t, g = h.shape[0], self.heads // self.kv_heads
-        qkv = decode_linear(h, lw.qkv, lw.qkv_bias)  # (T, ng * (g + 2) * hn)
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (T, ng * (g + 2) * hn)
         if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of queries and keys before RoPE, in place
             heads = qkv.view(t, self.kv_heads, g + 2, self.head_dim)
             heads[:, :, :g] = F.rms_norm(heads[:, :, :g], (self.head_dim,), lw.q_norm, self.eps)
@@ -175,10 +174,10 @@ class StageForward:
         else:
             o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
                                         batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
-        return self._all_reduce(decode_linear(o.reshape(t, -1), lw.proj))
+        return self._all_reduce(F.linear(o.reshape(t, -1), lw.proj))
 
     def _mlp(self, h, lw: LayerWeights):
-        return self._all_reduce(decode_linear(decode_swiglu(h, lw.fc1), lw.fc2))
+        return self._all_reduce(F.linear(silu_mul(F.linear(h, lw.fc1)), lw.fc2))
 
     def _all_reduce(self, x):
         if self.tp is not None:
