@@ -6,8 +6,14 @@
 #   docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.04-py3 -t megarl .
 #
 #   docker run --gpus all --ipc=host --rm megarl                 # prints the config keys
-#   docker run --gpus all --ipc=host --rm -v $PWD/runs:/opt/megarl/runs megarl \
-#       torchrun --nproc_per_node 8 launch/ppo.py yaml/llama7b.yaml trainer.steps=200
+#   docker run --gpus all --ipc=host --rm -v $PWD/runs:/opt/megarl/runs \
+#       -v /models:/models -v /data:/data megarl \
+#       torchrun --nproc_per_node 8 launch/ppo.py yaml/llama7b.yaml model.path=/models/Llama-2-7b-hf \
+#       reward.model.path=/models/reward-7b data.train_path=/data/prompts.jsonl trainer.steps=200
+#   (yaml/llama7b.yaml holds /path/to/... placeholders for those three keys; the
+#   tiny run needs none: ... megarl python launch/ppo.py yaml/tiny.yaml)
+#   On SLURM: MEGARL_IMAGE=megarl:latest sbatch launch/slurm/ppo.sbatch ... (enroot/pyxis),
+#   or MEGARL_APPTAINER=megarl.sif (launch/slurm/README.md).
 #
 # Not built or run in megarl's CI: the CPU machines it runs on cannot pull the
 # base image. Check a new BASE_IMAGE by building it and running the smoke test

@@ -34,6 +34,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_layout(args, world_size: int) -> None:
+    """The world must split into tp * pp groups: said before megatron-core is imported."""
+    from megarl.models.hf_config import ModelConfigError
+
+    if args.tp < 1 or args.pp < 1:
+        raise ModelConfigError(f"--tp {args.tp} --pp {args.pp}: both must be >= 1")
+    if world_size % (args.tp * args.pp):
+        raise ModelConfigError(f"world size {world_size} is not a multiple of --tp {args.tp} x --pp {args.pp}; "
+                               f"start {args.tp * args.pp} processes (torchrun --nproc_per_node {args.tp * args.pp})")
+
+
 def check_input(args) -> "ModelInfo":  # noqa: F821 - imported lazily below
     """The model to build; raises ModelConfigError on bad input (before any process group)."""
     from megarl.models.hf_config import ModelInfo, read_hf_config
@@ -52,13 +63,17 @@ def check_input(args) -> "ModelInfo":  # noqa: F821 - imported lazily below
     return ModelInfo.from_json(meta)
 
 
-def main(args) -> None:
+def main(args) -> str:
+    """Converts; returns the success line (rank 0 prints it)."""
+    import time
+
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.models import ModelOptions, build_gpt_model, export_hf, load_hf_checkpoint
     from megarl.models.mcore_ckpt import load_mcore, load_mcore_meta, save_mcore
 
+    start = time.perf_counter()
     info = check_input(args)
     init_distributed()
     groups = build_parallel_groups(tp=args.tp, pp=args.pp)
@@ -67,23 +82,36 @@ def main(args) -> None:
         model = build_gpt_model(info, groups, ModelOptions(params_dtype=args.dtype))
         load_hf_checkpoint(model, args.hf, info, groups)
         save_mcore(model, info, groups, args.out, source=os.path.abspath(args.hf), params_dtype=args.dtype)
+        what = f"megatron-core checkpoint (tp={args.tp}, pp={args.pp}, {args.dtype})"
     else:
         meta = load_mcore_meta(args.ckpt)
         model = build_gpt_model(info, groups, ModelOptions(params_dtype=meta["params_dtype"]))
         load_mcore(model, groups, args.ckpt)
         source = args.hf_config_from or meta.get("source")
         copy_from = source if source and os.path.isdir(source) else None
-        export_hf(model, info, groups, args.out, copy_from=copy_from)
+        summary = export_hf(model, info, groups, args.out, copy_from=copy_from)
+        what = (f"Hugging Face checkpoint ({summary.tensors} tensors, {summary.bytes / 2**20:.1f} MiB)"
+                if summary else "Hugging Face checkpoint")
+    return f"convert.py: wrote {what} to {args.out} in {time.perf_counter() - start:.1f} s"
 
 
 if __name__ == "__main__":  # guard: dist_checkpointing's manager re-imports __main__
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megarl.cli import first_on_host
+    from megarl.distributed import discover
+    from megarl.launch_common import quiet_libraries
     from megarl.models.hf_config import ModelConfigError
 
+    quiet_libraries()  # megatron-core's CPU and deprecation warnings
     arguments = parse_args()
+    rank_info = discover()
     try:
+        check_layout(arguments, rank_info.world_size)
         check_input(arguments)
-        main(arguments)
+        done = main(arguments)
     except (ModelConfigError, ValueError) as e:
-        print(f"convert.py: error: {e}", file=sys.stderr)
+        if first_on_host():  # every process fails alike: one line per host
+            print(f"convert.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if rank_info.rank == 0:
+        print(done, flush=True)

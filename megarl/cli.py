@@ -184,7 +184,7 @@ def help_text(cls, prefix: str = "", defaults=None) -> str:
 _LOCAL_RANK_KEYS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
 
 
-def _first_on_host() -> bool:
+def first_on_host() -> bool:
     """True unless a launcher says this is not the host's first process.
 
     Every rank reads the same config and fails alike; one line per host is
@@ -212,6 +212,6 @@ def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
     try:
         main(argv)
     except UserInputError as e:
-        if _first_on_host():
+        if first_on_host():
             print(f"{e.kind}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -33,6 +33,7 @@ def torchrun(*args, nproc=2):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
 
 
 def convert(*args):
@@ -56,10 +57,20 @@ def round_trip(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     src, ckpt = str(root / "hf"), str(root / "mcore")
     make_tiny_checkpoint(src, "Qwen2ForCausalLM", seed=3)
-    torchrun("hf-to-mcore", "--hf", src, "--out", ckpt, "--tp", "2")
-    torchrun("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "tp2"), "--tp", "2")
-    torchrun("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "tp1"), nproc=1)
+    logs = [torchrun("hf-to-mcore", "--hf", src, "--out", ckpt, "--tp", "2"),
+            torchrun("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "tp2"), "--tp", "2"),
+            torchrun("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "tp1"), nproc=1)]
+    (root / "logs.json").write_text(json.dumps([[d.stdout, d.stderr] for d in logs]))
     return root
+
+
+def test_one_success_line_and_no_library_warnings(round_trip):
+    logs = json.loads((round_trip / "logs.json").read_text())
+    wants = ["megatron-core checkpoint (tp=2, pp=1, fp32)", "Hugging Face checkpoint (", "Hugging Face checkpoint ("]
+    for (stdout, stderr), want in zip(logs, wants):
+        lines = [line for line in stdout.splitlines() if line.startswith("convert.py: wrote")]
+        assert len(lines) == 1 and want in lines[0], stdout  # rank 0 only
+        assert "Warning" not in stderr, stderr[-2000:]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp1"])
@@ -96,6 +107,7 @@ def _bad_inputs(tmp_path):
         "not supported": ["hf-to-mcore", "--hf", str(gpt2), "--out", str(tmp_path / "o")],
         "safetensors": ["hf-to-mcore", "--hf", str(no_weights), "--out", str(tmp_path / "o")],
         "megarl_model.json": ["mcore-to-hf", "--ckpt", str(no_config), "--out", str(tmp_path / "o")],
+        "not a multiple of --tp 2": ["hf-to-mcore", "--hf", str(no_weights), "--out", str(tmp_path / "o"), "--tp", "2"],
     }
 
 

@@ -120,6 +120,20 @@ def test_overlong_filtered_and_counted(tmp_path, tok):
     assert [it.index for it in ds.items] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("rows,hint", [
+    ([{"prompt": "1" * 9}], "longer than data.max_prompt_len=8: raise it"),
+    ([], "the files hold no rows"),
+    ([{"no_prompt": "x"}, "not json"], "every row was skipped"),
+])
+def test_empty_dataset_hint_names_the_cause(tmp_path, tok, rows, hint):
+    p = tmp_path / "f.jsonl"
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    with pytest.raises(DataError, match="no prompts left") as err:
+        load([str(p)], tok, apply_chat_template=False, max_prompt_len=8, skip_malformed=True)
+    assert hint in str(err.value)
+    assert ("max_prompt_len" in str(err.value).split(";")[-1]) == ("longer" in hint)
+
+
 def test_two_files_concatenate(tmp_path, tok):
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "b"}, {"prompt": "c"}])

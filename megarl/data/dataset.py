@@ -129,6 +129,15 @@ def _tokenize(tokenizer: Any, texts: list[str], templated: bool) -> list[list[in
     return out
 
 
+def _empty_hint(counts: dict, cfg: PromptDataConfig) -> str:
+    """The fix for an empty prompt set, from why the rows were dropped."""
+    if counts.get("too_long"):
+        return f"{counts['too_long']} prompts are longer than data.max_prompt_len={cfg.max_prompt_len}: raise it"
+    if not counts.get("rows"):
+        return "the files hold no rows: check the data paths"
+    return "every row was skipped: fix the rows counted above or the prompt field / template"
+
+
 def load_prompt_dataset(cfg: PromptDataConfig, tokenizer: Any) -> PromptDataset:
     """Read cfg.paths, template, tokenize, and drop prompts over cfg.max_prompt_len."""
     cfg.validate()
@@ -146,6 +155,5 @@ def load_prompt_dataset(cfg: PromptDataConfig, tokenizer: Any) -> PromptDataset:
                                 messages=messages, source=row.where))
     counts["kept"] = len(items)
     if not items:
-        raise DataError(f"{cfg.paths}: no prompts left after filtering ({counts}); "
-                         "check the files or raise data.max_prompt_len")
+        raise DataError(f"{cfg.paths}: no prompts left after filtering ({counts}); {_empty_hint(counts, cfg)}")
     return PromptDataset(items, counts)
