@@ -12,6 +12,8 @@ from pathlib import Path
 
 from megarl.cli import ConfigError
 from megarl.config import Config
+from megarl.algos.advantages import get_advantage
+from megarl.algos.losses import get_policy_loss
 from megarl.rewards.registry import get_reward
 
 GROUP_ADVANTAGES = {"grpo", "rloo", "reinforce_pp_baseline"}
@@ -185,6 +187,12 @@ def check_algorithm(cfg: Config) -> None:
             raise ConfigError(f"actor.{key}={getattr(act, key)} must be >= 0")
     if act.dual_clip and act.dual_clip <= 1:
         raise ConfigError(f"actor.dual_clip={act.dual_clip} must be > 1 (or 0 to disable)")
+    for key, value, get in (("algorithm.advantage", a.advantage, get_advantage),
+                            ("actor.policy_loss", act.policy_loss, get_policy_loss)):
+        try:
+            get(value)  # a dotted path imports here, not at the first step
+        except ValueError as e:
+            raise ConfigError(f"{key}={value!r}: {_one_line(e)}") from None
     if cfg.critic.enable is False and a.advantage == "gae":
         raise ConfigError("algorithm.advantage=gae needs values; set critic.enable=true or pick grpo/rloo/...")
     if cfg.ref.enable is False and (a.kl_in_reward or act.kl_loss_coef > 0):

@@ -18,3 +18,17 @@ class NonFiniteError(UserInputError):
     scale too high); the message names the step or tensor. Printed as one line, exit 2."""
 
     kind = "non-finite values"
+
+
+class CheckpointError(UserInputError):
+    """A training checkpoint that cannot be resumed (damaged, another model's, another layout);
+    the message names the directory and what to do."""
+
+    kind = "checkpoint error"
+
+
+class ExtensionError(UserInputError):
+    """A user extension point (``module:function``) returned something unusable: the
+    message names the config key, what came back and what is expected."""
+
+    kind = "extension error"

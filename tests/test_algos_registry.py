@@ -60,3 +60,79 @@ def test_register_twice_is_an_error():
         reg.register("a")(abs)
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("gae")(abs)
+
+
+BAD_USER_MODULE = '''
+import torch
+
+def flat(batch, cfg):
+    """(B,) instead of (B, T): would broadcast silently."""
+    return batch.sequence_scores(), batch.sequence_scores()
+
+def nan_on_real_token(batch, cfg):
+    adv = torch.zeros_like(batch.token_rewards)
+    adv[0, 0] = float("nan")
+    return adv, adv
+
+def nan_on_padding(batch, cfg):
+    adv = torch.where(batch.response_mask != 0, 1.0, float("nan"))
+    return adv, adv
+
+def one_tensor(batch, cfg):
+    return batch.token_rewards
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def bad_module(tmp_path, monkeypatch):
+    (tmp_path / "megarl_test_bad_adv.py").write_text(BAD_USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "megarl_test_bad_adv"
+    sys.modules.pop("megarl_test_bad_adv", None)
+
+
+@pytest.mark.parametrize("fn,needle", [
+    ("flat", "returned advantages of shape (2,); want (2, 3) (B, T)"),
+    ("nan_on_real_token", "returned NaN/inf advantages at 1 response tokens"),
+    ("one_tensor", "returned Tensor; return (advantages, returns)"),
+])
+def test_user_estimator_output_is_checked(bad_module, fn, needle):
+    from megarl.algos.advantages import compute_advantages
+    from megarl.errors import ExtensionError
+
+    batch = AdvantageInputs(torch.ones(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    with pytest.raises(ExtensionError) as e:
+        compute_advantages(f"{bad_module}:{fn}", batch, AdvantageConfig())
+    assert needle in str(e.value) and f"algorithm.advantage='{bad_module}:{fn}'" in str(e.value)
+
+
+def test_nan_outside_the_mask_is_allowed(bad_module):
+    from megarl.algos.advantages import compute_advantages
+
+    batch = AdvantageInputs(torch.ones(1, 3), torch.tensor([[1.0, 1.0, 0.0]]))
+    adv, _ = compute_advantages(f"{bad_module}:nan_on_padding", batch, AdvantageConfig())
+    assert adv[0, :2].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("algorithm.advantage", "no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+    ("algorithm.advantage", "megarl_test_bad_adv:not_callable", "is not callable"),
+    ("algorithm.advantage", "megarl_test_bad_adv:missing", "has no attribute 'missing'"),
+    ("actor.policy_loss", "no_such_module_xyz:loss", "cannot import module"),
+    ("actor.policy_loss", "ppo3", "unknown policy loss 'ppo3'"),
+])
+def test_extension_paths_fail_at_config_time(bad_module, monkeypatch, key, value, needle):
+    import os
+
+    from megarl.cli import ConfigError, load_config
+    from megarl.config import Config
+    from megarl.config_checks import validate
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)
+    cfg = load_config([os.path.join(root, "yaml", "tiny_grpo.yaml"), f"{key}={value}"], Config)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1)
+    assert str(e.value).startswith(f"{key}={value!r}: ") and needle in str(e.value) and "\n" not in str(e.value)

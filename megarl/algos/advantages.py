@@ -18,6 +18,7 @@ from torch import Tensor
 
 from megarl.algos.masked import masked_sum, masked_whiten
 from megarl.algos.registry import Registry
+from megarl.errors import ExtensionError
 from megarl.algos.returns import discounted_returns, gae_advantages, group_advantages, group_normalized_scores
 
 
@@ -88,7 +89,27 @@ def get_advantage(name_or_path: str) -> AdvantageFn:
 
 
 def compute_advantages(name_or_path: str, batch: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, Tensor]:
-    return get_advantage(name_or_path)(batch, cfg)
+    """(advantages, returns), each (B, T) and finite on response tokens, or an ExtensionError."""
+    out = get_advantage(name_or_path)(batch, cfg)
+    check_advantage_output(name_or_path, out, batch)
+    return out
+
+
+def check_advantage_output(name: str, out, batch: AdvantageInputs) -> None:
+    """An estimator's result must be two (B, T) tensors, finite where the mask is set: a
+    wrong shape would be broadcast silently and a NaN would reach the optimizer."""
+    key = f"algorithm.advantage={name!r}"
+    want = tuple(batch.token_rewards.shape)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        raise ExtensionError(f"{key} returned {type(out).__name__}; return (advantages, returns), two {want} tensors")
+    for label, t in zip(("advantages", "returns"), out):
+        if tuple(t.shape) != want:
+            raise ExtensionError(f"{key} returned {label} of shape {tuple(t.shape)}; want {want} (B, T) like "
+                                 "batch.token_rewards")
+        bad = int((~torch.isfinite(t) & (batch.response_mask != 0)).sum())
+        if bad:
+            raise ExtensionError(f"{key} returned NaN/inf {label} at {bad} response tokens; the run stops before "
+                                 "this update (fix the estimator, e.g. guard its divisions)")
 
 
 @register_advantage("gae")
