@@ -26,14 +26,18 @@ setup(
         "pyyaml",
         "numpy",
         "psutil",
+        "nvidia-ml-py",  # pynvml: GPU utilization, memory and power for the resource monitor
+        "matplotlib",  # RUN_DIR/curves.png at the end of a run
         "tensorboard",
         "tqdm",
         "pyarrow",
+        "redis>=5",  # client for reward.cache=redis (pure Python)
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "sglang": ["sglang==0.5.23"],  # the release megarl/rollout/sglang.py is written against
         "mpi": ["mpi4py", "mpich"],
-        "dev": ["pytest", "triton"],
+        "wandb": ["wandb"],  # trainer.wandb.enable=true
+        "dev": ["pytest", "triton", "wandb"],  # wandb: the offline-mode logging test
     },
 )

@@ -23,7 +23,7 @@ def main(argv):
         if rank == 0:
             print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="
                   f"{cfg.trainer.steps}); nothing to do: raise trainer.steps to go on", flush=True)
-        trainer.writer.close()
+        trainer.close("already_finished")
         dist.destroy_process_group()
         return
     stop = StopSignal(trainer.device)

@@ -41,7 +41,7 @@ def metrics(run_dir) -> dict[int, dict]:
 
 
 def _comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))}
+    return {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/", "resources/"))}
 
 
 def test_resume_equals_uninterrupted(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,6 +35,14 @@ SIDE_FILES = (
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExportSummary:
+    """What :func:`export_hf` wrote: HF tensors and their bytes in the safetensors files."""
+
+    tensors: int
+    bytes: int
 
 
 def _gather(param: torch.Tensor, groups: ParallelGroups) -> list[torch.Tensor]:
@@ -142,8 +151,9 @@ def export_hf(
     model: nn.Module, info: ModelInfo, groups: ParallelGroups, out_dir: str, *,
     copy_from: Optional[str] = None, dtype: Optional[torch.dtype] = None,
     max_shard_bytes: int = 5 * 2**30,
-) -> None:
-    """Collective over the world: writes ``model`` as a HF checkpoint into ``out_dir``.
+) -> Optional[ExportSummary]:
+    """Collective over the world: writes ``model`` as a HF checkpoint into ``out_dir``; returns
+    what was written (all stages) on global rank 0 and None on the other ranks.
 
     ``dtype``: tensor dtype in the files; default the ``dtype`` / ``torch_dtype``
     that config.json declares, else the parameters' own. ``copy_from``: a HF
@@ -152,6 +162,7 @@ def export_hf(
     """
     dtype = _export_dtype(info, dtype)
     check_finite(model, info, dtype, out_dir)
+    summary = None
     if groups.dp_rank == 0 and groups.cp_rank == 0:
         tensors = gather_hf_tensors(model, info, groups, dtype)
         if groups.tp_rank == 0:
@@ -163,5 +174,7 @@ def export_hf(
                 elif os.path.exists(os.path.join(out_dir, INDEX)):  # stale, would shadow the file
                     os.remove(os.path.join(out_dir, INDEX))
                 _write_side_files(info, out_dir, copy_from)
+                summary = ExportSummary(tensors=len(weight_map), bytes=total_bytes)
     dist.barrier()
+    return summary
 

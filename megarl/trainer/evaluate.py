@@ -9,10 +9,14 @@ from megarl.rewards import math_answer_reward
 from megarl.rollout.engine import RolloutEngine, SamplingParams
 
 
+def eval_count(num_items: int, limit: int) -> int:
+    """Eval prompts evaluated over all DP ranks: the first ``limit`` (0: all)."""
+    return min(num_items, limit) if limit > 0 else num_items
+
+
 def eval_indices(num_items: int, limit: int, dp_rank: int, dp_size: int) -> list[int]:
     """This DP rank's share of the first ``limit`` (0: all) eval prompts."""
-    total = min(num_items, limit) if limit > 0 else num_items
-    return list(range(dp_rank, total, dp_size))
+    return list(range(dp_rank, eval_count(num_items, limit), dp_size))
 
 
 def held_out_accuracy(engine: RolloutEngine, dataset: PromptDataset, tokenizer, groups,

@@ -1,5 +1,5 @@
 """Metrics: reduced over data-parallel ranks, written by rank 0 to the console,
-``metrics.jsonl`` and TensorBoard in the run directory."""
+``metrics.jsonl``, TensorBoard and (``trainer.wandb``) W&B; milestones to ``events.jsonl``."""
 from __future__ import annotations
 
 import json
@@ -52,12 +52,20 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Rank 0 writes; other ranks hold a writer that does nothing."""
+    """Rank 0 writes; other ranks hold a writer that does nothing.
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True):
+    Sinks: ``metrics.jsonl`` (every value, NaN as null), TensorBoard and W&B (the
+    finite ones); ``events.jsonl`` gets the run's milestones (start, export, end)
+    with their wall-clock time, for :mod:`megarl.report`.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True, wandb=None,
+                 config: dict | None = None):
         self.enabled = enabled
+        self.run_dir = run_dir
         self.jsonl = None
         self.tb = None
+        self.wandb = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -66,6 +74,10 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb is not None and wandb.enable:
+            from megarl.monitor.wandb_logger import WandbLogger
+
+            self.wandb = WandbLogger(wandb, run_dir, config or {})
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -78,12 +90,26 @@ class MetricsWriter:
                 if math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb:
+            self.wandb.log(step, metrics)
+
+    def event(self, name: str, step: int, **fields) -> None:
+        """One line of ``events.jsonl``: ``{"event": name, "time": unix s (now, or ``time=``), "step": step, ...}``."""
+        if not self.enabled:
+            return
+        with open(os.path.join(self.run_dir, "events.jsonl"), "a") as f:
+            f.write(json.dumps({"event": name, "time": time.time(), "step": step, **fields}) + "\n")
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
+            self.jsonl = None
         if self.tb:
             self.tb.close()
+            self.tb = None
+        if self.wandb:
+            self.wandb.close()
+            self.wandb = None
 
 
 CONSOLE_KEYS = (

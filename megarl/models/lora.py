@@ -1,0 +1,192 @@
+"""LoRA adapters on megatron-core's tensor-parallel linears, in place.
+
+    adapters = apply_lora(module, LoraOptions(rank=16, alpha=32, targets=("linear_qkv", "linear_proj")))
+    # module's base weights are frozen; each targeted linear L computes
+    #   L(x) + (alpha / rank) * x A^T B^T        A (r, in), B (out, r); B starts at 0
+
+The adapters are parameters of the linears themselves (``linear_qkv.lora_a``,
+``linear_qkv.lora_b``), added by a forward hook, so every name the loader,
+exporter, rollout engine and checkpoints know stays where it was.
+
+Tensor parallelism follows the base layer's split:
+- column-parallel (QKV, fc1): W is split over output rows. A is replicated,
+  B split like W: out_local += s * (x A^T) B_local^T. The gradient of x A^T is
+  summed over TP (``copy_to_tensor_model_parallel_region``), so A's gradient is
+  the same on every rank.
+- row-parallel (proj, fc2): W is split over input columns and its output is
+  all-reduced. A is split like W, B replicated: the rank-r partial products
+  x_local A_local^T are all-reduced (``reduce_from_...``), then out += s * h B^T.
+The full A is drawn from a seeded generator on the CPU and each rank keeps its
+slice, so the adapters (and the whole run) do not depend on the TP layout.
+Checkpoints shard B (column) / A (row) over TP like the base weight.
+
+Not supported (config errors): sequence parallelism, the TE layer spec (its
+fused LayerNorm-linear hides the normed input from the hook).
+"""
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+COLUMN = {"linear_qkv", "linear_fc1"}
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = TARGETS
+    seed: int = 0
+
+
+@dataclass
+class Adapter:
+    """One adapted linear: its parameters and how it is split over TP."""
+
+    name: str  # "decoder.layers.0.self_attention.linear_qkv"
+    column: bool
+    lora_a: torch.nn.Parameter  # column: (r, in); row: (r, in / tp)
+    lora_b: torch.nn.Parameter  # column: (out / tp, r); row: (out, r)
+    scale: float
+    tp_group: object
+
+    def delta(self) -> torch.Tensor:
+        """This rank's share of s * B A, shaped like the base weight shard, fp32."""
+        return self.scale * (self.lora_b.float() @ self.lora_a.float())
+
+
+def _targets(module, targets) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in module.named_modules() if name.rsplit(".", 1)[-1] in targets]
+
+
+def _full_a(rank: int, fan_in: int, seed: int, index: int) -> torch.Tensor:
+    """(r, fan_in) fp32: kaiming-uniform(a=sqrt(5)) as torch.nn.Linear, one stream per linear."""
+    g = torch.Generator().manual_seed(seed * 100_003 + index)
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=g) * 2 - 1) * bound
+
+
+def _check(linear, name: str) -> None:
+    if getattr(linear.config, "sequence_parallel", False):
+        raise ValueError(f"LoRA on {name}: sequence parallelism is not supported; set parallel.sequence_parallel=false")
+    if hasattr(linear, "layer_norm_weight"):
+        raise ValueError(f"LoRA on {name}: the TE spec fuses the norm into the linear; set model.layer_spec=local")
+
+
+def apply_lora(module: torch.nn.Module, opts: LoraOptions) -> list[Adapter]:
+    """Freezes every parameter of ``module`` and adds trainable adapters to the targeted linears."""
+    if opts.rank < 1 or opts.alpha <= 0:
+        raise ValueError(f"LoRA rank={opts.rank} must be >= 1 and alpha={opts.alpha} > 0")
+    module.requires_grad_(False)
+    adapters = []
+    for index, (name, linear) in enumerate(_targets(module, opts.targets)):
+        _check(linear, name)
+        adapters.append(_attach(name, linear, index, opts))
+    if not adapters:
+        raise ValueError(f"LoRA targets {list(opts.targets)} match no linear of the model; use some of {list(TARGETS)}")
+    return adapters
+
+
+def _attach(name: str, linear, index: int, opts: LoraOptions) -> Adapter:
+    column = name.rsplit(".", 1)[-1] in COLUMN
+    group = linear.tp_group
+    tp, tp_rank = group.size(), group.rank()
+    out_local, in_local = linear.weight.shape
+    fan_in = in_local if column else in_local * tp
+    a = _full_a(opts.rank, fan_in, opts.seed, index)
+    if not column:
+        a = a.chunk(tp, dim=1)[tp_rank]
+    b = torch.zeros(out_local, opts.rank)
+    like = dict(dtype=linear.weight.dtype, device=linear.weight.device)
+    linear.lora_a = torch.nn.Parameter(a.to(**like).contiguous())
+    linear.lora_b = torch.nn.Parameter(b.to(**like))
+    sharded = linear.lora_b if column else linear.lora_a
+    sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = True, 0 if column else 1, 1
+    adapter = Adapter(name, column, linear.lora_a, linear.lora_b, opts.alpha / opts.rank, group)
+    linear.lora_scale, linear.lora_enabled = adapter.scale, True
+    linear.register_forward_hook(_column_hook if column else _row_hook)
+    gated = name.endswith("linear_fc1") and linear.config.gated_linear_unit
+    linear.sharded_state_dict = types.MethodType(_sharded_with_lora(type(linear).sharded_state_dict, column, gated),
+                                                 linear)
+    return adapter
+
+
+def _column_hook(linear, inputs, output):
+    if not linear.lora_enabled:
+        return output
+    out, bias = output
+    h = copy_to_tensor_model_parallel_region(F.linear(inputs[0], linear.lora_a), group=linear.tp_group)
+    return out + linear.lora_scale * F.linear(h, linear.lora_b), bias
+
+
+def _row_hook(linear, inputs, output):
+    if not linear.lora_enabled:
+        return output
+    out, bias = output
+    h = reduce_from_tensor_model_parallel_region(F.linear(inputs[0], linear.lora_a), group=linear.tp_group)
+    return out + linear.lora_scale * F.linear(h, linear.lora_b), bias
+
+
+def _sharded_with_lora(base_fn, column: bool, gated: bool):
+    """The base layer's sharded state dict, with lora_b (column) / lora_a (row) split over TP
+    like the weight: gated fc1's B as [gate | up] halves (megatron's SwiGLU factory), so a
+    checkpoint reshards to another TP size."""
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        out = base_fn(self, prefix, sharded_offsets, metadata)
+        lora = {"lora_a": self.lora_a, "lora_b": self.lora_b}
+        sharded = make_sharded_tensors_for_checkpoint(
+            lora, prefix, {"lora_b": 0} if column else {"lora_a": 1}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if gated:
+            key = f"{prefix}lora_b"
+            sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
+                                                        (metadata or {}).get("singleton_local_shards", False))
+        out.update(sharded)
+        return out
+    return sharded_state_dict
+
+
+def set_lora_enabled(module: torch.nn.Module, enabled: bool) -> None:
+    """Adapters on or off (off: the base model, e.g. as the reference policy)."""
+    for m in module.modules():
+        if hasattr(m, "lora_enabled"):
+            m.lora_enabled = enabled
+
+
+class merged_lora:
+    """Context: the base weights hold W + s B A (rounded to their dtype), restored bitwise on exit.
+
+    For exports (HF checkpoints carry plain weights); the originals wait on the CPU.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.linears = [m for m in module.modules() if hasattr(m, "lora_enabled")]
+        self.saved: list[tuple[torch.Tensor, bool]] = []
+
+    def __enter__(self):
+        with torch.no_grad():
+            for m in self.linears:
+                self.saved.append((m.weight.detach().to("cpu", copy=True), m.lora_enabled))
+                delta = m.lora_scale * (m.lora_b.float() @ m.lora_a.float())
+                m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+                m.lora_enabled = False
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for m, (w, enabled) in zip(self.linears, self.saved):
+                m.weight.copy_(w.to(m.weight.device))
+                m.lora_enabled = enabled
+        self.saved.clear()
+        return False
