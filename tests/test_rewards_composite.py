@@ -94,9 +94,10 @@ def test_rm_batch_is_passed_through():
 
 
 def test_cache_hits(user):
-    """4 samples, 2 distinct. Rule term: runs twice (2 misses, then 2 hits). RM term
-    (cache=True): 4 lookups miss before scoring, then the 2 distinct samples are
-    scored in one call. Cache totals 2 hits, 6 misses; a second call hits all 8."""
+    """4 samples, 2 distinct. A miss is a distinct key whose value gets computed, every
+    other lookup a hit. Rule term: runs twice (2 misses, 2 hits). RM term (cache=True):
+    the 2 distinct samples are scored in one call (2 misses, 2 hits). Cache totals
+    4 hits, 4 misses; a second call hits all 8."""
     mod = importlib.import_module(user)
     rm_seen = []
     rm = RewardModelTerm(scorer=lambda b: (rm_seen.append(len(b)), torch.ones(len(b)))[1], cache=True)
@@ -105,7 +106,7 @@ def test_cache_hits(user):
     out = reward(batch)
     assert out.total.tolist() == [3.0, 2.0, 3.0, 2.0]
     assert mod.CALLS == ["aa", "b"]
-    assert (out.metrics["cache/hits"], out.metrics["cache/misses"]) == (2.0, 6.0)
+    assert (out.metrics["cache/hits"], out.metrics["cache/misses"]) == (4.0, 4.0)
     assert rm_seen == [2]
     out = reward(batch)
     assert (out.metrics["cache/hits"], out.metrics["cache/misses"]) == (8.0, 0.0)

@@ -1,23 +1,24 @@
-"""LRU cache of per-sample reward values, so duplicate samples are scored once."""
+"""The reward cache: per-sample reward values by content key, so duplicate samples are scored once."""
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from typing import Mapping, Sequence
+
+from megarl.rewards.cache_backends import CacheBackend, MemoryBackend
 
 
 class RewardCache:
-    """Maps hash(term, prompt, response, ground_truth) -> value; least recently used goes first.
+    """Maps hash(term, prompt, response, ground_truth) -> value in a backend (an LRU by default).
 
     The key ignores a sample's `extra` fields: do not cache terms that read them.
+    Counting: of the keys in one lookup, each distinct key the backend lacks is a
+    miss (its value gets computed once); every other key is a hit.
     """
 
-    def __init__(self, max_size: int = 100_000):
-        if max_size <= 0:
-            raise ValueError(f"reward cache max_size={max_size} must be > 0")
-        self.max_size = max_size
+    def __init__(self, max_size: int = 100_000, backend: CacheBackend | None = None):
+        self.backend = backend if backend is not None else MemoryBackend(max_size)
         self.hits = 0
         self.misses = 0
-        self._store: OrderedDict[str, float] = OrderedDict()
 
     @staticmethod
     def key(term: str, prompt: str, response: str, ground_truth: str | None) -> str:
@@ -30,30 +31,61 @@ class RewardCache:
             h.update(len(data).to_bytes(8, "little") + data)
         return h.hexdigest()
 
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def fallbacks(self) -> int:
+        """Times the backend switched to a lower level (Redis -> the on-disk store)."""
+        return self.backend.fallbacks
+
+    def get_many(self, keys: Sequence[str]) -> list[float | None]:
+        """The cached value for each key, None where absent; one round trip to the backend."""
+        values = self.backend.get_many(keys) if keys else []
+        missing = len({k for k, v in zip(keys, values) if v is None})
+        self.misses += missing
+        self.hits += len(keys) - missing
+        return values
+
+    def put_many(self, items: Mapping[str, float]) -> None:
+        """Stores finite values (the caller checks); one round trip to the backend."""
+        if items:
+            self.backend.put_many(items)
+
     def get(self, key: str) -> float | None:
-        """The cached value (counted as a hit) or None (a miss)."""
-        if key in self._store:
-            self._store.move_to_end(key)
-            self.hits += 1
-            return self._store[key]
-        self.misses += 1
-        return None
+        return self.get_many([key])[0]
 
     def put(self, key: str, value: float) -> None:
-        self._store[key] = value
-        self._store.move_to_end(key)
-        while len(self._store) > self.max_size:
-            self._store.popitem(last=False)
+        self.put_many({key: value})
 
     def __len__(self) -> int:
-        return len(self._store)
+        return len(self.backend)
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative hits and misses, hit rate and current size."""
+        """Cumulative hits and misses, hit rate, size and fallbacks."""
         lookups = self.hits + self.misses
         return {
             "hits": float(self.hits),
             "misses": float(self.misses),
             "hit_rate": self.hits / lookups if lookups else 0.0,
             "size": float(len(self)),
+            "fallbacks": float(self.fallbacks),
         }
+
+
+def open_reward_cache(kind: str, size: int, path: str, redis_url: str) -> RewardCache:
+    """kind: memory (an LRU of ``size``) | sqlite (the file ``path``) | redis (``redis_url``, written
+    through to ``path``); sqlite and redis keep an LRU of ``size`` in front."""
+    if kind == "memory":
+        return RewardCache(size)
+    from megarl.rewards.cache_backends import SqliteBackend, TieredBackend
+
+    store = SqliteBackend(path)
+    if kind == "redis":
+        from megarl.rewards.cache_redis import RedisBackend
+
+        store = RedisBackend(redis_url, store)
+    elif kind != "sqlite":
+        raise ValueError(f"unknown reward cache {kind!r}; expected memory, sqlite or redis")
+    return RewardCache(backend=TieredBackend(MemoryBackend(size), store))

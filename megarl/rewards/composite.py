@@ -1,6 +1,7 @@
 """CompositeReward: a weighted sum of reward terms, robust to failing terms, with a cache."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
@@ -25,7 +26,8 @@ class RewardOutput:
     terms: dict[str, Tensor]
     """label -> (B,) shaped values (before the weight)."""
     metrics: dict[str, float]
-    """'<label>/mean', '<label>/failures' per term, 'total/mean', 'cache/hits', 'cache/misses' (this call)."""
+    """'<label>/mean', '<label>/failures' per term, 'total/mean'; with a cache 'cache/hits', 'cache/misses'
+    (this call) and 'cache/fallbacks' (so far: switches from Redis to the on-disk store)."""
 
 
 def _as_finite(value: Any) -> float:
@@ -35,6 +37,11 @@ def _as_finite(value: Any) -> float:
     if isinstance(value, numbers.Real) and math.isfinite(float(value)):
         return float(value)
     return NAN
+
+
+def _cache_label(term: RewardTerm) -> str:
+    """The term's label and kwargs: a store kept across runs must not serve values of other kwargs."""
+    return term.key + (json.dumps(term.kwargs, sort_keys=True, default=repr) if term.kwargs else "")
 
 
 class CompositeReward:
@@ -65,7 +72,7 @@ class CompositeReward:
 
     def __call__(self, samples: Sequence[RewardSample], rm_batch: Any = None) -> RewardOutput:
         hits0, misses0 = (self.cache.hits, self.cache.misses) if self.cache is not None else (0, 0)
-        raws = {t.key: self._rule_raw(t, fn, samples) for t, fn in zip(self.terms, self.fns)}
+        raws = self._rule_raws(samples)
         shaping: list[Any] = list(self.terms)
         if self.rm is not None:
             raws[self.rm.key] = self._rm_raw(samples, rm_batch)
@@ -82,23 +89,34 @@ class CompositeReward:
         if self.cache is not None:
             metrics["cache/hits"] = float(self.cache.hits - hits0)
             metrics["cache/misses"] = float(self.cache.misses - misses0)
+            metrics["cache/fallbacks"] = float(self.cache.fallbacks)
         return RewardOutput(total.float(), terms, metrics)
 
-    def _rule_raw(self, term: RewardTerm, fn: Callable[..., float], samples: Sequence[RewardSample]) -> Tensor:
-        """(B,) float64 raw values, NaN for failed samples."""
-        cache = self.cache if term.cache else None
-        out = []
-        for s in samples:
-            key = RewardCache.key(term.key, s.prompt, s.response, s.ground_truth)
-            cached = cache.get(key) if cache is not None else None
-            if cached is not None:
-                out.append(cached)
-                continue
-            value = self._call(term.key, fn, s, term.kwargs)
-            if cache is not None and math.isfinite(value):
-                cache.put(key, value)
-            out.append(value)
-        return torch.tensor(out, dtype=torch.float64)
+    def _rule_raws(self, samples: Sequence[RewardSample]) -> dict[str, Tensor]:
+        """label -> (B,) float64 raw values, NaN for failed samples. The cached terms' values
+        are looked up in one call and the new ones stored in one call; a key repeated in
+        the batch is computed once."""
+        use = self.cache is not None
+        keys = {t.key: [RewardCache.key(_cache_label(t), s.prompt, s.response, s.ground_truth) for s in samples]
+                for t in self.terms if use and t.cache}
+        flat = [k for ks in keys.values() for k in ks]
+        known = {k: v for k, v in zip(flat, self.cache.get_many(flat)) if v is not None} if flat else {}
+        new: dict[str, float] = {}
+        raws = {}
+        for term, fn in zip(self.terms, self.fns):
+            out = []
+            for i, s in enumerate(samples):
+                key = keys[term.key][i] if term.key in keys else None
+                value = known.get(key, new.get(key)) if key is not None else None
+                if value is None:
+                    value = self._call(term.key, fn, s, term.kwargs)
+                    if key is not None and math.isfinite(value):
+                        new[key] = value
+                out.append(value)
+            raws[term.key] = torch.tensor(out, dtype=torch.float64)
+        if new:
+            self.cache.put_many(new)
+        return raws
 
     @staticmethod
     def _call(label: str, fn: Callable[..., float], s: RewardSample, kwargs: dict[str, Any]) -> float:
@@ -123,9 +141,8 @@ class CompositeReward:
         label = self.rm.key  # type: ignore[union-attr]
         out = torch.full((len(samples),), NAN, dtype=torch.float64)
         pending: dict[str, list[int]] = {}  # key -> indices of samples with that key
-        for i, s in enumerate(samples):
-            key = RewardCache.key(label, s.prompt, s.response, s.ground_truth)
-            value = cache.get(key)
+        keys = [RewardCache.key(label, s.prompt, s.response, s.ground_truth) for s in samples]
+        for i, (key, value) in enumerate(zip(keys, cache.get_many(keys))):
             if value is None:
                 pending.setdefault(key, []).append(i)
             else:
@@ -133,10 +150,12 @@ class CompositeReward:
         if not pending:
             return out
         scores = self._score_rm([samples[idx[0]] for idx in pending.values()], len(pending))
+        new = {}
         for (key, idx), v in zip(pending.items(), scores.tolist()):
             out[idx] = v
             if math.isfinite(v):
-                cache.put(key, v)
+                new[key] = v
+        cache.put_many(new)
         return out
 
     def _score_rm(self, batch: Any, n: int) -> Tensor:
