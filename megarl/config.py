@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional
 
 from megarl.assets import TINY_DIR
 
+REDIS_URL = "redis://127.0.0.1:6379/0"  # reward.redis_url default
+
 ASSETS = str(TINY_DIR)  # shipped with the package: defaults work from any directory
 
 
@@ -44,6 +46,7 @@ class ParallelConfig:
     cp: int = opt(1, "context-parallel (Ulysses sequence-parallel) size")
     sequence_parallel: bool = opt(False, "megatron sequence parallelism inside the TP group")
     distributed_optimizer: bool = opt(True, "shard optimizer state over data-parallel ranks")
+    dp_balance: bool = opt(True, "deal each training forward's and mini-batch's rows over the DP ranks by token count (LPT) so every rank runs about as many tokens; false: each rank keeps its own rows")
 
 
 @dataclass
@@ -110,15 +113,29 @@ class RolloutConfig:
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor's linears (megarl/models/lora.py); rank 0: full fine-tuning."""
+
+    rank: int = opt(0, "adapter rank r; 0 disables LoRA")
+    alpha: float = opt(16.0, "scale alpha: the adapter adds (alpha / r) * x A^T B^T")
+    targets: list[str] = opt(list(LORA_TARGETS), "megatron linears to adapt")
+
+
 @dataclass
 class ActorConfig:
     """Policy update."""
 
     optim: OptimConfig = opt(OptimConfig(), "optimizer")
+    lora: LoraConfig = opt(LoraConfig(), "LoRA adapters (rank 0: off); checkpoints keep them, the HF export merges them")
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     mini_batch_size: int = opt(32, "samples per optimizer step (global, all DP ranks)")
     micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
     max_tokens_per_micro: int = opt(0, "dynamic micro-batches under this token budget; 0 uses micro_batch_size")
+    packing: bool = opt(True, "actor and reference run each micro-batch as one packed THD row (no padding); false: right-padded rows")
     policy_loss: str = opt("ppo", "ppo | gspo | a registered name or module:function")
     clip_low: float = opt(0.2, "ratio clip below: 1 - clip_low")
     clip_high: float = opt(0.2, "ratio clip above: 1 + clip_high")
@@ -140,6 +157,7 @@ class CriticConfig:
     optim: OptimConfig = opt(OptimConfig(lr=1e-5), "optimizer")
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
+    packing: bool = opt(True, "run each micro-batch as one packed THD row (no padding); false: right-padded rows")
     value_clip: float = opt(0.2, "clip of the new value around the old; 0 disables")
     warmup_steps: int = opt(0, "PPO steps that update only the critic")
 
@@ -170,6 +188,7 @@ class RewardModelConfig:
     scale: float = opt(1.0, "the RM's raw score is multiplied by this")
     clip: Optional[list[float]] = opt(None, "[low, high] clip of the scaled score, e.g. [0, 5]")
     micro_batch_size: int = opt(8, "samples per forward per GPU")
+    packing: bool = opt(True, "score each micro-batch as one packed THD row (no padding); false: right-padded rows")
 
 
 @dataclass
@@ -179,7 +198,10 @@ class RewardConfig:
     terms: list[RewardTerm] = opt([RewardTerm()], "rule-based or user reward terms")
     model: RewardModelConfig = opt(RewardModelConfig(), "reward model term")
     fallback: float = opt(0.0, "score given to a sample whose reward function raised or returned NaN")
-    cache_size: int = opt(65536, "entries in the reward cache; 0 disables it")
+    cache: Literal["memory", "sqlite", "redis"] = opt("memory", "memory (per process) | sqlite (cache_path: shared by the ranks, kept across runs) | redis (redis_url: shared across nodes; written through to cache_path, which takes over if Redis dies)")
+    cache_size: int = opt(65536, "entries in the in-process LRU (sqlite | redis: in front of the store); 0 disables the reward cache")
+    cache_path: Optional[str] = opt(None, "sqlite | redis: the on-disk store (a local disk; delete it after changing a reward function); default <trainer.run_dir>/reward_cache.sqlite")
+    redis_url: str = opt(REDIS_URL, "redis: the server, redis://host:port/db (or rediss://, unix://); start one with redis-server --port 6379 --daemonize yes")
 
 
 @dataclass
@@ -213,6 +235,18 @@ class DataConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging from rank 0: the scalars TensorBoard gets, and the config (pip install megarl[wandb])."""
+
+    enable: bool = opt(False, "log this run to W&B")
+    project: str = opt("megarl", "W&B project")
+    entity: str = opt("", "W&B team or user; empty: your default entity")
+    name: str = opt("", "W&B run name; empty: the last component of trainer.run_dir")
+    mode: Literal["online", "offline"] = opt("online", "online: stream to the W&B server; offline: files only (upload later with `wandb sync`)")
+    dir: str = opt("", "where W&B writes its files (a wandb/ folder inside it); empty: trainer.run_dir")
+
+
+@dataclass
 class TrainerConfig:
     """The loop, logging and checkpoints."""
 
@@ -223,14 +257,17 @@ class TrainerConfig:
     save_last: bool = opt(True, "checkpoint after the last step")
     keep_last: int = opt(2, "checkpoints kept")
     resume: bool = opt(True, "resume from the newest checkpoint in run_dir")
+    collective_timeout_s: float = opt(600.0, "a collective (all-reduce, barrier, ...) waiting longer than this fails the job loudly: a rank whose peer died or hangs exits instead of waiting forever")
     eval_every: int = opt(0, "held-out evaluation every N steps; 0: before and after only")
     eval_samples: int = opt(0, "held-out prompts evaluated; 0: all")
     export_hf: bool = opt(True, "write the final actor as a Hugging Face directory")
     tensorboard: bool = opt(True, "write TensorBoard events")
+    monitor_interval_s: float = opt(2.0, "resource monitor: seconds between CPU/RAM/GPU samples, logged per step as resources/*; 0 disables")
     dump_rollouts: Optional[str] = opt(None, "write each step's rollout batch to this directory")
     replay_rollouts: Optional[str] = opt(None, "train on rollouts dumped earlier instead of generating")
     rollout_only: bool = opt(False, "generate and score only; no training (use with dump_rollouts)")
     max_bad_updates: int = opt(3, "stop the run after this many optimizer updates in a row skipped for a non-finite loss or gradient (per role); 0: never stop")
+    wandb: WandbConfig = opt(WandbConfig(), "Weights & Biases logging")
 
 
 @dataclass

@@ -11,9 +11,10 @@ import os
 from pathlib import Path
 
 from megarl.cli import ConfigError
-from megarl.config import Config
+from megarl.config import LORA_TARGETS, REDIS_URL, Config
 from megarl.algos.advantages import get_advantage
 from megarl.algos.losses import get_policy_loss
+from megarl.data.tokenizer import check_tokenizer_dir, check_vocab_fits
 from megarl.rewards.registry import get_reward
 
 GROUP_ADVANTAGES = {"grpo", "rloo", "reinforce_pp_baseline"}
@@ -70,6 +71,21 @@ def check_model(cfg: Config) -> None:
             f"parallel.sequence_parallel=true needs the transformer-engine layer spec (model.layer_spec={spec}, "
             f"transformer_engine {'installed' if have_te() else 'not installed'}); set parallel.sequence_parallel=false"
         )
+
+
+def check_packing(cfg: Config) -> None:
+    """Packed (THD) micro-batches need an attention with a THD path and no context parallelism."""
+    keys = ["actor.packing"] * cfg.actor.packing + ["critic.packing"] * (cfg.critic.packing and uses_critic(cfg))
+    keys += ["reward.model.packing"] * bool(cfg.reward.model.packing and cfg.reward.model.path)
+    if not keys:
+        return
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"{keys[0]}=true does not support parallel.cp={cfg.parallel.cp} yet; set {keys[0]}=false")
+    spec = cfg.model.layer_spec
+    te = spec == "te" or (spec == "auto" and have_te())
+    if not te and cfg.model.attention_backend == "local":
+        raise ConfigError(f"{keys[0]}=true needs model.attention_backend=sdpa (megatron's unfused attention has no "
+                          f"packed-sequence path); set model.attention_backend=sdpa or {keys[0]}=false")
 
 
 def check_parallel(cfg: Config, world_size: int, hf: dict) -> None:
@@ -140,6 +156,26 @@ def check_actor(cfg: Config) -> None:
     check_optim(act.optim, "actor.optim")
     check_counts(act, "actor", ["ppo_epochs"])
     check_numbers(act, "actor", ["kl_loss_coef", "entropy_coef"], low=0)
+    check_lora(cfg)
+
+
+def check_lora(cfg: Config) -> None:
+    lo = cfg.actor.lora
+    if lo.rank == 0:
+        return
+    check_counts(lo, "actor.lora", ["rank"])
+    check_numbers(lo, "actor.lora", ["alpha"], low=0, strict=True)
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    if bad or not lo.targets:
+        raise ConfigError(f"actor.lora.targets={lo.targets}: pick from {list(LORA_TARGETS)}")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("actor.lora.rank > 0 with parallel.sequence_parallel=true is not supported; turn one off")
+    if cfg.model.layer_spec == "te" or (cfg.model.layer_spec == "auto" and have_te()):
+        raise ConfigError("actor.lora needs the local layer spec (TE fuses the norm into QKV / fc1); "
+                          "set model.layer_spec=local")
+    if cfg.rollout.engine == "sglang":
+        raise ConfigError("actor.lora with rollout.engine=sglang is not supported yet (its weight stream sends "
+                          "plain weights); use rollout.engine=native")
 
 
 def check_critic(cfg: Config) -> None:
@@ -167,12 +203,50 @@ def check_reward(cfg: Config) -> None:
     check_numbers(rw, "reward", ["fallback"])
     check_numbers(rm, "reward.model", ["weight", "scale"])
     check_counts(rm, "reward.model", ["micro_batch_size"])
+    check_reward_cache(rw)
+
+
+def check_reward_cache(rw) -> None:
+    """reward.cache and its keys; with redis, the server must answer a PING now."""
+    if rw.cache_size < 0 or (rw.cache_size == 0 and rw.cache != "memory"):
+        raise ConfigError(f"reward.cache_size={rw.cache_size} with reward.cache={rw.cache}: use a size > 0 "
+                          "(0 turns the cache off, with reward.cache=memory)")
+    if rw.cache == "memory" and rw.cache_path:
+        raise ConfigError("reward.cache_path is read by reward.cache=sqlite or redis only; set one or unset the path")
+    if rw.cache != "redis" and rw.redis_url != REDIS_URL:
+        raise ConfigError(f"reward.redis_url is read by reward.cache=redis only (reward.cache={rw.cache}); "
+                          "set reward.cache=redis or drop the URL")
+    if rw.cache_path and os.path.isdir(rw.cache_path):
+        raise ConfigError(f"reward.cache_path: '{rw.cache_path}' is a directory; name a file such as "
+                          f"{os.path.join(rw.cache_path, 'reward_cache.sqlite')}")
+    if rw.cache == "redis":
+        from megarl.rewards.cache_redis import redis_url_problem
+
+        problem = redis_url_problem(rw.redis_url)
+        if problem:
+            raise ConfigError(f"reward.redis_url={rw.redis_url}: {problem}, or set reward.cache=sqlite")
 
 
 def check_trainer(cfg: Config) -> None:
     t = cfg.trainer
     check_counts(t, "trainer", ["steps", "keep_last"])
     check_counts(t, "trainer", ["save_every", "eval_every", "eval_samples", "max_bad_updates"], low=0)
+    check_numbers(t, "trainer", ["monitor_interval_s"], low=0)
+    check_numbers(t, "trainer", ["collective_timeout_s"], low=0, strict=True)
+    if 0 < t.monitor_interval_s < 0.1:
+        raise ConfigError(f"trainer.monitor_interval_s={t.monitor_interval_s}: sampling that often costs the run "
+                          "CPU time; use >= 0.1 s, or 0 to turn the monitor off")
+    check_wandb(t.wandb)
+
+
+def check_wandb(w) -> None:
+    if not w.enable:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("trainer.wandb.enable=true but wandb is not installed; "
+                          "pip install megarl[wandb] (or set trainer.wandb.enable=false)")
+    if not w.project:
+        raise ConfigError("trainer.wandb.project is empty; name a W&B project, e.g. trainer.wandb.project=megarl")
 
 
 def check_algorithm(cfg: Config) -> None:
@@ -253,6 +327,20 @@ def check_paths(cfg: Config) -> None:
             read_hf_config(path, key)
 
 
+def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room: int) -> None:
+    """The tokenizer directory holds a vocabulary whose ids the model's embedding covers, and
+    ``length`` (config key ``length_key``) leaves ``room`` of the model's positions free."""
+    key, path = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
+    check_tokenizer_dir(path, key)
+    if isinstance(hf.get("vocab_size"), int):
+        check_vocab_fits(path, key, hf["vocab_size"])
+    positions = hf.get("max_position_embeddings")
+    if isinstance(positions, int) and length + room > positions:
+        need = f"{length} + {room} prompt token" if room else str(length)
+        raise ConfigError(f"{length_key}={length}: {need} exceed the {positions} positions of the model "
+                          f"(max_position_embeddings in {cfg.model.path}/config.json); lower {length_key}")
+
+
 def validate_sft(cfg: Config, world_size: int) -> dict:
     """Checks for launch/sft.py."""
     hf = read_hf_config(cfg.model.path)
@@ -261,6 +349,7 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
     p, s = cfg.parallel, cfg.sft
     check_counts(s, "sft", ["epochs", "batch_size", "micro_batch_size", "max_len"])
     check_optim(s.optim, "sft.optim")
+    check_model_inputs(cfg, hf, "sft.max_len", s.max_len, room=0)
     dp = world_size // (p.tp * p.pp * p.cp)
     if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:
         raise ConfigError(
@@ -277,11 +366,13 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
+    check_model_inputs(cfg, hf, "rollout.max_new_tokens", cfg.rollout.max_new_tokens, room=1)
     check_multi_turn(cfg)
     check_sglang(cfg)
     check_batches(cfg, world_size)
     check_actor(cfg)
     check_critic(cfg)
+    check_packing(cfg)
     check_algorithm(cfg)
     check_reward(cfg)
     check_trainer(cfg)

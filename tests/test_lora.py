@@ -170,3 +170,34 @@ def _errors_job(rank, src):
             msg = str(e)
             seen.append(next(n for n in ("rank=0 must be >= 1", "match no linear of the model") if n in msg))
     return seen
+
+
+# ---------------------------------------------------------------- a real run
+def test_lora_grpo_run_at_tp2_resumes_exactly_and_exports_merged(tmp_path):
+    """Two GRPO steps at TP2 with adapters: the engine's LoRA-aware decode gives the training
+    log-probs (1e-5), a stop after step 1 and a resume equal the straight run, and the HF
+    export changes only the adapted linears (embeddings and norms are the frozen base's)."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_trainer_runs import SMALL, _comparable, metrics, ppo
+
+    lora = ["parallel.tp=2", "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-3", *SMALL]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ppo("yaml/tiny_grpo.yaml", straight, *lora, steps=2)
+    ppo("yaml/tiny_grpo.yaml", split, *lora, "trainer.export_hf=false", steps=1)
+    ppo("yaml/tiny_grpo.yaml", split, *lora, steps=2)
+    a, b = metrics(straight), metrics(split)
+    def train(row):  # the sessions evaluate at their own ends
+        return {k: v for k, v in _comparable(row).items() if k != "eval/accuracy"}
+
+    assert train(a[1]) == train(b[1]) and train(a[2]) == train(b[2])
+    assert max(a[s]["mismatch/abs_max"] for s in (1, 2)) <= 1e-5
+    base = load_file(os.path.join("megarl", "assets", "tiny", "sft", "model.safetensors"))
+    out = load_file(str(straight / "hf" / "model.safetensors"))
+    adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert sorted(out) == sorted(base)
+    for name, t in base.items():
+        changed = not torch.equal(out[name], t)  # W + s B A; biases, norms, embeddings frozen
+        assert changed == (name.endswith(".weight") and any(p in name for p in adapted)), name
+    assert json.load(open(straight / "hf" / "config.json"))["architectures"]

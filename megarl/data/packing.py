@@ -7,7 +7,12 @@
 
 Packed layout: sequences are concatenated along one row, `cu_seqlens[k]` is
 the start of sequence k (cu_seqlens[0] = 0, cu_seqlens[n] = T), and
-`position_ids` restart at 0 at every sequence start.
+`position_ids` restart at 0 at every sequence start. `targets[t]` is the token
+after t in the same sequence (0 after a sequence's last token), so a
+next-token head never reads across a boundary. `pack_rows` packs right-padded
+(B, L) rows; its `pad_multiple` appends one padding segment (its own entry in
+cu_seqlens, never attended to by a real token) so T divides, e.g., the TP size
+under sequence parallelism.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 def pack_sequences(lengths: Sequence[int], max_tokens: int, min_bins: int = 1) -> list[list[int]]:
@@ -66,8 +72,9 @@ class PackedInputs:
 
     input_ids: torch.Tensor  # (1, T) int64
     position_ids: torch.Tensor  # (1, T) int64, restarts at 0 per sequence
-    cu_seqlens: torch.Tensor  # (n+1,) int32, cumulative lengths starting at 0
-    max_seqlen: int  # longest sequence, for flash/TE attention
+    cu_seqlens: torch.Tensor  # (n+1,) int32, cumulative lengths starting at 0 (n+2 with a pad segment)
+    max_seqlen: int  # longest segment, for flash/TE attention
+    targets: torch.Tensor  # (1, T) int64, next token of the same sequence; 0 at each last token
 
     @property
     def num_sequences(self) -> int:
@@ -86,7 +93,41 @@ def build_packed_inputs(seqs: Sequence[Sequence[int]]) -> PackedInputs:
     starts = torch.repeat_interleave(cu[:-1], lens)  # (T,) start of each token's sequence
     pos = torch.arange(total, dtype=torch.int64) - starts  # (T,)
     return PackedInputs(input_ids=ids.view(1, total), position_ids=pos.view(1, total),
-                        cu_seqlens=cu.to(torch.int32), max_seqlen=int(lens.max()))
+                        cu_seqlens=cu.to(torch.int32), max_seqlen=int(lens.max()),
+                        targets=_next_in_sequence(ids, cu).view(1, total))
+
+
+def _next_in_sequence(ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """ids (T,) -> (T,): ids shifted left by one, 0 at every sequence's last token."""
+    nxt = torch.zeros_like(ids)
+    nxt[:-1] = ids[1:]
+    last = cu[1:].long() - 1  # (n,)
+    nxt[last[last >= 0]] = 0
+    return nxt
+
+
+def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor, pad_multiple: int = 1) -> PackedInputs:
+    """Right-padded rows (B, L) with ``lengths`` (B,) -> one row of T = sum(lengths) tokens,
+    plus a padding segment of token 0 up to a multiple of ``pad_multiple``. Stays on the rows' device."""
+    dev, (b, width) = input_ids.device, input_ids.shape
+    lengths = lengths.to(dev, torch.int64)
+    if b == 0 or int(lengths.min()) < 1 or int(lengths.max()) > width:
+        raise ValueError(f"pack_rows: lengths must be in [1, {width}] for {b} > 0 rows")
+    cols = torch.arange(width, device=dev)
+    real = cols < lengths[:, None]  # (B, L)
+    shifted = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1)  # (B, L) token t+1
+    nxt = torch.where(cols < lengths[:, None] - 1, shifted, 0)  # (B, L) 0 at each last token
+    ids, targets, pos = input_ids[real], nxt[real], cols.expand(b, -1)[real]  # (T,) each, row-major
+    pad = -ids.numel() % pad_multiple
+    seg = [lengths] + ([lengths.new_tensor([pad])] if pad else [])
+    cu = F.pad(torch.cumsum(torch.cat(seg), 0), (1, 0)).to(torch.int32)  # (B+1,) or (B+2,)
+    if pad:
+        zeros = ids.new_zeros(pad)
+        ids, targets = torch.cat([ids, zeros]), torch.cat([targets, zeros])
+        pos = torch.cat([pos, torch.arange(pad, device=dev)])
+    total = ids.numel()
+    return PackedInputs(input_ids=ids.view(1, total), position_ids=pos.view(1, total), cu_seqlens=cu,
+                        max_seqlen=max(int(lengths.max()), pad), targets=targets.view(1, total))
 
 
 def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:

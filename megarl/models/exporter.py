@@ -160,6 +160,9 @@ def export_hf(
     directory whose tokenizer and generation-config files are copied. Refused
     (:class:`NonFiniteError` on every rank, nothing written) if any weight is NaN or inf.
     """
+    if any(getattr(m, "lora_enabled", False) for m in model.modules()):
+        raise ValueError("export_hf: the model has active LoRA adapters; export inside "
+                         "megarl.models.lora.merged_lora(model) so the files hold W + s B A")
     dtype = _export_dtype(info, dtype)
     check_finite(model, info, dtype, out_dir)
     summary = None

@@ -38,7 +38,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+from megarl.config import LORA_TARGETS as TARGETS
+
 COLUMN = {"linear_qkv", "linear_fc1"}
 
 

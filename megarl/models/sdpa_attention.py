@@ -10,8 +10,9 @@ Layouts (megatron's): query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]``
 with ``np`` query heads and ``ng`` key/value groups on this TP rank; output
 ``[sq, b, np * hn]``. Packed sequences (``packed_seq_params.qkv_format ==
 "thd"``) arrive without the batch dim, ``[t, np, hn]``, and leave as
-``[t, np * hn]``; each sequence between consecutive ``cu_seqlens`` runs its own
-causal SDPA.
+``[t, np * hn]``; each sequence between consecutive ``cu_seqlens`` attends only
+to itself: one ``varlen_attn`` call on CUDA in fp16/bf16, else its own causal
+SDPA (:mod:`megarl.models.packed_attention`).
 
 Masks follow megatron: ``attention_mask`` True means "do not attend"; with no
 mask the attention is causal (the layer spec builds it with
@@ -31,6 +32,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from megarl.models.packed_attention import packed_attention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -92,18 +95,13 @@ class SDPAAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
 
     def _packed(self, query, key, value, causal, dropout, params: PackedSeqParams):
-        """query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn], one SDPA per sequence."""
+        """query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn]: varlen on CUDA in half
+        precision, else one SDPA per sequence (:mod:`megarl.models.packed_attention`)."""
         # with padded cu_seqlens, each sequence's real tokens lead its padded slot
         cu_q = _first(params.cu_seqlens_q_padded, params.cu_seqlens_q)
         cu_kv = _first(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
-        out = query.new_zeros(query.shape[0], self.num_heads, self.head_dim)
-        bounds = zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_kv.tolist()[:-1], cu_kv.tolist()[1:])
-        for q0, q1, k0, k1 in bounds:
-            if q1 == q0:
-                continue
-            # [len, n, hn] -> [1, n, len, hn]
-            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query[q0:q1], key[k0:k1], value[k0:k1]))
-            out[q0:q1] = self._sdpa(q, k, v, None, causal, dropout)[0].transpose(0, 1)
+        out = packed_attention(query, key, value, cu_q, cu_kv, params.max_seqlen_q, params.max_seqlen_kv,
+                               causal, self.softmax_scale, dropout)  # [t, np, hn]
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def _sdpa(self, q, k, v, attention_mask, causal, dropout):

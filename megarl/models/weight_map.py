@@ -74,11 +74,17 @@ def parameter_names(model: nn.Module) -> list[str]:
 
 
 def model_rules(model: nn.Module, info: ModelInfo) -> dict[str, Rule]:
-    """Megatron name -> Rule for every weight this pipeline stage holds."""
+    """Megatron name -> Rule for every weight this pipeline stage holds.
+
+    LoRA adapters (``*.lora_a`` / ``*.lora_b``, megarl/models/lora.py) have no HF tensor of
+    their own: an export merges them into the base weights first (``merged_lora``).
+    """
     # local layer index -> global one (layer_number is global and 1-based)
     layer_index = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     rules, unknown = {}, []
     for name in parameter_names(model):
+        if name.endswith((".lora_a", ".lora_b")):
+            continue
         rule = _top_rule(name, info)
         match = _LAYER_NAME.fullmatch(name)
         if match and match.group(2) in LAYER_RULES:

@@ -6,33 +6,58 @@ last pipeline stage ``head(micro_batch, output)`` turns the model output into
 and the gradient is that of ``sum(loss_sum) / sum(count)`` over every
 micro-batch and DP rank (see :mod:`megarl.roles.optim`). Forward-only runs
 return the metrics (tensors) of every micro-batch on every stage.
+
+:class:`RunOptions` say how: padded rows or one packed THD row per
+micro-batch (the head reads ``mb.model_inputs`` either way, see
+:mod:`megarl.roles.inputs`), and whether rows are first re-dealt over the DP
+axis by token count (:mod:`megarl.roles.dp_balance`; then with token-budget
+micro-batches every DP rank also runs the same number of them).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from megarl.distributed import ParallelGroups
+from megarl.distributed import ParallelGroups, device
 from megarl.models.pipeline import run_pipeline
 from megarl.roles.batch import SampleBatch, cat_rows
+from megarl.roles.dp_balance import Dealt, deal_rows
+from megarl.roles.inputs import ModelInputs, packed_inputs, padded_inputs
 from megarl.roles.optim import Trainable
 
 Head = Callable[[SampleBatch, torch.Tensor], tuple]
 LOSS_KEY = "_loss_sum"  # the head's loss, carried beside its metrics to the optimizer step's guard
 
 
+def imbalance(dealt: Dealt) -> dict[str, float]:
+    """A training step's DP token balance: max over mean of the ranks' tokens, after and before."""
+    return {"dp_token_imbalance": dealt.imbalance, "dp_token_imbalance_before": dealt.imbalance_before}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a role lays out its micro-batches."""
+
+    packing: bool = False  # one packed THD row per micro-batch instead of padded rows
+    pad_multiple: int = 1  # packed length a multiple of this (the TP size under sequence parallelism)
+    dp_balance: bool = False  # re-deal rows over DP ranks by tokens (collective: every DP rank must call)
+
+
 class ModelRole:
     """A model stage on this rank, trainable or frozen."""
 
     def __init__(self, name: str, module, groups: ParallelGroups, info,
-                 trainable: Optional[Trainable] = None):
+                 trainable: Optional[Trainable] = None, options: RunOptions = RunOptions()):
         self.name = name
         self.module = module  # unwrapped GPTModel stage
         self.groups = groups
         self.info = info  # megarl.models.hf_config.ModelInfo
         self.trainable = trainable
+        self.options = options
 
     @property
     def chunks(self) -> list:
@@ -46,24 +71,48 @@ class ModelRole:
             return loss, count, metrics if forward_only else {**metrics, LOSS_KEY: loss.detach()}
 
         def forward_step(mb: SampleBatch, model):
-            out = model(mb.input_ids, mb.position_ids(), None)  # (b, l, V/tp) | (b, l, 1) | hidden
-            return out, lambda output: loss_fn(mb, output)
+            x = mb.model_inputs
+            out = model(x.input_ids, x.position_ids, None, packed_seq_params=x.packed_seq_params)
+            return out, lambda output: loss_fn(mb, output)  # out: (b|1, l|T, V/tp) | (.., 1) | hidden
 
-        width = max(mb.width for mb in micro_batches)
+        micro_batches = [replace(mb, model_inputs=self.model_inputs(mb)) for mb in micro_batches]
+        shapes = [mb.model_inputs.input_ids.shape for mb in micro_batches]  # (b, l) | (1, T)
         return run_pipeline(
             self.chunks, self.groups, micro_batches, forward_step, forward_only=forward_only,
-            seq_length=width, micro_batch_size=len(micro_batches[0]), broadcast=True,
+            seq_length=max(s[1] for s in shapes), micro_batch_size=shapes[0][0], broadcast=True,
         )
+
+    def model_inputs(self, mb: SampleBatch) -> ModelInputs:
+        """What the model reads for micro-batch ``mb`` under this role's options."""
+        if self.options.packing:
+            return packed_inputs(mb.input_ids, mb.lengths, self.options.pad_multiple)
+        return padded_inputs(mb.input_ids, mb.lengths)
+
+    def deal(self, batch: SampleBatch, keep_counts: bool) -> Dealt:
+        """``batch``'s rows re-dealt over DP by tokens (when ``options.dp_balance``)."""
+        dp = self.groups.dp_size if self.options.dp_balance else 1
+        return deal_rows(batch, self.groups.dp if dp > 1 else None, dp, keep_counts)
+
+    def micro_batch_index(self, batch: SampleBatch, micro_batch_size: int, max_tokens: int) -> list[list[int]]:
+        """Micro-batch rows; token-budget bins are as many on every DP rank when balancing."""
+        index = batch.micro_batch_index(micro_batch_size, max_tokens)
+        if max_tokens <= 0 or not self.options.dp_balance or self.groups.dp_size == 1:
+            return index
+        most = torch.tensor([len(index)], device=device())
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        return batch.micro_batch_index(micro_batch_size, max_tokens, int(most)) if int(most) > len(index) else index
 
     def forward_collect(self, batch: SampleBatch, micro_batch_size: int, head: Head,
                         max_tokens: int = 0) -> dict[str, torch.Tensor]:
-        """Forward only; per-token outputs of ``head`` reassembled in batch order (B, L)."""
-        index = batch.micro_batch_index(micro_batch_size, max_tokens)
+        """Forward only; per-token outputs of ``head`` reassembled in batch order (B, L) | (B,)."""
+        dealt = self.deal(batch, keep_counts=max_tokens <= 0)
+        mine = dealt.batch
+        index = self.micro_batch_index(mine, micro_batch_size, max_tokens)
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad():
-                results = self.run([batch.select(i) for i in index], head, forward_only=True)
+                results = self.run([mine.select(i) for i in index], head, forward_only=True)
         finally:
             self.module.train(was_training)
         order = torch.tensor([i for idx in index for i in idx])
@@ -72,8 +121,8 @@ class ModelRole:
         out = {}
         for key in results[0]:
             parts = [r[key] for r in results]
-            merged = cat_rows(parts, batch.width) if parts[0].dim() == 2 else torch.cat(parts)
-            out[key] = merged[inverse.to(merged.device)]
+            merged = cat_rows(parts, mine.width) if parts[0].dim() == 2 else torch.cat(parts)
+            out[key] = dealt.back(merged[inverse.to(merged.device)])
         return out
 
     def train_step(self, micro_batches: list[SampleBatch], head: Head) -> dict[str, float]:

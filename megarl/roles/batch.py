@@ -8,13 +8,19 @@ with ``input_ids``: entry t belongs to token t (the log-prob of token t given
 tokens < t; the value of the state before token t). Entry 0 of a log-prob is 0:
 nothing predicts the first token. A field is None until the phase that fills it
 has run (rollout -> ref / values / old log-probs -> advantages).
+``model_inputs`` is set on a micro-batch by the role that runs it: the token
+ids, positions and next-token targets the model reads, padded or packed
+(:mod:`megarl.roles.inputs`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from megarl.roles.inputs import ModelInputs
 
 PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
 PER_SEQUENCE = ("greedy_scores",)
@@ -35,6 +41,7 @@ class SampleBatch:
     returns: Optional[torch.Tensor] = None  # (B, L) value targets
     greedy_scores: Optional[torch.Tensor] = None  # (B,) score of the prompt's greedy response (remax)
     policy_version: int = 0  # trainer steps of the weights that sampled (how stale a replayed batch is)
+    model_inputs: Optional["ModelInputs"] = None  # a micro-batch's model view, set by ModelRole.run
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
@@ -50,20 +57,19 @@ class SampleBatch:
         width = int(lengths.max()) if len(index) else 1
         rows = {f.name: _rows(getattr(self, f.name), index, width) for f in fields(self)
                 if f.name in PER_TOKEN + PER_SEQUENCE or f.name in ("input_ids", "response_mask")}
-        return replace(self, lengths=lengths, **rows)
+        return replace(self, lengths=lengths, model_inputs=None, **rows)
 
-    def micro_batch_index(self, micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+    def micro_batch_index(self, micro_batch_size: int, max_tokens: int = 0, min_bins: int = 1) -> list[list[int]]:
         """Row indices of each micro-batch: fixed ``micro_batch_size`` rows, or
-        (``max_tokens`` > 0) first-fit-decreasing bins of at most ``max_tokens`` tokens."""
+        (``max_tokens`` > 0) first-fit-decreasing bins of at most ``max_tokens`` tokens,
+        at least ``min(min_bins, rows)`` of them."""
         if max_tokens > 0:
             from megarl.data.packing import pack_sequences
 
-            return [sorted(b) for b in pack_sequences(self.lengths.tolist(), max_tokens)]
+            bins = pack_sequences(self.lengths.tolist(), max_tokens, min(min_bins, len(self)))
+            return [sorted(b) for b in bins]
         n = len(self)
         return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
-
-    def position_ids(self) -> torch.Tensor:
-        return torch.arange(self.width, device=self.input_ids.device).expand(len(self), -1)
 
 
 def _rows(t: Optional[torch.Tensor], index: torch.Tensor, width: int) -> Optional[torch.Tensor]:

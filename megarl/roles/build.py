@@ -6,7 +6,9 @@ from megarl.distributed import ParallelGroups
 from megarl.models.builder import ModelOptions, build_gpt_model
 from megarl.models.hf_config import read_hf_config
 from megarl.models.loader import load_hf_checkpoint
+from megarl.models.lora import LoraOptions, apply_lora
 from megarl.models.value_head import load_value_model
+from megarl.roles.base import RunOptions
 from megarl.roles.optim import build_trainable
 from megarl.roles.policy import Policy
 from megarl.roles.value import Critic, RewardModel
@@ -39,27 +41,41 @@ def build_module(path: str, cfg: Config, groups: ParallelGroups, value_head: boo
     return module, info
 
 
+def run_options(cfg: Config, packing: bool, dp_balance: bool = True) -> RunOptions:
+    """A role's micro-batch layout; a packed row under sequence parallelism splits evenly over TP."""
+    p = cfg.parallel
+    return RunOptions(packing=packing, pad_multiple=p.tp if p.sequence_parallel else 1,
+                      dp_balance=dp_balance and p.dp_balance)
+
+
 def _trainable(module, cfg: Config, groups, optim: OptimConfig, steps: int):
     return build_trainable(module, groups, optim, steps, cfg.parallel.distributed_optimizer)
 
 
 def build_actor(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Policy:
     module, info = build_module(cfg.model.path, cfg, groups)
-    return Policy("actor", module, groups, info, _trainable(module, cfg, groups, cfg.actor.optim, optimizer_steps))
+    if cfg.actor.lora.rank:  # base frozen before DDP: only the adapters get grad buffers and Adam state
+        lo = cfg.actor.lora
+        apply_lora(module, LoraOptions(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), seed=cfg.trainer.seed))
+    return Policy("actor", module, groups, info, _trainable(module, cfg, groups, cfg.actor.optim, optimizer_steps),
+                  run_options(cfg, cfg.actor.packing))
 
 
 def build_reference(cfg: Config, groups: ParallelGroups) -> Policy:
     module, info = build_module(cfg.ref.path or cfg.model.path, cfg, groups)
     module.requires_grad_(False)
-    return Policy("ref", module, groups, info)
+    return Policy("ref", module, groups, info, options=run_options(cfg, cfg.actor.packing))
 
 
 def build_critic(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Critic:
     module, info = build_module(cfg.critic.path or cfg.model.path, cfg, groups, value_head=True)
-    return Critic("critic", module, groups, info, _trainable(module, cfg, groups, cfg.critic.optim, optimizer_steps))
+    return Critic("critic", module, groups, info, _trainable(module, cfg, groups, cfg.critic.optim, optimizer_steps),
+                  run_options(cfg, cfg.critic.packing))
 
 
 def build_reward_model(cfg: Config, groups: ParallelGroups) -> RewardModel:
     module, info = build_module(cfg.reward.model.path, cfg, groups, value_head=True)
     module.requires_grad_(False)
-    return RewardModel("reward_model", module, groups, info)
+    # no DP balancing: reward scoring need not run on every DP rank at once (cached scores)
+    return RewardModel("reward_model", module, groups, info,
+                       options=run_options(cfg, cfg.reward.model.packing, dp_balance=False))

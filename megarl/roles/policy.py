@@ -7,13 +7,13 @@ the output layer) are masked out, so the distribution is the checkpoint's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megarl.algos import Aggregation, PolicyLossConfig, entropy_loss, get_policy_loss, kl_loss, masked_sum
 from megarl.config import ActorConfig
 from megarl.kernels import logprob_entropy
-from megarl.roles.base import ModelRole
+from megarl.roles.base import ModelRole, imbalance
 from megarl.roles.batch import SampleBatch
+from megarl.roles.inputs import ModelInputs
 
 PADDED_VOCAB_LOGIT = -1e4  # exp(-1e4 - max) is exactly 0 in fp32 and bf16
 
@@ -28,14 +28,17 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> to
     return logits.masked_fill(~keep, PADDED_VOCAB_LOGIT)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, groups, vocab_size: int,
+def token_logprobs(logits: torch.Tensor, inputs: ModelInputs, groups, vocab_size: int,
                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b, l, V/tp) logits -> log-prob of each token given the previous ones and the
-    entropy of that prediction, both (b, l) fp32 with column 0 = 0."""
-    logits = mask_padded_vocab(logits[:, :-1], vocab_size, groups.tp_rank)  # (b, l-1, V/tp)
+    """(b, l, V/tp) | (1, T, V/tp) logits -> log-prob of each token given the previous ones
+    of its sequence and the entropy of that prediction, both (b, l) fp32 with column 0 = 0.
+
+    Each position scores its precomputed next-token target, so a packed row never
+    predicts across a sequence boundary."""
+    logits = mask_padded_vocab(logits, vocab_size, groups.tp_rank)  # (b|1, l|T, V/tp)
     tp_group = groups.tp if groups.tp_size > 1 else None
-    lp, ent = logprob_entropy(logits, input_ids[:, 1:], tp_group, temperature)  # (b, l-1)
-    return F.pad(lp, (1, 0)), F.pad(ent, (1, 0))
+    lp, ent = logprob_entropy(logits, inputs.targets, tp_group, temperature)  # (b|1, l|T)
+    return inputs.to_rows(lp), inputs.to_rows(ent)
 
 
 def policy_loss_config(cfg: ActorConfig) -> PolicyLossConfig:
@@ -52,7 +55,7 @@ class Policy(ModelRole):
         """{"logprobs", "entropy"}: (B, L) each."""
 
         def head(mb: SampleBatch, logits):
-            lp, ent = token_logprobs(logits, mb.input_ids, self.groups, self.info.vocab_size, temperature)
+            lp, ent = token_logprobs(logits, mb.model_inputs, self.groups, self.info.vocab_size, temperature)
             return logits.new_zeros(()), torch.tensor(1), {"logprobs": lp, "entropy": ent}
 
         return self.forward_collect(batch, micro_batch_size, head, max_tokens)
@@ -63,7 +66,11 @@ class Policy(ModelRole):
         if batch.old_logprobs is None:
             raise ValueError("Policy.update needs old_logprobs in the batch; an on-policy step uses update_on_policy")
         head = self._loss_head(cfg, temperature, norm_len)
-        return [self.train_step(self._micro_batches(batch.select(idx), cfg), head) for idx in mini_batches]
+        steps = []
+        for idx in mini_batches:
+            dealt = self._deal(batch.select(idx), cfg)
+            steps.append({**self.train_step(self._micro_batches(dealt.batch, cfg), head), **imbalance(dealt)})
+        return steps
 
     def update_on_policy(self, batch: SampleBatch, cfg: ActorConfig, temperature: float, index,
                          norm_len: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
@@ -76,15 +83,23 @@ class Policy(ModelRole):
         """
         if batch.old_logprobs is not None or len(index) != len(batch):
             raise ValueError("update_on_policy takes a batch without old_logprobs and one mini-batch of all its rows")
-        mini = batch.select(index)
-        rows = mini.micro_batch_index(cfg.micro_batch_size, cfg.max_tokens_per_micro)
+        index = torch.as_tensor(index)
+        dealt = self._deal(batch.select(index), cfg)
+        mine = dealt.batch
+        rows = self.micro_batch_index(mine, cfg.micro_batch_size, cfg.max_tokens_per_micro)
         self.trainable.zero_grad()
-        results = self.run([mini.select(r) for r in rows], self._loss_head(cfg, temperature, norm_len),
+        results = self.run([mine.select(r) for r in rows], self._loss_head(cfg, temperature, norm_len),
                            forward_only=False)
         per_token = {k: [r.pop(k) for r in results] for k in ("logprobs", "entropy")}  # (b_i, l_i) each
-        step = self.finish_step(results)
-        batch_rows = [torch.as_tensor(index)[r] for r in rows]  # micro-batch rows as rows of `batch`
-        return step, {k: _scatter_rows(parts, batch_rows, len(batch), batch.width) for k, parts in per_token.items()}
+        step = {**self.finish_step(results), **imbalance(dealt)}
+        out = {}
+        for k, parts in per_token.items():
+            in_mini = dealt.back(_scatter_rows(parts, [torch.as_tensor(r) for r in rows], len(mine), mine.width))
+            out[k] = _scatter_rows([in_mini], [index], len(batch), batch.width)  # mini row j is batch row index[j]
+        return step, out
+
+    def _deal(self, mini: SampleBatch, cfg: ActorConfig):
+        return self.deal(mini, keep_counts=cfg.max_tokens_per_micro <= 0)
 
     def _loss_head(self, cfg: ActorConfig, temperature: float, norm_len: int):
         """The update's head: (loss sum, count, token-weighted metric sums); without
@@ -97,7 +112,7 @@ class Policy(ModelRole):
 
         def head(mb: SampleBatch, logits):
             mask = mb.response_mask
-            lp, ent = token_logprobs(logits, mb.input_ids, self.groups, self.info.vocab_size, temperature)
+            lp, ent = token_logprobs(logits, mb.model_inputs, self.groups, self.info.vocab_size, temperature)
             on_policy = mb.old_logprobs is None
             old = lp.detach() if on_policy else mb.old_logprobs
             pg, m = loss_fn(lp, old, mb.advantages, mask, loss_cfg, sums)
@@ -119,9 +134,8 @@ class Policy(ModelRole):
 
         return head
 
-    @staticmethod
-    def _micro_batches(mini: SampleBatch, cfg: ActorConfig) -> list[SampleBatch]:
-        return [mini.select(i) for i in mini.micro_batch_index(cfg.micro_batch_size, cfg.max_tokens_per_micro)]
+    def _micro_batches(self, mini: SampleBatch, cfg: ActorConfig) -> list[SampleBatch]:
+        return [mini.select(i) for i in self.micro_batch_index(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro)]
 
 
 def _scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], n: int, width: int) -> torch.Tensor:

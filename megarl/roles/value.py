@@ -3,22 +3,24 @@
 The model's output at position t is a scalar for the state after token t.
 The critic's value of token t is the output at t - 1 (the state in which token
 t was chosen), aligned like the log-probs; a reward model's score of a whole
-response is its output at the last real token.
+response is its output at the last real token. Both read positions through
+``mb.model_inputs``, so padded and packed micro-batches give the same numbers.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megarl.algos import Aggregation, value_loss
 from megarl.config import CriticConfig
-from megarl.roles.base import ModelRole
+from megarl.roles.base import ModelRole, imbalance
 from megarl.roles.batch import SampleBatch
+from megarl.roles.inputs import ModelInputs
 
 
-def token_values(out: torch.Tensor) -> torch.Tensor:
-    """(b, l, 1) head output -> (b, l) fp32 value of the state before each token."""
-    return F.pad(out[..., 0].float()[:, :-1], (1, 0))
+def token_values(out: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+    """(b, l, 1) | (1, T, 1) head output -> (b, l) fp32 value of the state before each token
+    (the output at the previous token of the same sequence; column 0 = 0)."""
+    return inputs.to_rows(out[..., 0].float())
 
 
 class Critic(ModelRole):
@@ -26,7 +28,7 @@ class Critic(ModelRole):
 
     def values(self, batch: SampleBatch, micro_batch_size: int) -> torch.Tensor:
         def head(mb, out):
-            return out.new_zeros(()), torch.tensor(1), {"values": token_values(out)}
+            return out.new_zeros(()), torch.tensor(1), {"values": token_values(out, mb.model_inputs)}
 
         return self.forward_collect(batch, micro_batch_size, head)["values"]
 
@@ -35,7 +37,7 @@ class Critic(ModelRole):
 
         def head(mb: SampleBatch, out):
             mask = mb.response_mask
-            v = token_values(out)
+            v = token_values(out, mb.model_inputs)
             loss, m = value_loss(v, mb.values, mb.returns, mask, cfg.value_clip, sums)
             tokens = mask.sum()
             return loss, tokens.long(), {
@@ -45,9 +47,9 @@ class Critic(ModelRole):
 
         steps = []
         for index in mini_batches:
-            mini = batch.select(index)
-            micro = [mini.select(i) for i in mini.micro_batch_index(cfg.micro_batch_size)]
-            steps.append(self.train_step(micro, head))
+            dealt = self.deal(batch.select(index), keep_counts=True)
+            micro = [dealt.batch.select(i) for i in dealt.batch.micro_batch_index(cfg.micro_batch_size)]
+            steps.append({**self.train_step(micro, head), **imbalance(dealt)})
         return steps
 
 
@@ -56,8 +58,7 @@ class RewardModel(ModelRole):
 
     def scores(self, batch: SampleBatch, micro_batch_size: int) -> torch.Tensor:
         def head(mb: SampleBatch, out):
-            last = (mb.lengths - 1).to(out.device)  # (b,)
-            score = out[torch.arange(len(mb), device=out.device), last, 0].float()
+            score = mb.model_inputs.at_last_token(out[..., 0].float())  # (b,)
             return out.new_zeros(()), torch.tensor(1), {"scores": score}
 
         return self.forward_collect(batch, micro_batch_size, head)["scores"]

@@ -20,7 +20,7 @@ training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -61,6 +61,20 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # (h,)
     fc1: torch.Tensor  # (2 * ffn/tp, h): gate rows, then up rows
     fc2: torch.Tensor  # (h, ffn/tp)
+    lora: dict = field(default_factory=dict)  # linear name -> LoraWeights, where adapted
+
+
+@dataclass
+class LoraWeights:
+    """One linear's adapter (megarl.models.lora): out += scale * (x a^T) b^T, split like the weight."""
+
+    a: torch.Tensor  # column-parallel: (r, in); row-parallel: (r, in/tp)
+    b: torch.Tensor  # column-parallel: (out/tp, r); row-parallel: (out, r)
+    scale: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # row-parallel: this rank's partial (x_local a_local^T) b^T joins the output's TP all-reduce
+        return self.scale * F.linear(F.linear(x, self.a), self.b)
 
 
 def _norm_weight(layer, plain: str, fused: str) -> torch.Tensor:
@@ -76,6 +90,11 @@ def _norm_weight(layer, plain: str, fused: str) -> torch.Tensor:
     return owner  # TE: the norm is fused into the next linear
 
 
+def _lora(linears: dict) -> dict:
+    return {name: LoraWeights(m.lora_a, m.lora_b, m.lora_scale) for name, m in linears.items()
+            if getattr(m, "lora_enabled", False)}
+
+
 def _layer_weights(layer) -> LayerWeights:
     attn, mlp = layer.self_attention, layer.mlp
     q_norm = getattr(attn, "q_layernorm", None)
@@ -87,6 +106,7 @@ def _layer_weights(layer) -> LayerWeights:
         proj=attn.linear_proj.weight,
         mlp_norm=_norm_weight(layer, "pre_mlp_layernorm", "mlp.linear_fc1.layer_norm_weight"),
         fc1=mlp.linear_fc1.weight, fc2=mlp.linear_fc2.weight,
+        lora=_lora({"qkv": attn.linear_qkv, "proj": attn.linear_proj, "fc1": mlp.linear_fc1, "fc2": mlp.linear_fc2}),
     )
 
 
@@ -125,7 +145,8 @@ class StageForward:
 
     def parameters(self) -> list[torch.Tensor]:
         """Every tensor the forward reads (for the CUDA-graph pointer check)."""
-        out = [t for lw in self.layers for t in vars(lw).values() if t is not None]
+        out = [t for lw in self.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+        out += [t for lw in self.layers for ad in lw.lora.values() for t in (ad.a, ad.b)]
         extra = [self.embedding.weight if self.embedding is not None else None, self.final_norm, self.head]
         return out + [t for t in extra if t is not None]
 
@@ -161,7 +182,7 @@ class StageForward:
 
     def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache):
         t, g = h.shape[0], self.heads // self.kv_heads
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (T, ng * (g + 2) * hn)
+        qkv = self._linear(h, lw, "qkv", lw.qkv, lw.qkv_bias)  # (T, ng * (g + 2) * hn)
         if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of queries and keys before RoPE, in place
             heads = qkv.view(t, self.kv_heads, g + 2, self.head_dim)
             heads[:, :, :g] = F.rms_norm(heads[:, :, :g], (self.head_dim,), lw.q_norm, self.eps)
@@ -174,10 +195,16 @@ class StageForward:
         else:
             o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
                                         batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
-        return self._all_reduce(F.linear(o.reshape(t, -1), lw.proj))
+        return self._all_reduce(self._linear(o.reshape(t, -1), lw, "proj", lw.proj))
 
     def _mlp(self, h, lw: LayerWeights):
-        return self._all_reduce(F.linear(silu_mul(F.linear(h, lw.fc1)), lw.fc2))
+        return self._all_reduce(self._linear(silu_mul(self._linear(h, lw, "fc1", lw.fc1)), lw, "fc2", lw.fc2))
+
+    @staticmethod
+    def _linear(x, lw: LayerWeights, name: str, weight, bias=None):
+        out = F.linear(x, weight, bias)
+        adapter = lw.lora.get(name)
+        return out if adapter is None else out + adapter(x)
 
     def _all_reduce(self, x):
         if self.tp is not None:

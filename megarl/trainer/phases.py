@@ -111,12 +111,16 @@ def _mini_batches(tr, n_rows: int, epoch: int) -> list[torch.Tensor]:
 
 
 def _record_steps(tr, rollout, role: str, steps: list[dict]) -> None:
-    """Averages grad norm and LR over the updates made; counts and guards the skipped ones."""
+    """Averages grad norm and LR over the updates made; counts and guards the skipped ones;
+    the DP token imbalance (max over mean of the ranks' tokens) is the worst update's."""
     made = sum(1 for s in steps if s["update_ok"])
     skipped = f"{role}/skipped_updates"
     tr.metrics[skipped] = tr.metrics.get(skipped, 0.0)
     for s in steps:
         ok, nonfinite, grad_norm, lr = (s.pop(k) for k in ("update_ok", "nonfinite", "grad_norm", "lr"))
+        for key in ("dp_token_imbalance", "dp_token_imbalance_before"):  # the same on every rank: max over updates
+            if key in s:
+                tr.metrics[f"{role}/{key}"] = max(tr.metrics.get(f"{role}/{key}", 0.0), s.pop(key))
         if ok:
             tr.metrics[f"{role}/grad_norm"] = tr.metrics.get(f"{role}/grad_norm", 0.0) + grad_norm / made
             tr.metrics[f"{role}/lr"] = tr.metrics.get(f"{role}/lr", 0.0) + lr / made

@@ -6,6 +6,7 @@ same results. Nothing is gathered to a driver.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -19,12 +20,17 @@ from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
 from megarl.models.exporter import export_hf
+from megarl.models.lora import merged_lora
+from megarl.monitor.curves import plot_curves
+from megarl.monitor.progress import note, stage
+from megarl.monitor.resources import start_monitor
 from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.factory import build_engine
 from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer
-from megarl.trainer.evaluate import held_out_accuracy
+from megarl.trainer.resume import Layout, rewind_metrics
+from megarl.trainer.evaluate import eval_count, held_out_accuracy
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
@@ -42,26 +48,31 @@ class PPOTrainer:
     """Holds the roles, the engine, the data and the run's state."""
 
     def __init__(self, cfg: Config):
+        started = time.time()  # wall time of this session, for events.jsonl (megarl.report)
         self.cfg = cfg
         p = cfg.parallel
         self.groups = g = build_parallel_groups(p.tp, p.pp, p.cp)
         model_parallel_cuda_manual_seed(cfg.trainer.seed)
         self.device = device()
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self._build_data()
+        self.rank0 = torch.distributed.get_rank() == 0
+        with stage("loading the tokenizer and prompts", self.rank0) as line:
+            self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+            self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            self._build_data()
+            line.detail = f"{len(self.train_set)} train prompts"
         self.optimizer_steps = cfg.trainer.steps * cfg.actor.ppo_epochs * (
             cfg.data.batch_size * cfg.rollout.n // cfg.actor.mini_batch_size)
-        self.actor = build_actor(cfg, g, self.optimizer_steps)
-        self.ref = build_reference(cfg, g) if uses_ref(cfg) else None
-        self.critic = build_critic(cfg, g, self.optimizer_steps) if uses_critic(cfg) else None
-        self.rm = build_reward_model(cfg, g) if cfg.reward.model.path else None
-        self.engine = build_engine(cfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
+        self._build_roles()
         rm_scorer = (lambda b: self.rm.scores(b, cfg.reward.model.micro_batch_size)) if self.rm else None
-        self.reward = build_reward(cfg.reward, rm_scorer)
+        self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir)
         self.kl_ctl = _kl_controller(cfg)
-        self.writer = MetricsWriter(cfg.trainer.run_dir, torch.distributed.get_rank() == 0, cfg.trainer.tensorboard)
-        self.checkpointer = Checkpointer(cfg.trainer.run_dir, cfg.trainer.keep_last)
+        self.checkpointer = Checkpointer(cfg.trainer.run_dir, cfg.trainer.keep_last,
+                                         Layout.of(g, cfg.parallel.distributed_optimizer), cfg.trainer.seed)
+        if self.rank0 and cfg.trainer.resume:  # rows a killed run logged after its last checkpoint
+            rewind_metrics(cfg.trainer.run_dir, self.checkpointer.latest_step())
+        self.writer = MetricsWriter(cfg.trainer.run_dir, self.rank0, cfg.trainer.tensorboard, cfg.trainer.wandb,
+                                    dataclasses.asdict(cfg))
+        self.monitor = start_monitor(cfg.trainer.monitor_interval_s) if self.rank0 else None
         self.step = 0
         self.timer = PhaseTimer()
         self.metrics: dict[str, float] = {}
@@ -70,6 +81,7 @@ class PPOTrainer:
         self._resume()
         if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
             self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
+        self.writer.event("start", self.step, time=started, world_size=torch.distributed.get_world_size())
 
     # -- setup ---------------------------------------------------------------
     def _build_data(self) -> None:
@@ -80,6 +92,24 @@ class PPOTrainer:
             self.eval_set = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.eval_path), self.tokenizer)
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size // g.dp_size, g.dp_rank, g.dp_size,
                                      seed=cfg.data.seed)
+
+    def _build_roles(self) -> None:
+        """Actor, reference, critic, reward model and rollout engine, each with a progress line."""
+        cfg, g, say = self.cfg, self.groups, self.rank0
+        with stage(f"loading the actor from {cfg.model.path}", say):
+            self.actor = build_actor(cfg, g, self.optimizer_steps)
+        self.ref = self.critic = self.rm = None
+        if uses_ref(cfg):
+            with stage(f"loading the reference from {cfg.ref.path or cfg.model.path}", say):
+                self.ref = build_reference(cfg, g)
+        if uses_critic(cfg):
+            with stage(f"loading the critic from {cfg.critic.path or cfg.model.path}", say):
+                self.critic = build_critic(cfg, g, self.optimizer_steps)
+        if cfg.reward.model.path:
+            with stage(f"loading the reward model from {cfg.reward.model.path}", say):
+                self.rm = build_reward_model(cfg, g)
+        with stage(f"starting the {cfg.rollout.engine} rollout engine", say):
+            self.engine = build_engine(cfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
 
     def _stop_ids(self) -> list[int]:
         if self.cfg.rollout.ignore_eos:
@@ -97,11 +127,12 @@ class PPOTrainer:
         step = self.checkpointer.latest_step() if self.cfg.trainer.resume else None
         if step is None:
             return
-        state = self.checkpointer.load(step, self.trainable_roles())
+        with stage(f"loading the checkpoint of step {step} from {self.checkpointer.root}", self.rank0):
+            state = self.checkpointer.load(step, self.trainable_roles(), expect=("sampler", "kl_controller"))
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
-        if torch.distributed.get_rank() == 0:
+        if self.rank0:
             print(f"resumed from step {self.step}", flush=True)
 
     # -- the phases of a step ------------------------------------------------
@@ -161,14 +192,19 @@ class PPOTrainer:
     def evaluate(self) -> float | None:
         if self.eval_set is None:
             return None
+        count, start = eval_count(len(self.eval_set), self.cfg.trainer.eval_samples), time.perf_counter()
+        note(f"evaluating {count} held-out prompts ...", self.rank0)
         acc = held_out_accuracy(self.engine, self.eval_set, self.tokenizer, self.groups,
                                 self.cfg.rollout.max_new_tokens, self.cfg.trainer.eval_samples)
+        note(f"held-out accuracy {acc:.3f} on {count} prompts ({time.perf_counter() - start:.1f} s)", self.rank0)
         return acc
 
     def log_and_save(self, rollout: Rollout) -> dict[str, float]:
         self.step += 1
         metrics = phases.step_metrics(self, rollout)
         metrics.update(self.rollout_stats)
+        if self.monitor:  # rank 0's node only
+            metrics.update(self.monitor.drain())
         self.writer.write(self.step, metrics)
         t = self.cfg.trainer
         last = self.step == t.steps and t.save_last
@@ -179,26 +215,44 @@ class PPOTrainer:
     def finish(self, accuracy_before: float | None) -> None:
         """Held-out accuracy after training (beside the one before), HF export, close logs."""
         after = self.evaluate()
-        rank0 = torch.distributed.get_rank() == 0
         if after is not None:
             self.writer.write(self.step, {"eval/accuracy": after})
-            if rank0:
+            if self.rank0:
                 before = "n/a (resumed)" if accuracy_before is None else f"{accuracy_before:.3f}"
                 print(f"held-out accuracy: before {before}  after {after:.3f}", flush=True)
         if self.cfg.trainer.export_hf:
-            out = os.path.join(self.cfg.trainer.run_dir, "hf")
-            export_hf(self.actor.module, self.actor.info, self.groups, out,
-                      copy_from=self.cfg.model.tokenizer or self.cfg.model.path)
-            if rank0:
-                print(f"actor exported to {out}", flush=True)
+            self.export()
+        self.close("end")
+
+    def export(self) -> None:
+        """The actor as a Hugging Face directory ``RUN_DIR/hf``, with a progress line and an event."""
+        out = os.path.join(self.cfg.trainer.run_dir, "hf")
+        with stage(f"exporting the actor to {out}", self.rank0) as line:
+            with merged_lora(self.actor.module):  # plain weights W + s B A (no adapters: a no-op)
+                written = export_hf(self.actor.module, self.actor.info, self.groups, out,
+                                    copy_from=self.cfg.model.tokenizer or self.cfg.model.path)
+            if written is not None:
+                line.detail = f"{written.tensors} tensors, {written.bytes / 2**20:.1f} MB"
+        if written is not None:
+            self.writer.event("export", self.step, path=os.path.abspath(out), tensors=written.tensors,
+                              bytes=written.bytes)
+
+    def close(self, event: str) -> None:
+        """Stops the resource monitor, logs how the session ended (end, stopped, already_finished), draws
+        curves.png after training, closes the logs."""
+        if self.monitor:
+            self.monitor.stop()
+        self.writer.event(event, self.step)
+        if self.rank0 and event != "already_finished":
+            plot_curves(self.cfg.trainer.run_dir)
         self.writer.close()
 
     def stop_early(self, signal_name: str | None) -> None:
         """A stop signal: save this step (unless just saved) and close; resume picks it up."""
         if not self.cfg.trainer.rollout_only and self.checkpointer.latest_step() != self.step:
             self.save()
-        self.writer.close()
-        if torch.distributed.get_rank() == 0:
+        self.close("stopped")
+        if self.rank0:
             why = signal_name or "a stop signal on another rank"
             print(f"stopped by {why} after step {self.step}; checkpoint saved in "
                   f"{self.checkpointer.root} (run the same command to resume)", flush=True)

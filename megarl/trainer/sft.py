@@ -57,7 +57,7 @@ def sft_batch(items, tokenizer, pad_id: int, dev) -> SampleBatch:
 
 def nll_head(policy: Policy):
     def head(mb: SampleBatch, logits):
-        lp, _ = token_logprobs(logits, mb.input_ids, policy.groups, policy.info.vocab_size, 1.0)
+        lp, _ = token_logprobs(logits, mb.model_inputs, policy.groups, policy.info.vocab_size, 1.0)
         tokens = mb.response_mask.sum()
         nll = -(lp * mb.response_mask).sum()
         return nll, tokens.long(), {"nll": nll.detach(), "tokens": tokens.detach()}
