@@ -25,8 +25,19 @@ from megarl.distributed.groups import ParallelGroups
 from megarl.models.hf_config import ModelInfo, sliding_window_check
 from megarl.models.sdpa_attention import SDPAAttention
 from megarl.models.value_head import ValueHead
+from megarl.models import rope_thd
+
+rope_thd.install()  # packed rows: RoPE without megatron's per-layer host syncs (see rope_thd.py)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# megatron-core's activation recompute settings. selective: the core attention of every layer
+# (recompute_modules defaults to ["core_attn"]); full: each layer's input is the only activation
+# kept, and the layer runs again in backward (one layer per checkpoint).
+_RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 @dataclass
@@ -39,6 +50,7 @@ class ModelOptions:
     make_vocab_size_divisible_by: int = 128  # vocab pads to a multiple of this * tp
     seq_length: Optional[int] = None  # longest sequence of the run; None: max_position_embeddings
     sequence_parallel: bool = False  # needs the TE spec (torch norms do not support it)
+    recompute: str = "none"  # activation recompute in training mode: "none" | "selective" | "full"
 
     def validate(self) -> None:
         if self.attention_backend not in ("sdpa", "local"):
@@ -53,6 +65,8 @@ class ModelOptions:
             raise ValueError("parallel.sequence_parallel needs the TE layer spec (torch norms reject it)")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError("model.make_vocab_size_divisible_by must be >= 1")
+        if self.recompute not in _RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}: use one of {sorted(_RECOMPUTE)}")
 
 
 def have_te() -> bool:
@@ -91,6 +105,7 @@ def transformer_config(info: ModelInfo, groups: ParallelGroups, opts: ModelOptio
         use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False,
+        **_RECOMPUTE[opts.recompute],
     )
 
 

@@ -1,0 +1,35 @@
+"""megarl.models.rope_thd.packed_rope equals megatron-core's per-sequence THD RoPE bitwise."""
+import pytest
+import torch
+
+from megarl.models.rope_thd import _MEGATRON_THD, packed_rope
+
+
+class OneRank:
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("lengths", [[7], [3, 1, 5], [4, 4, 4, 4], [1, 9, 2]])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_packed_rope_equals_megatron_bitwise(lengths, per_token):
+    g = torch.Generator().manual_seed(sum(lengths))
+    total, d = sum(lengths), 16
+    t = torch.randn(total, 3, d, generator=g)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    rows = total if per_token else 12  # per-token freqs (megatron's exact mapping) or positions 0..11
+    freqs = torch.randn(rows, 1, 1, d, generator=g)
+    want = _MEGATRON_THD(t, cu, freqs, cp_group=OneRank())
+    assert torch.equal(packed_rope(t, cu, freqs, cp_group=OneRank()), want)
+    assert not torch.equal(want, t)
+
+
+def test_installed_by_the_model_builder():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    import megarl.models.builder  # noqa: F401
+
+    assert rope_utils._apply_rotary_pos_emb_thd is packed_rope
