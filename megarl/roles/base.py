@@ -21,12 +21,14 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import get_model_config
 
 from megarl.distributed import ParallelGroups, device
 from megarl.models.pipeline import run_pipeline
 from megarl.roles.batch import SampleBatch, cat_rows
 from megarl.roles.dp_balance import Dealt, deal_rows
 from megarl.roles.inputs import ModelInputs, packed_inputs, padded_inputs
+from megarl.roles.memory import MemoryBackoff, OutOfMemoryAgreed, any_rank, caught_oom, deferred_finalize
 from megarl.roles.optim import Trainable
 
 Head = Callable[[SampleBatch, torch.Tensor], tuple]
@@ -58,6 +60,7 @@ class ModelRole:
         self.info = info  # megarl.models.hf_config.ModelInfo
         self.trainable = trainable
         self.options = options
+        self.backoff = MemoryBackoff(name)  # CUDA OOM: smaller micro-batches, retried (roles/memory.py)
 
     @property
     def chunks(self) -> list:
@@ -95,6 +98,7 @@ class ModelRole:
 
     def micro_batch_index(self, batch: SampleBatch, micro_batch_size: int, max_tokens: int) -> list[list[int]]:
         """Micro-batch rows; token-budget bins are as many on every DP rank when balancing."""
+        micro_batch_size, max_tokens = self.backoff.budget(micro_batch_size, max_tokens)
         index = batch.micro_batch_index(micro_batch_size, max_tokens)
         if max_tokens <= 0 or not self.options.dp_balance or self.groups.dp_size == 1:
             return index
@@ -107,14 +111,8 @@ class ModelRole:
         """Forward only; per-token outputs of ``head`` reassembled in batch order (B, L) | (B,)."""
         dealt = self.deal(batch, keep_counts=max_tokens <= 0)
         mine = dealt.batch
-        index = self.micro_batch_index(mine, micro_batch_size, max_tokens)
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with torch.no_grad():
-                results = self.run([mine.select(i) for i in index], head, forward_only=True)
-        finally:
-            self.module.train(was_training)
+        index, results = self.backoff.retrying("forward", lambda: self._forward_all(mine, micro_batch_size, head,
+                                                                                    max_tokens))
         order = torch.tensor([i for idx in index for i in idx])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
@@ -125,14 +123,44 @@ class ModelRole:
             out[key] = dealt.back(merged[inverse.to(merged.device)])
         return out
 
-    def train_step(self, micro_batches: list[SampleBatch], head: Head) -> dict[str, float]:
+    def _forward_all(self, mine: SampleBatch, micro_batch_size: int, head: Head, max_tokens: int):
+        """(index, results) of one forward-only pass; OutOfMemoryAgreed if any rank ran out."""
+        index = self.micro_batch_index(mine, micro_batch_size, max_tokens)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                results, oom = caught_oom(lambda: self.run([mine.select(i) for i in index], head, forward_only=True))
+        finally:
+            self.module.train(was_training)
+        if any_rank(oom):
+            raise OutOfMemoryAgreed()
+        return index, results
+
+    def train_step(self, micro_batches: list[SampleBatch] | Callable[[], list[SampleBatch]],
+                   head: Head) -> dict[str, float]:
         """One optimizer step over ``micro_batches``; summed metrics plus grad norm and LR.
 
         Skipped, on every rank, when the loss or a gradient is not finite
-        (``nonfinite`` = 1; see :meth:`Trainable.step`).
+        (``nonfinite`` = 1; see :meth:`Trainable.step`). ``micro_batches`` may be a
+        function that splits them under ``self.backoff``'s budget: after a CUDA OOM
+        the step is retried on smaller ones (a fixed list is retried as it is).
         """
+        make = micro_batches if callable(micro_batches) else (lambda: micro_batches)
+        return self.backoff.retrying("update", lambda: self.finish_step(self.train_run(make(), head)))
+
+    def train_run(self, micro_batches: list[SampleBatch], head: Head) -> list[dict]:
+        """Forward and backward of every micro-batch (gradients reduced, no optimizer step);
+        OutOfMemoryAgreed, gradients zeroed, if any rank ran out of memory."""
         self.trainable.zero_grad()
-        return self.finish_step(self.run(micro_batches, head, forward_only=False))
+        with deferred_finalize(get_model_config(self.chunks[0])) as (finalize, calls):
+            results, oom = caught_oom(lambda: self.run(micro_batches, head, forward_only=False))
+        if any_rank(oom):
+            self.trainable.zero_grad()
+            raise OutOfMemoryAgreed()
+        for args, kwargs in calls:  # the DP reduction, once every rank is known to have finished
+            finalize(*args, **kwargs)
+        return results
 
     def finish_step(self, results: list[dict]) -> dict[str, float]:
         """Sums the micro-batches' metrics and steps the optimizer unless the loss is not finite."""
@@ -142,4 +170,4 @@ class ModelRole:
                 metrics[k] = metrics.get(k, 0.0) + float(v)
         loss = metrics.pop(LOSS_KEY)  # on every stage: run() broadcasts the last stage's results
         metrics.update(self.trainable.step(loss_finite=math.isfinite(loss)))
-        return metrics
+        return {**metrics, **self.backoff.metrics()}

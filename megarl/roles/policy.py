@@ -69,7 +69,8 @@ class Policy(ModelRole):
         steps = []
         for idx in mini_batches:
             dealt = self._deal(batch.select(idx), cfg)
-            steps.append({**self.train_step(self._micro_batches(dealt.batch, cfg), head), **imbalance(dealt)})
+            make = lambda mini=dealt.batch: self._micro_batches(mini, cfg)  # noqa: E731  (re-split after an OOM)
+            steps.append({**self.train_step(make, head), **imbalance(dealt)})
         return steps
 
     def update_on_policy(self, batch: SampleBatch, cfg: ActorConfig, temperature: float, index,
@@ -86,10 +87,13 @@ class Policy(ModelRole):
         index = torch.as_tensor(index)
         dealt = self._deal(batch.select(index), cfg)
         mine = dealt.batch
-        rows = self.micro_batch_index(mine, cfg.micro_batch_size, cfg.max_tokens_per_micro)
-        self.trainable.zero_grad()
-        results = self.run([mine.select(r) for r in rows], self._loss_head(cfg, temperature, norm_len),
-                           forward_only=False)
+        head = self._loss_head(cfg, temperature, norm_len)
+
+        def attempt():  # re-split under the back-off budget after an OOM
+            rows = self.micro_batch_index(mine, cfg.micro_batch_size, cfg.max_tokens_per_micro)
+            return rows, self.train_run([mine.select(r) for r in rows], head)
+
+        rows, results = self.backoff.retrying("update", attempt)
         per_token = {k: [r.pop(k) for r in results] for k in ("logprobs", "entropy")}  # (b_i, l_i) each
         step = {**self.finish_step(results), **imbalance(dealt)}
         out = {}

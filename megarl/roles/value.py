@@ -48,7 +48,8 @@ class Critic(ModelRole):
         steps = []
         for index in mini_batches:
             dealt = self.deal(batch.select(index), keep_counts=True)
-            micro = [dealt.batch.select(i) for i in dealt.batch.micro_batch_index(cfg.micro_batch_size)]
+            def micro(mini=dealt.batch):  # re-split under the back-off budget after an OOM
+                return [mini.select(i) for i in self.micro_batch_index(mini, cfg.micro_batch_size, 0)]
             steps.append({**self.train_step(micro, head), **imbalance(dealt)})
         return steps
 

@@ -118,7 +118,8 @@ def _record_steps(tr, rollout, role: str, steps: list[dict]) -> None:
     tr.metrics[skipped] = tr.metrics.get(skipped, 0.0)
     for s in steps:
         ok, nonfinite, grad_norm, lr = (s.pop(k) for k in ("update_ok", "nonfinite", "grad_norm", "lr"))
-        for key in ("dp_token_imbalance", "dp_token_imbalance_before"):  # the same on every rank: max over updates
+        for key in ("dp_token_imbalance", "dp_token_imbalance_before", "oom_retries", "memory_divisor"):
+            # the same on every rank: the max over the step's updates
             if key in s:
                 tr.metrics[f"{role}/{key}"] = max(tr.metrics.get(f"{role}/{key}", 0.0), s.pop(key))
         if ok:
