@@ -68,16 +68,21 @@ def _expected_grads(ad, g_w, group):
 
 def _job(rank, src, ckpt_dir, tp):
     from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.models.lora import LoraOptions, apply_lora, merged_lora
+    from megarl.models.lora import LoraOptions, adapters_off, apply_lora, merged_lora
     from megarl.models.mcore_ckpt import save_mcore
 
     init_distributed()
     groups = build_parallel_groups(tp=tp, pp=1)
     model, info = _build(groups, src)
+    with torch.no_grad():
+        base_logits = _loss(model, groups, info)[0]
     adapters = apply_lora(model, LoraOptions(**OPTS))
     _fill_b(adapters, groups.tp_rank)
+    with torch.no_grad(), adapters_off(model):  # the reference policy of a LoRA actor
+        off_logits = _loss(model, groups, info)[0]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    out = {"trainable_only_lora": all("lora_" in n for n in trainable) and len(trainable) == 2 * len(adapters),
+    out = {"adapters_off_is_base": bool(torch.equal(off_logits, base_logits)),
+           "trainable_only_lora": all("lora_" in n for n in trainable) and len(trainable) == 2 * len(adapters),
            "n_adapters": len(adapters)}
     logits, loss = _loss(model, groups, info)
     loss.backward()
@@ -134,7 +139,7 @@ def tp2(src, tmp_path_factory):
 
 def test_tp2_adapters_equal_merged_weights_and_their_chain_rule(tp2):
     assert tp2["n_adapters"] == 4 * 2  # 4 linears x 2 layers of the tiny model
-    assert tp2["trainable_only_lora"] and tp2["restored"]
+    assert tp2["trainable_only_lora"] and tp2["restored"] and tp2["adapters_off_is_base"]
     assert tp2["logits_gap"] < 1e-5, tp2["logits_gap"]
     assert tp2["grad_gap"] < 1e-5, tp2["grad_gap"]
 
@@ -174,8 +179,8 @@ def _errors_job(rank, src):
 
 # ---------------------------------------------------------------- a real run
 def test_lora_grpo_run_at_tp2_resumes_exactly_and_exports_merged(tmp_path):
-    """Two GRPO steps at TP2 with adapters: the engine's LoRA-aware decode gives the training
-    log-probs (1e-5), a stop after step 1 and a resume equal the straight run, and the HF
+    """Two GRPO steps at TP2 with adapters (the KL reference is the actor with its adapters
+    off): the engine's LoRA-aware decode gives the training log-probs (1e-5), a stop after step 1 and a resume equal the straight run, and the HF
     export changes only the adapted linears (embeddings and norms are the frozen base's)."""
     import json
 

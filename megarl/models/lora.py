@@ -25,6 +25,7 @@ fused LayerNorm-linear hides the normed input from the hook).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from dataclasses import dataclass
@@ -158,10 +159,17 @@ def _sharded_with_lora(base_fn, column: bool, gated: bool):
     return sharded_state_dict
 
 
-def set_lora_enabled(module: torch.nn.Module, enabled: bool) -> None:
-    """Adapters on or off (off: the base model, e.g. as the reference policy)."""
-    for m in module.modules():
-        if hasattr(m, "lora_enabled"):
+@contextlib.contextmanager
+def adapters_off(module: torch.nn.Module):
+    """Inside: ``module`` is its frozen base model (the reference policy of a LoRA actor)."""
+    linears = [m for m in module.modules() if hasattr(m, "lora_enabled")]
+    before = [m.lora_enabled for m in linears]
+    for m in linears:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m, enabled in zip(linears, before):
             m.lora_enabled = enabled
 
 

@@ -1,12 +1,14 @@
 """Roles from the run config: build the Megatron stage, load HF weights, wrap for training."""
 from __future__ import annotations
 
+import torch
+
 from megarl.config import Config, OptimConfig
 from megarl.distributed import ParallelGroups
 from megarl.models.builder import ModelOptions, build_gpt_model
 from megarl.models.hf_config import read_hf_config
 from megarl.models.loader import load_hf_checkpoint
-from megarl.models.lora import LoraOptions, apply_lora
+from megarl.models.lora import LoraOptions, adapters_off, apply_lora
 from megarl.models.value_head import load_value_model
 from megarl.roles.base import RunOptions
 from megarl.roles.optim import build_trainable
@@ -17,7 +19,8 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 VALUE_HEAD_INIT_STD = 1e-3  # a value head started from a causal LM: small, seeded, same on every rank
 
 
-def model_options(cfg: Config) -> ModelOptions:
+def model_options(cfg: Config, recompute: str = "none") -> ModelOptions:
+    """How to build a role's model; ``recompute`` only for the trained roles (actor, critic)."""
     return ModelOptions(
         attention_backend=cfg.model.attention_backend,
         layer_spec=cfg.model.layer_spec,
@@ -25,18 +28,21 @@ def model_options(cfg: Config) -> ModelOptions:
         make_vocab_size_divisible_by=cfg.model.vocab_divisible_by,
         seq_length=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        recompute=recompute,
     )
 
 
-def build_module(path: str, cfg: Config, groups: ParallelGroups, value_head: bool = False):
+def build_module(path: str, cfg: Config, groups: ParallelGroups, value_head: bool = False,
+                 recompute: str = "none"):
     """(module, info): this rank's stage of the checkpoint at ``path``, weights loaded."""
     info = read_hf_config(path)
+    opts = model_options(cfg, recompute)
     if value_head:
         info = info.as_value_model() if not info.value_head else info
-        module = build_gpt_model(info, groups, model_options(cfg))
+        module = build_gpt_model(info, groups, opts)
         load_value_model(module, path, info, groups, seed=cfg.trainer.seed, std=VALUE_HEAD_INIT_STD)
         return module, info
-    module = build_gpt_model(info, groups, model_options(cfg))
+    module = build_gpt_model(info, groups, opts)
     load_hf_checkpoint(module, path, info, groups)
     return module, info
 
@@ -52,23 +58,58 @@ def _trainable(module, cfg: Config, groups, optim: OptimConfig, steps: int):
     return build_trainable(module, groups, optim, steps, cfg.parallel.distributed_optimizer)
 
 
+def keep_layer_inputs_differentiable(module) -> None:
+    """Full recompute under a frozen embedding (LoRA): the embedding's output requires grad.
+
+    megatron's full recompute is a reentrant checkpoint per layer; its output
+    requires grad only if an *input* does, not a parameter inside. With the
+    embedding frozen, the first layer's input would not, so the adapters would
+    get no gradient. Marking the (leaf, frozen) embedding output as requiring
+    grad changes no value and costs one unused (s, b, h) gradient.
+    """
+    embedding = getattr(module, "embedding", None)  # absent on later pipeline stages (input from p2p)
+    if embedding is None or any(p.requires_grad for p in embedding.parameters()):
+        return
+    embedding.register_forward_hook(_output_requires_grad)
+
+
+def _output_requires_grad(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and not out.requires_grad:
+        out.requires_grad_(True)  # (s, b, h): a leaf, as nothing before it is trained
+    return out
+
+
 def build_actor(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Policy:
-    module, info = build_module(cfg.model.path, cfg, groups)
+    module, info = build_module(cfg.model.path, cfg, groups, recompute=cfg.actor.recompute)
     if cfg.actor.lora.rank:  # base frozen before DDP: only the adapters get grad buffers and Adam state
         lo = cfg.actor.lora
         apply_lora(module, LoraOptions(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), seed=cfg.trainer.seed))
+        if cfg.actor.recompute == "full":
+            keep_layer_inputs_differentiable(module)
     return Policy("actor", module, groups, info, _trainable(module, cfg, groups, cfg.actor.optim, optimizer_steps),
                   run_options(cfg, cfg.actor.packing))
 
 
-def build_reference(cfg: Config, groups: ParallelGroups) -> Policy:
+class BasePolicy(Policy):
+    """A LoRA actor's reference: the actor's own module with its adapters off (no second copy)."""
+
+    def run(self, micro_batches, head, forward_only: bool):
+        with adapters_off(self.module):
+            return super().run(micro_batches, head, forward_only)
+
+
+def build_reference(cfg: Config, groups: ParallelGroups, actor: Policy | None = None) -> Policy:
+    """The frozen reference; with LoRA and no ref.path, the actor's base weights (shared)."""
+    if actor is not None and cfg.actor.lora.rank and not cfg.ref.path:
+        return BasePolicy("ref", actor.module, groups, actor.info, options=run_options(cfg, cfg.actor.packing))
     module, info = build_module(cfg.ref.path or cfg.model.path, cfg, groups)
     module.requires_grad_(False)
     return Policy("ref", module, groups, info, options=run_options(cfg, cfg.actor.packing))
 
 
 def build_critic(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Critic:
-    module, info = build_module(cfg.critic.path or cfg.model.path, cfg, groups, value_head=True)
+    module, info = build_module(cfg.critic.path or cfg.model.path, cfg, groups, value_head=True,
+                                recompute=cfg.critic.recompute)
     return Critic("critic", module, groups, info, _trainable(module, cfg, groups, cfg.critic.optim, optimizer_steps),
                   run_options(cfg, cfg.critic.packing))
 

@@ -100,8 +100,10 @@ class PPOTrainer:
             self.actor = build_actor(cfg, g, self.optimizer_steps)
         self.ref = self.critic = self.rm = None
         if uses_ref(cfg):
-            with stage(f"loading the reference from {cfg.ref.path or cfg.model.path}", say):
-                self.ref = build_reference(cfg, g)
+            shared = cfg.actor.lora.rank and not cfg.ref.path
+            what = "the actor's base weights (LoRA adapters off)" if shared else (cfg.ref.path or cfg.model.path)
+            with stage(f"loading the reference from {what}", say):
+                self.ref = build_reference(cfg, g, self.actor)
         if uses_critic(cfg):
             with stage(f"loading the critic from {cfg.critic.path or cfg.model.path}", say):
                 self.critic = build_critic(cfg, g, self.optimizer_steps)
