@@ -30,15 +30,31 @@ Tools and the interaction run on the replica's first rank only; their results
 are broadcast to the TP and PP peers, so every rank extends the same sequences.
 A conversation's earlier pages are reused when the native engine's
 ``rollout.prefix_cache`` is on (each turn re-sends the whole sequence).
+
+Two schedules, the same samples (``overlap_tools``):
+
+* by turns (the reference): one ``engine.generate`` per turn over every active
+  sample; the turn's calls start when its slowest sample is decoded, and the
+  next turn when its slowest call returns;
+* overlapped (``agent_overlap.py``, engines with ``serve``): a sample's calls
+  start the moment its turn is recorded, and its next turn joins the running
+  batch as soon as they return, while the other samples go on decoding.
+
+A sample's turn k has the same prompt (its ids so far) and seed either way, and
+the engine's tokens depend on those alone, so both give the same ids, masks and
+log-probs (an ``interaction`` must then be a function of its messages: the two
+call it in different orders).
 """
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch.distributed as dist
 
-from megarl.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from megarl.rollout.engine import GenerationResult, Request, RolloutEngine, SamplingParams
 from megarl.rollout.turns import TurnRenderer
 
 
@@ -47,6 +63,15 @@ class AgentOptions:
     tool_call_end: int  # token id that ends a tool call (stops generation)
     max_turns: int = 4  # assistant turns per sample
     max_tool_output_tokens: int = 256  # per tool message
+    overlap_tools: bool = False  # calls overlap decoding (engine.serve); False: turn by turn (the reference)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What answers a sample's turn; made on the replica's first rank, broadcast to its peers."""
+
+    messages: list[dict] | None  # tool results or a user turn; None: the conversation ends
+    tool_calls: int = 0  # calls the turn made
 
 
 @dataclass
@@ -92,10 +117,14 @@ class AgentLoop:
 
     def __init__(self, engine: RolloutEngine, tokenizer, executor, parser: Callable, options: AgentOptions,
                  groups=None, interaction: Callable | None = None):
+        if options.overlap_tools and not hasattr(engine, "serve"):
+            raise ValueError(f"overlap_tools needs an engine that admits requests while it runs (serve); "
+                             f"{type(engine).__name__} has none")
         self.engine, self.tokenizer, self.executor, self.parser = engine, tokenizer, executor, parser
         self.options, self.groups, self.interaction = options, groups, interaction
         self.renderer = TurnRenderer(tokenizer)
         self.stats: dict[str, float] = {}
+        self._users: ThreadPoolExecutor | None = None  # overlapped: the interaction's one thread
 
     # -- RolloutEngine -------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
@@ -105,17 +134,17 @@ class AgentLoop:
         base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
         limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
         trajs = [Trajectory(list(p), i, mix_seed(base[i], j), limits[i])
-                 for i, p in enumerate(prompts) for j in range(params.n)]
+                 for i, p in enumerate(prompts) for j in range(params.n)]  # index i * n + j
         turn = replace(params, stop_token_ids=tuple(params.stop_token_ids) + (self.options.tool_call_end,))
-        first = self.engine.generate(prompts, turn, seeds=base, max_new_tokens=limits)  # n samples share a prefill
-        self._after_turn(trajs, first)
-        while active := [t for t in trajs if t.finish is None]:
-            results = self.engine.generate(
-                [t.prompt_ids + t.ids for t in active], replace(turn, n=1),
-                seeds=[mix_seed(t.seed, t.turns) for t in active],
-                max_new_tokens=[t.budget - len(t.ids) for t in active])
-            self._after_turn(active, results)
-        self._record(trajs)
+        if self.options.overlap_tools:
+            from megarl.rollout.agent_overlap import OverlappedTurns
+
+            feed = OverlappedTurns(self, trajs)
+            self.engine.serve(prompts, turn, feed, seeds=base, max_new_tokens=limits)
+            waited = feed.waited_s
+        else:
+            waited = self._by_turns(prompts, turn, base, limits, trajs)
+        self._record(trajs, waited)
         return [t.result() for t in trajs]
 
     def update_weights(self) -> dict:
@@ -127,71 +156,144 @@ class AgentLoop:
     def resume_memory(self) -> None:
         self.engine.resume_memory()
 
-    # -- one turn ------------------------------------------------------------
-    def _after_turn(self, trajs: list[Trajectory], results: list[GenerationResult]) -> None:
+    # -- turn by turn (the reference schedule) -------------------------------
+    def _by_turns(self, prompts, turn: SamplingParams, base: list[int], limits: list[int],
+                  trajs: list[Trajectory]) -> float:
+        """Every active sample's turn in one engine call, then their replies; returns the seconds spent
+        on replies (the engine idle)."""
+        first = self.engine.generate(prompts, turn, seeds=base, max_new_tokens=limits)  # n samples share a prefill
+        waited = self._after_turn(trajs, first)
+        while active := [t for t in trajs if t.finish is None]:
+            requests = [self.next_request(i, t) for i, t in enumerate(active)]
+            results = self.engine.generate([q.prompt for q in requests], replace(turn, n=1),
+                                           seeds=[q.seed for q in requests],
+                                           max_new_tokens=[q.max_new_tokens for q in requests])
+            waited += self._after_turn(active, results)
+        return waited
+
+    def _after_turn(self, trajs: list[Trajectory], results: list[GenerationResult]) -> float:
         """Adds each sample's sampled turn, then the context that continues it (or ends it)."""
-        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=False) for r in results]
-        for t, r, text in zip(trajs, results, texts):
-            t.add_sampled(r.response_ids, r.logprobs, text)
-        called = [self._ends_with_call(t, r) for t, r in zip(trajs, results)]
-        replies = self._on_first_rank(lambda: self._replies(trajs, results, texts, called))
+        texts = [self.add_turn(t, r) for t, r in zip(trajs, results)]
+        called = [self.ends_with_call(r) for r in results]
+        start = time.perf_counter()
+        replies = self.on_first_rank(lambda: self._replies(trajs, results, texts, called))
+        waited = time.perf_counter() - start
         for t, r, reply in zip(trajs, results, replies):
-            if reply is None:
-                t.finish = r.finish_reason
-                continue
-            if t.turns >= self.options.max_turns:
-                t.finish = "max_turns"
-                continue
-            ids = self.renderer.ids_after_assistant(reply)
-            if len(t.ids) + len(ids) >= t.budget:  # no room left to sample after the context
-                t.finish = "length"
-                continue
-            t.add_context(ids, reply)
+            self.continue_after(t, r.finish_reason, reply)
+        return waited
 
-    def _ends_with_call(self, t: Trajectory, r: GenerationResult) -> bool:
-        return r.finish_reason == "stop" and bool(r.response_ids) and r.response_ids[-1] == self.options.tool_call_end
-
-    def _replies(self, trajs, results, texts, called) -> list[list[dict] | None]:
-        """Per sample the messages that answer its turn (tool results, a user turn), or None: it is done.
-        Every sample's tool calls go to the executor together (its pool runs them concurrently)."""
+    def _replies(self, trajs, results, texts, called) -> list[Reply]:
+        """Per sample the reply to its turn. Every sample's tool calls go to the executor together
+        (its pool runs them concurrently)."""
         parsed = [self.parser(text) if c else ([], []) for text, c in zip(texts, called)]
         flat = [call for calls, _ in parsed for call in calls]
         outputs = iter(self.executor.run(flat) if flat else [])
         replies = []
-        for t, r, text, did_call, (calls, problems) in zip(trajs, results, texts, called, parsed):
+        for t, r, did_call, (calls, problems) in zip(trajs, results, called, parsed):
             if did_call:
-                t.tool_calls += len(calls)
-                replies.append(self._tool_messages(calls, [next(outputs) for _ in calls], problems))
-            elif self.interaction is not None and r.finish_reason == "stop":
-                user = self.interaction(t.messages)
-                replies.append(None if user is None else [{"role": "user", "content": str(user)}])
+                replies.append(self.tool_reply(calls, [next(outputs) for _ in calls], problems))
+            elif self.asks_user(r):
+                replies.append(self.user_reply(t.messages))
             else:
-                replies.append(None)
+                replies.append(Reply(None))
         return replies
 
-    def _tool_messages(self, calls, outputs, problems: list[str]) -> list[dict]:
+    # -- one sample's turn (both schedules) ----------------------------------
+    def add_turn(self, t: Trajectory, r: GenerationResult) -> str:
+        """Appends a sampled turn to its sample; returns its text."""
+        text = self.tokenizer.decode(r.response_ids, skip_special_tokens=False)
+        t.add_sampled(r.response_ids, r.logprobs, text)
+        return text
+
+    def ends_with_call(self, r: GenerationResult) -> bool:
+        return r.finish_reason == "stop" and bool(r.response_ids) and r.response_ids[-1] == self.options.tool_call_end
+
+    def asks_user(self, r: GenerationResult) -> bool:
+        """A turn without a call that the simulated user answers (if it has more to say)."""
+        return self.interaction is not None and r.finish_reason == "stop" and not self.ends_with_call(r)
+
+    def continue_after(self, t: Trajectory, finish: str, reply: Reply) -> None:
+        """Appends ``reply``'s context to ``t``, or ends it (``finish``: its last turn's reason)."""
+        t.tool_calls += reply.tool_calls
+        if reply.messages is None:
+            t.finish = finish
+            return
+        if t.turns >= self.options.max_turns:
+            t.finish = "max_turns"
+            return
+        ids = self.renderer.ids_after_assistant(reply.messages)
+        if len(t.ids) + len(ids) >= t.budget:  # no room left to sample after the context
+            t.finish = "length"
+            return
+        t.add_context(ids, reply.messages)
+
+    def next_request(self, key: int, t: Trajectory) -> Request:
+        """A continuing sample's next turn: everything so far as the prompt, the turn's own seed."""
+        from megarl.rollout.native import mix_seed
+
+        return Request(key, t.prompt_ids + t.ids, mix_seed(t.seed, t.turns), t.budget - len(t.ids))
+
+    def tool_reply(self, calls, outputs, problems: list[str]) -> Reply:
         limit = self.options.max_tool_output_tokens
         messages = [{"role": "tool", "name": c.name, "content": self.renderer.truncate(o.text, limit)}
                     for c, o in zip(calls, outputs)]
         messages += [{"role": "tool", "content": f"error: {p}"} for p in problems]
-        return messages or [{"role": "tool", "content": "error: no tool call found before </tool_call>"}]
+        return Reply(messages or [{"role": "tool", "content": "error: no tool call found before </tool_call>"}],
+                     len(calls))
 
-    def _on_first_rank(self, fn):
-        """``fn()`` on the replica's first rank (TP rank 0 of the first stage), broadcast to its peers."""
+    def user_reply(self, messages: list[dict]) -> Reply:
+        user = self.interaction(messages)
+        return Reply(None if user is None else [{"role": "user", "content": str(user)}])
+
+    def submit_reply(self, t: Trajectory, text: str, called: bool) -> Future:
+        """First rank, overlapped: the reply to ``t``'s turn, started now (tools in the executor's pool,
+        the interaction on its own thread)."""
+        if not called:
+            if self._users is None:
+                self._users = ThreadPoolExecutor(1, thread_name_prefix="megarl-interaction")
+            return self._users.submit(self.user_reply, list(t.messages))
+        calls, problems = self.parser(text)
+        reply: Future = Future()
+
+        def build(outputs: Future) -> None:
+            try:
+                reply.set_result(self.tool_reply(calls, outputs.result(), problems))
+            except BaseException as e:  # noqa: BLE001 - raised where the reply is read
+                reply.set_exception(e)
+
+        if calls:
+            self.executor.submit(calls).add_done_callback(build)
+        else:
+            done: Future = Future()
+            done.set_result([])
+            build(done)
+        return reply
+
+    # -- ranks ---------------------------------------------------------------
+    @property
+    def is_first_rank(self) -> bool:
+        """The replica's first rank (TP rank 0 of the first stage): it runs tools and the interaction."""
+        g = self.groups
+        return g is None or (g.tp_rank == 0 and g.pp_rank == 0)
+
+    def on_first_rank(self, fn):
+        """``fn()`` on the replica's first rank, broadcast to its peers."""
         g = self.groups
         if g is None or (g.tp_size == 1 and g.pp_size == 1):
             return fn()
-        box = [fn() if g.tp_rank == 0 and g.pp_rank == 0 else None]
+        box = [fn() if self.is_first_rank else None]
         if g.pp_size > 1 and g.tp_rank == 0:
             dist.broadcast_object_list(box, group=g.pp, group_src=0)
         if g.tp_size > 1:
             dist.broadcast_object_list(box, group=g.tp, group_src=0)
         return box[0]
 
-    def _record(self, trajs: list[Trajectory]) -> None:
+    def _record(self, trajs: list[Trajectory], waited_s: float) -> None:
         n = max(len(trajs), 1)
         self.stats = {
-            **getattr(self.engine, "stats", {}),  # the last turn's engine counters
+            **getattr(self.engine, "stats", {}),  # the engine's counters: the last turn's, or the whole serve
+            "agent/overlap_tools": float(self.options.overlap_tools),
+            "timing/agent_tool_wait": waited_s,  # seconds the engine had nothing to run but tools to wait for
             "agent/turns_mean": sum(t.turns for t in trajs) / n,
             "agent/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
             "agent/max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / n,

@@ -47,7 +47,8 @@ def _agent(cfg: Config, engine: RolloutEngine, tokenizer, groups) -> RolloutEngi
     end = single_token_id(tokenizer, m.tool_call_end, "rollout.multi_turn.tool_call_end")
     tools = resolve_tools(list(m.tools))
     executor = ToolExecutor(tools, max_workers=m.tool_workers, timeout_s=m.tool_timeout_s)
-    options = AgentOptions(tool_call_end=end, max_turns=m.max_turns, max_tool_output_tokens=m.max_tool_output_tokens)
+    options = AgentOptions(tool_call_end=end, max_turns=m.max_turns, max_tool_output_tokens=m.max_tool_output_tokens,
+                           overlap_tools=m.overlap_tools)
     return AgentLoop(engine, tokenizer, executor, resolve_parser(m.parser), options, groups,
                      interaction=_interaction(m.interaction))
 

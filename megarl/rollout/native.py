@@ -9,6 +9,10 @@ token index alone — so a request's tokens do not depend on the batch it ran
 in. Decode steps replay CUDA graphs where CUDA is used (``graphs.py``);
 every other step, and every step on CPU, runs eagerly (the tested reference).
 
+``serve`` is ``generate`` for a caller that answers finished requests with new
+ones while the rest decode (the agent loop's tool calls): between steps it
+hands out what finished and queues what the caller sends back.
+
 With TP every rank of the group runs the same scheduler and gathers the
 logits; with PP hidden states go stage to stage and the last stage broadcasts
 the sampled tokens to its pipeline group.
@@ -25,7 +29,7 @@ import torch.distributed as dist
 from megarl.cli import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
 from megarl.kernels.sampling import sample_tokens
-from megarl.rollout.engine import GenerationResult, SamplingParams
+from megarl.rollout.engine import FollowUps, GenerationResult, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
 from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
@@ -86,6 +90,21 @@ class NativeEngine:
         (``seeds`` default: ``mix_seed(params.seed, i)``) and stops after
         ``max_new_tokens[i]`` tokens (default ``params.max_new_tokens``).
         """
+        seqs, longest = self._sequences(prompts, params, seeds, max_new_tokens)
+        sched = self._run(seqs, params, longest, None)
+        return [self._result(s) for s in sorted(sched.done, key=lambda s: s.rid)]
+
+    def serve(self, prompts: list[list[int]], params: SamplingParams, feed: FollowUps,
+              seeds: list[int] | None = None, max_new_tokens: list[int] | None = None) -> None:
+        """``generate``'s requests, each result handed to ``feed.finished`` as soon as its last token is
+        recorded; between steps ``feed.poll`` may add requests (n = 1, ``params``' sampling), which join
+        the waiting queue and are admitted like refills. Returns when nothing runs and ``feed.poll(idle=True)``
+        gives nothing. Every request must fit the longest initial prompt + limit (the KV cache and the
+        graphs are sized for it); each one's tokens depend on its seed and prompt only, as in ``generate``."""
+        seqs, longest = self._sequences(prompts, params, seeds, max_new_tokens)
+        self._run(seqs, params, longest, _Feed(feed, longest))
+
+    def _sequences(self, prompts, params: SamplingParams, seeds, max_new_tokens) -> tuple[list[Sequence], int]:
         base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
         limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
         seqs = [Sequence(i * params.n + j, i, list(p), mix_seed(base[i], j), limits[i])
@@ -94,7 +113,10 @@ class NativeEngine:
         if longest > self.module.max_sequence_length:
             raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's "
                              f"{self.module.max_sequence_length} positions; lower rollout.max_new_tokens")
-        sched = self._scheduler(seqs, params, longest)
+        return seqs, longest
+
+    def _run(self, seqs: list[Sequence], params: SamplingParams, longest: int, feed: "_Feed | None") -> Scheduler:
+        sched = self._scheduler(seqs, params, longest, every_prompt=feed is not None)
         rows = _SamplingRows(params, self.device)
         was_training = self.module.training
         self.module.eval()
@@ -102,11 +124,11 @@ class NativeEngine:
                  "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
         try:
             with torch.no_grad(), cpu_compat.paused():
-                self._loop(sched, rows, steps, ahead=self._can_overlap(longest))
+                self._loop(sched, rows, steps, ahead=self._can_overlap(longest), feed=feed)
         finally:
             self.module.train(was_training)
         self._record(sched, steps)
-        return [self._result(s) for s in sorted(sched.done, key=lambda s: s.rid)]
+        return sched
 
     def update_weights(self) -> dict:
         """The engine reads the training weights in place: nothing to move (graphs check pointers)."""
@@ -132,10 +154,12 @@ class NativeEngine:
             self.cache.resume()
 
     # -- steps ---------------------------------------------------------------
-    def _scheduler(self, seqs: list[Sequence], params: SamplingParams, longest: int) -> Scheduler:
+    def _scheduler(self, seqs: list[Sequence], params: SamplingParams, longest: int,
+                   every_prompt: bool = False) -> Scheduler:
+        """``every_prompt``: size the pool for a prompt per sample (follow-ups no longer share it)."""
         o = self.options
         stops = set(self.eos_ids) | set(params.stop_token_ids)
-        prompt_tokens = sum(len(s.prompt) for s in seqs[:: params.n])
+        prompt_tokens = sum(len(s.prompt) for s in (seqs if every_prompt else seqs[:: params.n]))
         needed = prompt_tokens + sum(s.max_new + o.page_size for s in seqs)
         self._ensure_cache(needed, longest, min(o.max_batch, len(seqs)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
@@ -204,11 +228,15 @@ class NativeEngine:
         """Plan decode steps ahead (one stage, every decode through the graphs' buffers)?"""
         return self.graphs is not None and self.groups.pp_size == 1 and longest <= self.graphs.max_len
 
-    def _loop(self, sched: Scheduler, rows: "_SamplingRows", steps: dict, ahead: bool) -> None:
+    def _loop(self, sched: Scheduler, rows: "_SamplingRows", steps: dict, ahead: bool,
+              feed: "_Feed | None" = None) -> None:
         """Steps until every request is done. With ``ahead``, a decode step is launched before the
         previous one's tokens are read back: the host plans step t + 1 while the device runs t
         (the tokens it feeds stay on the device), then records t. ``steps`` gets the seconds spent
-        waiting for the device (``wait_s``) and in synchronous steps (``prefill_s``, ``sync_s``)."""
+        waiting for the device (``wait_s``) and in synchronous steps (``prefill_s``, ``sync_s``).
+        With ``feed`` (``serve``) each step starts by handing out the finished requests and taking
+        follow-ups, before the plan-ahead check: a new request waits in the queue, so the pending
+        step is recorded before it is admitted, as a refill would be."""
         pending = None  # (plan, Launched) of a graph decode step not yet recorded
         clock = time.perf_counter
 
@@ -220,9 +248,12 @@ class NativeEngine:
 
         loop_start = clock()
         while True:
+            if feed is not None:
+                feed.exchange(sched, idle=pending is None and not sched.has_work())
             if pending is not None and not sched.can_plan_ahead():
                 record_pending()
                 pending = None
+                continue  # what it finished goes out (and may be answered) before the next plan
             if not sched.has_work():
                 break
             start = clock()
@@ -361,6 +392,24 @@ class NativeEngine:
     @staticmethod
     def _result(seq: Sequence) -> GenerationResult:
         return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.prompt_index)
+
+
+class _Feed:
+    """``serve``'s end of :class:`~megarl.rollout.engine.FollowUps`: finished sequences out, requests in."""
+
+    def __init__(self, followups: FollowUps, longest: int):
+        self.followups, self.longest = followups, longest
+
+    def exchange(self, sched: Scheduler, idle: bool) -> None:
+        for seq in sched.take_finished():
+            self.followups.finished(seq.rid, NativeEngine._result(seq))
+        for req in self.followups.poll(idle):
+            if req.max_new_tokens < 1 or len(req.prompt) + req.max_new_tokens > self.longest:
+                raise ValueError(f"follow-up request {req.key}: prompt {len(req.prompt)} + max_new_tokens "
+                                 f"{req.max_new_tokens} must be in [prompt + 1, {self.longest}], the longest "
+                                 "initial request this call was sized for")
+            seed = mix_seed(req.seed, 0)  # as generate([prompt], seeds=[seed]) draws its only sample
+            sched.add_group([Sequence(req.key, req.key, list(req.prompt), seed, req.max_new_tokens)])
 
 
 class _SamplingRows:

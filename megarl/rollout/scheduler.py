@@ -26,6 +26,11 @@ step's output (``src_rows``) instead of the token. :meth:`can_plan_ahead`
 says when planning ahead is safe (a decode, no admission, no preemption); a
 row planned for a sequence whose pending token was a stop is dropped by
 ``record``.
+
+A sequence is *finished* once its last token is recorded (a stop token, or the
+``max_new``-th): :meth:`Scheduler.take_finished` hands those out step by step,
+for a caller that answers them with new requests while others still decode
+(``NativeEngine.serve``); new requests join the waiting queue like any other.
 """
 from __future__ import annotations
 
@@ -107,6 +112,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.done: list[Sequence] = []
+        self.finished: list[Sequence] = []  # done with every token recorded, not yet taken
         self.preemptions = 0
         self._latest: StepPlan | None = None  # the last plan advanced
 
@@ -346,6 +352,13 @@ class Scheduler:
                 if seq.finish is None:
                     self._retire(seq)
                 seq.finish = "stop"
+            if seq.finish == "stop" or (seq.finish == "length" and len(seq.generated) == seq.max_new):
+                self.finished.append(seq)  # its last token: later rows of it are skipped above
+
+    def take_finished(self) -> list[Sequence]:
+        """Sequences finished since the last call, in the order their last tokens were recorded."""
+        out, self.finished = self.finished, []
+        return out
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence gives back its slot and pages (later kernels run after this step's)."""

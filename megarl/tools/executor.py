@@ -65,7 +65,11 @@ class ToolExecutor:
         self.tools, self.max_workers, self.timeout_s = dict(tools), max_workers, timeout_s
         self.max_output_chars = max_output_chars
         self._workers = ThreadPoolExecutor(max_workers, thread_name_prefix="megarl-tool")
-        self._waiters = ThreadPoolExecutor(max_workers, thread_name_prefix="megarl-tool-wait")
+        # a waiter per submitted batch, taken in submission order. When a batch is done, every earlier
+        # batch has started all its calls (workers are FIFO too), so the earlier ones not yet done hold
+        # at most max_workers waiters: with twice that, a done batch never waits behind slow ones (the
+        # agent's overlapped schedule submits a batch per sample and polls each future)
+        self._waiters = ThreadPoolExecutor(2 * max_workers, thread_name_prefix="megarl-tool-wait")
         self._lock, self._in_flight = threading.Lock(), 0  # calls handed to workers, not yet returned
 
     def run(self, calls: list[ToolCall]) -> list[ToolOutput]:
@@ -73,7 +77,8 @@ class ToolExecutor:
         return self.submit(calls).result()
 
     def submit(self, calls: list[ToolCall]) -> Future[list[ToolOutput]]:
-        """Starts the calls now; the future holds ``run(calls)``'s result."""
+        """Starts the calls now; the future holds ``run(calls)``'s result (it never raises). Batches
+        submitted at different times share the worker pool in submission order."""
         calls = list(calls)
         pending = [self._start(call) for call in calls]
         return self._waiters.submit(lambda: [self._finish(c, p) for c, p in zip(calls, pending)])
