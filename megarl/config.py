@@ -61,6 +61,7 @@ class OptimConfig:
     clip_grad: float = opt(1.0, "global gradient-norm clip; 0 disables")
     warmup_steps: int = opt(0, "linear warmup optimizer steps")
     decay: Literal["constant", "cosine"] = opt("constant", "schedule after warmup")
+    cpu_offload: bool = opt(False, "megatron-core's optimizer CPU offload: Adam moments and the update live in host memory (HybridDeviceOptimizer; GPU keeps the weights and the fp32 master shard); needs parallel.distributed_optimizer=true")
 
 
 @dataclass
@@ -76,6 +77,7 @@ class MultiTurnConfig:
     tool_timeout_s: float = opt(10.0, "wall seconds per tool call")
     tool_workers: int = opt(8, "tool calls running at once (threads; the python tool runs in a subprocess)")
     interaction: str = opt("", "simulated user: module:function(messages) -> next user message or None; empty: none")
+    overlap_tools: bool = opt(True, "a sample's tool calls start when its turn ends and its next turn joins the running batch when they return (rollout.engine=native); false: turn by turn, every sample waits for the slowest (same tokens)")
 
 
 @dataclass
@@ -136,6 +138,7 @@ class ActorConfig:
     micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
     max_tokens_per_micro: int = opt(0, "dynamic micro-batches under this token budget; 0 uses micro_batch_size")
     packing: bool = opt(True, "actor and reference run each micro-batch as one packed THD row (no padding); false: right-padded rows")
+    recompute: Literal["none", "selective", "full"] = opt("none", "activation recompute in the update (megatron's): none | selective (core attention recomputed in backward) | full (every layer's input kept, the layer recomputed); forward-only passes never recompute")
     policy_loss: str = opt("ppo", "ppo | gspo | a registered name or module:function")
     clip_low: float = opt(0.2, "ratio clip below: 1 - clip_low")
     clip_high: float = opt(0.2, "ratio clip above: 1 + clip_high")
@@ -158,6 +161,7 @@ class CriticConfig:
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
     packing: bool = opt(True, "run each micro-batch as one packed THD row (no padding); false: right-padded rows")
+    recompute: Literal["none", "selective", "full"] = opt("none", "activation recompute in the update: none | selective (core attention) | full (whole layers), as actor.recompute")
     value_clip: float = opt(0.2, "clip of the new value around the old; 0 disables")
     warmup_steps: int = opt(0, "PPO steps that update only the critic")
 

@@ -62,6 +62,32 @@ def check_optim(o, prefix: str) -> None:
         raise ConfigError(f"{prefix}.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
+def check_cpu_offload(cfg: Config, o, prefix: str, trains_norms: bool) -> None:
+    """``<prefix>.cpu_offload``: megatron-core 0.16.1's HybridDeviceOptimizer under the distributed
+    optimizer takes half-precision parameters only (an fp32 one reaches it as a non-leaf view and
+    its constructor raises), and steps only parameters that live on a CUDA device.
+    ``trains_norms``: the role trains the norm weights (all but a LoRA actor)."""
+    if not o.cpu_offload:
+        return
+    key = f"{prefix}.cpu_offload=true"
+    if not cfg.parallel.distributed_optimizer:
+        raise ConfigError(f"{key} needs parallel.distributed_optimizer=true (megatron-core offloads its shards); "
+                          f"set it or {prefix}.cpu_offload=false")
+    if cfg.model.dtype == "float32":
+        raise ConfigError(f"{key} needs model.dtype=bfloat16 or float16 (megatron-core's offload cannot hold fp32 "
+                          f"parameters); change the dtype or set {prefix}.cpu_offload=false")
+    te = cfg.model.layer_spec == "te" or (cfg.model.layer_spec == "auto" and have_te())
+    if trains_norms and not te:
+        lora = " or actor.lora.rank > 0 (norms frozen)" if prefix == "actor.optim" else ""
+        raise ConfigError(f"{key} with the local layer spec trains its torch norms' fp32 weights, which megatron-core's "
+                          f"offload cannot hold; use model.layer_spec=te{lora}, or set {prefix}.cpu_offload=false")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key} needs a CUDA device (megatron-core's offload moves GPU shards; on CPU the optimizer "
+                          f"already runs in host memory); set {prefix}.cpu_offload=false")
+
+
 def check_model(cfg: Config) -> None:
     spec = cfg.model.layer_spec
     if spec == "te" and not have_te():
@@ -74,13 +100,11 @@ def check_model(cfg: Config) -> None:
 
 
 def check_packing(cfg: Config) -> None:
-    """Packed (THD) micro-batches need an attention with a THD path and no context parallelism."""
+    """Packed (THD) micro-batches need an attention with a THD path (parallel.cp > 1: check_parallel)."""
     keys = ["actor.packing"] * cfg.actor.packing + ["critic.packing"] * (cfg.critic.packing and uses_critic(cfg))
     keys += ["reward.model.packing"] * bool(cfg.reward.model.packing and cfg.reward.model.path)
     if not keys:
         return
-    if cfg.parallel.cp > 1:
-        raise ConfigError(f"{keys[0]}=true does not support parallel.cp={cfg.parallel.cp} yet; set {keys[0]}=false")
     spec = cfg.model.layer_spec
     te = spec == "te" or (spec == "auto" and have_te())
     if not te and cfg.model.attention_backend == "local":
@@ -105,8 +129,9 @@ def check_parallel(cfg: Config, world_size: int, hf: dict) -> None:
         raise ConfigError(
             f"parallel.tp={p.tp} must divide the attention heads ({heads}) and key/value heads ({kv_heads})"
         )
-    if (heads // p.tp) % p.cp:
-        raise ConfigError(f"parallel.cp={p.cp} must divide the heads per TP rank ({heads // p.tp}) for Ulysses")
+    if p.cp > 1:  # no attention path splits the sequence yet: with cp > 1 it would silently not be split
+        raise ConfigError(f"parallel.cp={p.cp}: context (Ulysses sequence) parallelism is not implemented yet; "
+                          "set parallel.cp=1")
     layers = hf.get("num_hidden_layers", 1)
     if layers % p.pp:
         raise ConfigError(f"parallel.pp={p.pp} must divide num_hidden_layers ({layers})")
@@ -154,6 +179,7 @@ def check_rollout(cfg: Config) -> None:
 def check_actor(cfg: Config) -> None:
     act = cfg.actor
     check_optim(act.optim, "actor.optim")
+    check_cpu_offload(cfg, act.optim, "actor.optim", trains_norms=act.lora.rank == 0)
     check_counts(act, "actor", ["ppo_epochs"])
     check_numbers(act, "actor", ["kl_loss_coef", "entropy_coef"], low=0)
     check_lora(cfg)
@@ -181,6 +207,7 @@ def check_lora(cfg: Config) -> None:
 def check_critic(cfg: Config) -> None:
     if uses_critic(cfg):  # an unused critic's knobs are not checked
         check_optim(cfg.critic.optim, "critic.optim")
+        check_cpu_offload(cfg, cfg.critic.optim, "critic.optim", trains_norms=True)
         check_counts(cfg.critic, "critic", ["ppo_epochs"])
 
 
@@ -304,6 +331,10 @@ def check_multi_turn(cfg: Config) -> None:
     if cfg.rollout.ignore_eos:
         raise ConfigError("rollout.ignore_eos=true with rollout.multi_turn.enable=true: a turn would never end; "
                           "turn one of them off")
+    if m.overlap_tools and cfg.rollout.engine != "native":
+        raise ConfigError(f"rollout.multi_turn.overlap_tools=true needs rollout.engine=native (the "
+                          f"{cfg.rollout.engine} adapter runs one batch per call); "
+                          "set rollout.multi_turn.overlap_tools=false")
 
 
 def _one_line(e: Exception) -> str:
@@ -349,6 +380,7 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
     p, s = cfg.parallel, cfg.sft
     check_counts(s, "sft", ["epochs", "batch_size", "micro_batch_size", "max_len"])
     check_optim(s.optim, "sft.optim")
+    check_cpu_offload(cfg, s.optim, "sft.optim", trains_norms=True)
     check_model_inputs(cfg, hf, "sft.max_len", s.max_len, room=0)
     dp = world_size // (p.tp * p.pp * p.cp)
     if s.batch_size % dp or (s.batch_size // dp) % s.micro_batch_size:

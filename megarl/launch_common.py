@@ -22,5 +22,5 @@ def setup(argv, cls, checks=validate):
     quiet_libraries()
     cfg = load_config(argv, cls)
     checks(cfg, discover().world_size)  # before joining: a bad config exits alone
-    info = init_distributed()
+    info = init_distributed(cfg.trainer.collective_timeout_s)
     return cfg, info.rank

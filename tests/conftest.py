@@ -36,3 +36,15 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     make_tiny_checkpoint(str(path), "LlamaForCausalLM", seed=0, vocab_size=57, eos_token_id=3)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def straight_tiny_run(tmp_path_factory):
+    """4 uninterrupted PPO steps of the tiny task under torchrun (2 processes, the small settings of
+    test_trainer_runs, one checkpoint at the end): the run that interrupted and resumed runs must
+    equal bitwise. Its directory (metrics.jsonl, hf/)."""
+    from test_trainer_runs import SMALL, ppo
+
+    run = tmp_path_factory.mktemp("straight")
+    ppo("yaml/tiny.yaml", run, *SMALL, "trainer.save_every=0", steps=4)
+    return run

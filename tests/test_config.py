@@ -7,6 +7,8 @@ entry scripts print and their exit codes (tests/test_entry.py).
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import typing
 from pathlib import Path
 
@@ -270,11 +272,16 @@ def test_bad_sft_values_are_one_line_errors(overrides, start):
     ([str(ROOT / "yaml" / "qwen2.5-1.5b.yaml")], 2),
     ([str(ROOT / "yaml" / "llama7b.yaml"), f"reward.model.path={ROOT}/megarl/assets/tiny/sft"], 8),
 ])
-def test_default_and_large_yaml_values_validate(argv, world_size):
+def test_default_and_large_yaml_values_validate(argv, world_size, tmp_path):
     """The big yaml files name models we do not ship: the tiny model and data stand in,
-    so every value check runs on their numbers (heads/layers fit tp=2, pp=1)."""
+    so every value check runs on their numbers (heads/layers fit tp=2, pp=1; the stand-in
+    gets 4096 positions, as the real models have, for their 512-token responses)."""
     tiny = ROOT / "megarl" / "assets" / "tiny"
-    paths = [f"model.path={tiny}/sft", f"data.train_path={tiny}/train.jsonl"] if argv else []
+    stand_in = tmp_path / "sft"
+    shutil.copytree(tiny / "sft", stand_in)
+    hf = json.loads((stand_in / "config.json").read_text())
+    (stand_in / "config.json").write_text(json.dumps(dict(hf, max_position_embeddings=4096)))
+    paths = [f"model.path={stand_in}", f"data.train_path={tiny}/train.jsonl"] if argv else []
     validate(load_config([*argv, *paths], Config), world_size)
 
 
@@ -314,3 +321,9 @@ def test_every_key_documented_in_help():
 def test_build_from_instance_round_trips():
     cfg = load_config([TINY], Config)
     assert build(Config, cfg) == cfg
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_context_parallel_is_refused_until_an_attention_splits_the_sequence(packing):
+    msg = check_error(["parallel.cp=2", f"actor.packing={packing}"], world_size=2)
+    assert msg.startswith("parallel.cp=2: context (Ulysses sequence) parallelism is not implemented yet")

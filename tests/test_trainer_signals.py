@@ -32,10 +32,8 @@ def _logged_steps(run_dir) -> int:
 
 
 @pytest.fixture(scope="module")
-def straight_weights(tmp_path_factory):
-    straight = tmp_path_factory.mktemp("straight")
-    ppo("yaml/tiny.yaml", straight, *SMALL, "trainer.save_every=0", steps=4)
-    return load_file(straight / "hf" / "model.safetensors")
+def straight_weights(straight_tiny_run):
+    return load_file(straight_tiny_run / "hf" / "model.safetensors")
 
 
 def _start(run_dir, *extra) -> subprocess.Popen:
@@ -74,8 +72,8 @@ def test_sigterm_stops_at_a_step_boundary_and_resume_equals_uninterrupted(tmp_pa
 
 
 def _partial_and_bad_latest(rank, root):
-    from megarl.cli import ConfigError
     from megarl.distributed import init_distributed
+    from megarl.errors import CheckpointError
     from megarl.trainer.checkpoint import Checkpointer
 
     init_distributed()
@@ -89,7 +87,7 @@ def _partial_and_bad_latest(rank, root):
     try:
         ck.latest_step()
         bad = "no error"
-    except ConfigError as e:
+    except CheckpointError as e:
         bad = str(e)
     return {"seen": seen, "left": left, "bad": bad}
 

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megarl.distributed.init import collective_timeout_s
+
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -59,8 +61,13 @@ def _check(name: str, group: dist.ProcessGroup, want: int) -> int:
     return dist.get_rank(group)
 
 
-def build_parallel_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelGroups:
-    """Builds (or rebuilds) megatron-core's groups and wraps them."""
+def build_parallel_groups(tp: int = 1, pp: int = 1, cp: int = 1,
+                          timeout_s: float | None = None) -> ParallelGroups:
+    """Builds (or rebuilds) megatron-core's groups and wraps them.
+
+    ``timeout_s`` bounds each collective on these groups; default: the world
+    group's (``trainer.collective_timeout_s``, see :mod:`megarl.distributed.init`).
+    """
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(
@@ -74,6 +81,7 @@ def build_parallel_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelGrou
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=(timeout_s or collective_timeout_s()) / 60,  # timedelta takes fractions
     )
     dp = world // (tp * pp * cp)
     groups = dict(

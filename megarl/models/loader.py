@@ -16,7 +16,7 @@ from torch import nn
 
 from megarl.distributed.groups import ParallelGroups
 from megarl.models import layouts
-from megarl.models.hf_config import ModelInfo
+from megarl.models.hf_config import ModelConfigError, ModelInfo
 from megarl.models.safetensors_io import CheckpointReader
 from megarl.models.weight_map import (
     GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, expected_hf_names, model_rules,
@@ -63,6 +63,25 @@ def read_shard(reader: CheckpointReader, rule: Rule, info: ModelInfo, groups: Pa
     raise ValueError(f"unknown rule kind {rule.kind!r}")
 
 
+def _checked_shard(reader: CheckpointReader, rule: Rule, info: ModelInfo, groups: ParallelGroups,
+                   param: torch.Tensor) -> torch.Tensor:
+    """``read_shard``, or a ModelConfigError when the HF tensors do not have config.json's shapes."""
+    if rule.kind == VOCAB and reader.shape(rule.hf_names[0])[0] != info.vocab_size:
+        shard = None  # fewer rows would be padded silently
+    else:
+        try:
+            shard = read_shard(reader, rule, info, groups, param.shape[0])
+        except (RuntimeError, IndexError):  # slices past a too-small tensor
+            shard = None
+    if shard is None or shard.shape != param.shape:
+        shapes = ", ".join(f"{h} {tuple(reader.shape(h))}" for h in rule.hf_names)
+        raise ModelConfigError(
+            f"{reader.path!r}: {shapes} do not fit its config.json (hidden_size={info.hidden_size}, "
+            f"vocab_size={info.vocab_size}, heads={info.num_heads}/{info.num_groups} kv, "
+            f"intermediate_size={info.ffn_hidden_size}); the weights and config.json are of different models")
+    return shard
+
+
 def _missing(rules: dict[str, Rule], available: set[str]) -> dict[str, list[str]]:
     return {name: [h for h in rule.hf_names if h not in available]
             for name, rule in rules.items() if any(h not in available for h in rule.hf_names)}
@@ -82,8 +101,9 @@ def load_hf_checkpoint(
     missing = _missing(rules, reader.names())
     fatal = {k: v for k, v in missing.items() if not set(v) <= set(allow_missing)}
     if fatal:
-        listed = "; ".join(f"{k} <- {', '.join(v)}" for k, v in sorted(fatal.items()))
-        raise ValueError(f"checkpoint {hf_dir!r} lacks tensors for: {listed}")
+        listed = ", ".join(f"{', '.join(v)} (for {k})" for k, v in sorted(fatal.items()))
+        raise ModelConfigError(f"{hf_dir!r} lacks tensors the {info.arch} of its config.json needs: {listed}; "
+                               f"the weights are of another model, or the files are incomplete")
     params = model.state_dict(keep_vars=True)
     report = LoadReport(skipped=sorted(missing))
     with torch.no_grad():
@@ -91,12 +111,7 @@ def load_hf_checkpoint(
             if name in missing:
                 continue
             param = params[name]
-            shard = read_shard(reader, rule, info, groups, param.shape[0])
-            if shard.shape != param.shape:
-                raise ValueError(
-                    f"{name}: checkpoint gives {tuple(shard.shape)}, model has {tuple(param.shape)}"
-                )
-            param.copy_(shard)
+            param.copy_(_checked_shard(reader, rule, info, groups, param))
             report.loaded.append(name)
     reader.close()
     report.unused = sorted(reader.names() - expected_hf_names(info))

@@ -11,7 +11,7 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megarl.models.hf_config import ModelConfigError
@@ -20,30 +20,63 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+_REFETCH = "download or export the model again (an interrupted copy?)"
+
+
+def _read_index(index: str) -> dict[str, str]:
+    """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> file."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ModelConfigError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); {_REFETCH}") from None
+    if not isinstance(weight_map, dict):
+        raise ModelConfigError(f"{index}: weight_map is not a mapping of tensor names to files; {_REFETCH}")
+    return dict(weight_map)
+
+
 class CheckpointReader:
-    """Name -> file lookup and sliced reads over a HF safetensors checkpoint."""
+    """Name -> file lookup and sliced reads over a HF safetensors checkpoint.
+
+    Every file's header is read when the reader is made, so a truncated,
+    empty or foreign file, or one the index names but the directory lacks,
+    is a ModelConfigError naming the file on every rank at once.
+    """
 
     def __init__(self, path: str):
         self.path = path
         index = os.path.join(path, INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.files = dict(json.load(f)["weight_map"])
+            self.files = _read_index(index)
         elif os.path.isfile(os.path.join(path, SINGLE)):
-            with safe_open(os.path.join(path, SINGLE), framework="pt") as f:
-                self.files = {name: SINGLE for name in f.keys()}
+            self.files = None
         else:
             raise ModelConfigError(f"{path!r} has neither {SINGLE} nor {INDEX} (only safetensors load)")
-        self._handles = {}
+        files = sorted(set(self.files.values())) if self.files is not None else [SINGLE]
+        self._handles = {file: self._open(file) for file in files}
+        held = {file: set(handle.keys()) for file, handle in self._handles.items()}
+        if self.files is None:
+            self.files = {name: SINGLE for name in held[SINGLE]}
+        lost = next(((n, f) for n, f in self.files.items() if n not in held[f]), None)
+        if lost:
+            raise ModelConfigError(f"{os.path.join(path, lost[1])} lacks {lost[0]}, which {INDEX} places there; "
+                                   f"{_REFETCH}")
+
+    def _open(self, file: str):
+        full = os.path.join(self.path, file)
+        if not os.path.isfile(full):
+            raise ModelConfigError(f"{full} is missing ({INDEX} names it); {_REFETCH}")
+        try:
+            return safe_open(full, framework="pt")
+        except SafetensorError as e:
+            raise ModelConfigError(f"{full} is not a readable safetensors file ({e}): truncated or another format; "
+                                   f"{_REFETCH}") from None
 
     def names(self) -> set[str]:
         return set(self.files)
 
     def _slice(self, name: str):
-        file = self.files[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
-        return self._handles[file].get_slice(name)
+        return self._handles[self.files[name]].get_slice(name)
 
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())

@@ -4,14 +4,20 @@ Layout under ``<run_dir>/checkpoints/``::
 
     step_000004/actor/      model + distributed-optimizer shards, LR scheduler
     step_000004/critic/     the same for the critic
-    step_000004/state.json  step, data position, KL controller (rank 0)
-    step_000004/rng/rank_N.pt  this rank's RNG states
+    step_000004/state.json  step, data position, KL controller, layout, model signatures (rank 0)
+    step_000004/rng/rank_N.pt  this rank's RNG states (torch's and megatron's tracker's)
     latest                  the newest complete step (written last)
 
 A save is atomic: everything goes to ``step_N.partial/``, which is renamed to
 ``step_N/`` once every rank has written its part, and ``latest`` is replaced
 after that; a run killed mid-save leaves a ``.partial`` directory that resume
 ignores and the next save removes, and ``latest`` still names a whole step.
+
+Resuming on another layout: the data-parallel size may change (megatron
+reshards the model and the dp_reshardable optimizer state); each rank's RNG
+then restarts from ``trainer.seed`` and the step, since the saved streams
+belonged to other ranks. A change megatron cannot reshard, and a damaged or
+foreign checkpoint, is a one-line error (:mod:`megarl.trainer.resume`).
 
 Frozen roles (reference, reward model) are reloaded from their HF directories.
 """
@@ -20,12 +26,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
-from megarl.cli import ConfigError
+from megarl.errors import CheckpointError
+from megarl.trainer import resume
+from megarl.trainer.resume import Layout
 
 _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -68,13 +79,39 @@ def _prime_optimizer(role) -> None:
     role.trainable.optimizer.step()
 
 
-class Checkpointer:
-    """Saves and restores the trainable roles and the trainer's own state."""
+def _save_rng(path: str) -> None:
+    torch.save({"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                "tracker": get_cuda_rng_tracker().get_states()}, path)
 
-    def __init__(self, run_dir: str, keep_last: int):
+
+def _restore_rng(path: str) -> None:
+    rng = torch.load(path, weights_only=False)
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if rng.get("tracker"):
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def _reseed(seed: int, step: int) -> None:
+    """Fresh RNG streams, a function of (seed, step) and this rank's TP / PP coordinates."""
+    torch.manual_seed(seed + step)
+    model_parallel_cuda_manual_seed(seed + step)
+
+
+class Checkpointer:
+    """Saves and restores the trainable roles and the trainer's own state.
+
+    ``layout`` (this run's) is recorded on save and checked on load; ``seed``
+    reseeds the RNG when a resume changes the layout.
+    """
+
+    def __init__(self, run_dir: str, keep_last: int, layout: Layout | None = None, seed: int = 0):
         self.root = os.path.join(run_dir, "checkpoints")
         self.keep_last = max(keep_last, 1)
         self.rank = dist.get_rank()
+        self.layout, self.seed = layout, seed
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.root, f"step_{step:06d}")
@@ -90,7 +127,7 @@ class Checkpointer:
             return None
         text = open(path).read().strip()
         if not text.isdigit() or not os.path.isdir(self._dir(int(text))):
-            raise ConfigError(f"{path} names step {text!r}, which is not a saved step here; delete it to resume "
+            raise CheckpointError(f"{path} names step {text!r}, which is not a saved step here; delete it to resume "
                               f"from step_* by hand, or set trainer.resume=false to start over")
         return int(text)
 
@@ -98,8 +135,9 @@ class Checkpointer:
         final = self._dir(step)
         path = final + ".partial"
         if self.rank == 0:
-            for stale in (d for d in os.listdir(self.root) if d.endswith(".partial")) if os.path.isdir(self.root) else ():
-                shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)  # an interrupted save
+            names = os.listdir(self.root) if os.path.isdir(self.root) else []
+            for stale in (d for d in names if d.endswith(".partial")):  # an interrupted save
+                shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)
             os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         dist.barrier()
         stepped = {}
@@ -108,10 +146,11 @@ class Checkpointer:
             stepped[name] = _stepped(role.trainable.optimizer)
             dist_checkpointing.save(_role_state(role, False, stepped[name]), os.path.join(path, name))
         steps = {name: adam_step(role.trainable.optimizer) for name, role in roles.items()}
-        state = dict(state, optimizer_saved=stepped, adam_steps=steps)
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   os.path.join(path, "rng", f"rank_{self.rank}.pt"))
+        state = dict(state, optimizer_saved=stepped, adam_steps=steps,
+                     models={name: resume.model_signature(role.info) for name, role in roles.items()})
+        if self.layout is not None:
+            state["layout"] = asdict(self.layout)
+        _save_rng(os.path.join(path, "rng", f"rank_{self.rank}.pt"))
         if self.rank == 0:
             with open(os.path.join(path, "state.json"), "w") as f:
                 json.dump(state, f)
@@ -133,24 +172,39 @@ class Checkpointer:
             if old != newest:
                 shutil.rmtree(self._dir(old), ignore_errors=True)
 
-    def load(self, step: int, roles: dict) -> dict:
-        """Restores ``roles`` and RNG in place; returns the saved trainer state."""
+    def load(self, step: int, roles: dict, expect: tuple[str, ...] = ()) -> dict:
+        """Restores ``roles`` and RNG in place; returns the saved trainer state (holding ``expect``)."""
         path = self._dir(step)
-        with open(os.path.join(path, "state.json")) as f:
-            state = json.load(f)
+        state = resume.read_state(path, roles, expect)
+        resume.check_role_dirs(path, roles)
+        resume.check_models(path, state, roles)
+        same_layout = resume.check_layout(path, state, self.layout)
         for name, role in roles.items():
-            with_optimizer = state["optimizer_saved"][name]
-            if with_optimizer:
-                _prime_optimizer(role)
-            loaded = dist_checkpointing.load(_role_state(role, True, with_optimizer), os.path.join(path, name))
-            role.module.load_state_dict(loaded["model"])
-            if with_optimizer:
-                with torch.no_grad():
-                    role.trainable.optimizer.load_state_dict(loaded["optimizer"])
-                set_adam_step(role.trainable.optimizer, state["adam_steps"][name])
-            role.trainable.scheduler.load_state_dict(loaded["scheduler"])
-        rng = torch.load(os.path.join(path, "rng", f"rank_{self.rank}.pt"), weights_only=False)
-        torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+            self._load_role(role, os.path.join(path, name), state, name)
+        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
+        if same_layout and os.path.isfile(rng_file):
+            _restore_rng(rng_file)
+        else:
+            _reseed(self.seed, state["step"])
+            if self.rank == 0:
+                saved = Layout(**state["layout"]).describe() if "layout" in state else "another layout"
+                mine = self.layout.describe() if self.layout else "this layout"
+                print(f"resuming with {mine} a checkpoint saved with {saved}: "
+                      f"RNG streams restart from trainer.seed and the step", flush=True)
         return state
+
+    @staticmethod
+    def _load_role(role, role_dir: str, state: dict, name: str) -> None:
+        with_optimizer = state["optimizer_saved"][name]
+        if with_optimizer:
+            _prime_optimizer(role)
+        try:
+            loaded = dist_checkpointing.load(_role_state(role, True, with_optimizer), role_dir)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - complete-looking, but does not read
+            raise resume.load_failure(role_dir, e) from None
+        role.module.load_state_dict(loaded["model"])
+        if with_optimizer:
+            with torch.no_grad():
+                role.trainable.optimizer.load_state_dict(loaded["optimizer"])
+            set_adam_step(role.trainable.optimizer, state["adam_steps"][name])
+        role.trainable.scheduler.load_state_dict(loaded["scheduler"])
