@@ -110,6 +110,7 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         use_distributed_optimizer=distributed_optimizer,
+        **_cpu_offload(optim.cpu_offload),
     )
     optimizer = get_megatron_optimizer(
         config, [model], use_gloo_process_groups=False, pg_collection=groups.collection
@@ -129,6 +130,16 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
     )
     _sum_losses_then_normalize(module.config, groups, optimizer)
     return Trainable(model, optimizer, scheduler, loss_scaled=dtype == torch.float16)
+
+
+def _cpu_offload(enabled: bool) -> dict:
+    """megatron-core's optimizer CPU offload, all of it (fraction 1): HybridDeviceOptimizer
+    copies this rank's fp32 master shard to pinned host memory, runs torch's fused AdamW there
+    (moments in host memory) and copies the updated shard back; the GPU keeps the weights, the
+    grad buffer and the master shard. Synchronous copies (no side streams)."""
+    if not enabled:
+        return {}
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False)
 
 
 def _sum_losses_then_normalize(config, groups: ParallelGroups, optimizer) -> None:
