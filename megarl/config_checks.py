@@ -129,12 +129,35 @@ def check_parallel(cfg: Config, world_size: int, hf: dict) -> None:
         raise ConfigError(
             f"parallel.tp={p.tp} must divide the attention heads ({heads}) and key/value heads ({kv_heads})"
         )
-    if p.cp > 1:  # no attention path splits the sequence yet: with cp > 1 it would silently not be split
-        raise ConfigError(f"parallel.cp={p.cp}: context (Ulysses sequence) parallelism is not implemented yet; "
-                          "set parallel.cp=1")
+    if p.cp > 1:
+        check_ulysses_heads(p, heads // p.tp, kv_heads // p.tp)
     layers = hf.get("num_hidden_layers", 1)
     if layers % p.pp:
         raise ConfigError(f"parallel.pp={p.pp} must divide num_hidden_layers ({layers})")
+
+
+def check_ulysses_heads(p, heads: int, kv_heads: int) -> None:
+    """Ulysses trades tokens for heads: each CP rank attends with heads / cp query heads."""
+    if heads % p.cp or (kv_heads % p.cp and p.cp % kv_heads):
+        raise ConfigError(f"parallel.cp={p.cp} must divide the query heads per TP rank ({heads}) and divide or "
+                          f"be a multiple of the key/value heads per TP rank ({kv_heads}); lower parallel.cp")
+
+
+def check_context_parallel(cfg: Config) -> None:
+    """parallel.cp > 1 runs megarl's Ulysses attention on packed rows (megarl/models/context_parallel.py)."""
+    if cfg.parallel.cp == 1:
+        return
+    roles = [("actor.packing", cfg.actor.packing), ("critic.packing", cfg.critic.packing or not uses_critic(cfg)),
+             ("reward.model.packing", cfg.reward.model.packing or not cfg.reward.model.path)]
+    off = next((key for key, on in roles if not on), None)
+    if off:
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} splits packed rows over the CP ranks; set {off}=true")
+    spec = cfg.model.layer_spec
+    if spec == "te" or (spec == "auto" and have_te()) or cfg.model.attention_backend != "sdpa":
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} runs megarl's Ulysses SDPA attention; set "
+                          "model.layer_spec=local and model.attention_backend=sdpa")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.cp > 1 with parallel.sequence_parallel=true is not supported; turn one off")
 
 
 def check_batches(cfg: Config, world_size: int) -> None:
@@ -378,6 +401,9 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
     p, s = cfg.parallel, cfg.sft
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp}: launch/sft.py trains padded rows, which context parallelism "
+                          "does not split; set parallel.cp=1")
     check_counts(s, "sft", ["epochs", "batch_size", "micro_batch_size", "max_len"])
     check_optim(s.optim, "sft.optim")
     check_cpu_offload(cfg, s.optim, "sft.optim", trains_norms=True)
@@ -405,6 +431,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_actor(cfg)
     check_critic(cfg)
     check_packing(cfg)
+    check_context_parallel(cfg)
     check_algorithm(cfg)
     check_reward(cfg)
     check_trainer(cfg)

@@ -323,7 +323,15 @@ def test_build_from_instance_round_trips():
     assert build(Config, cfg) == cfg
 
 
-@pytest.mark.parametrize("packing", ["true", "false"])
-def test_context_parallel_is_refused_until_an_attention_splits_the_sequence(packing):
-    msg = check_error(["parallel.cp=2", f"actor.packing={packing}"], world_size=2)
-    assert msg.startswith("parallel.cp=2: context (Ulysses sequence) parallelism is not implemented yet")
+@pytest.mark.parametrize("overrides,needle", [
+    (["actor.packing=false"], "parallel.cp=2 splits packed rows over the CP ranks; set actor.packing=true"),
+    (["model.attention_backend=local"], "needs model.attention_backend=sdpa"),
+    (["parallel.cp=8"], "parallel.cp=8 must divide the query heads per TP rank (4) and divide or be a multiple"),
+])
+def test_context_parallel_config_errors(overrides, needle):
+    msg = check_error(["parallel.cp=2", *overrides], world_size=2 if "cp=8" not in overrides[0] else 8)
+    assert needle in msg
+
+
+def test_context_parallel_validates():
+    validate(load_config([TINY, "parallel.cp=2"], Config), 2)

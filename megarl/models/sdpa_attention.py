@@ -33,6 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from megarl.models.context_parallel import heads_to_seq, seq_to_heads
 from megarl.models.packed_attention import packed_attention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -53,13 +54,13 @@ class SDPAAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("attention_backend 'sdpa' does not support context parallelism")
         if config.apply_query_key_layer_scaling or config.softmax_type != "vanilla":
             raise ValueError("attention_backend 'sdpa' supports only vanilla softmax attention")
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        self.cp_size = config.context_parallel_size
+        self.cp_group = pg_collection.cp if self.cp_size > 1 else None
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp)
         self.head_dim = config.kv_channels
@@ -97,12 +98,19 @@ class SDPAAttention(MegatronModule):
     def _packed(self, query, key, value, causal, dropout, params: PackedSeqParams):
         """query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn]: varlen on CUDA in half
         precision, else one SDPA per sequence (:mod:`megarl.models.packed_attention`)."""
+        if self.cp_size > 1:  # Ulysses (megarl/models/context_parallel.py): whole sequences, heads / cp
+            index, group, cp = params.cp_index, self.cp_group, self.cp_size
+            if key.shape[1] < cp:  # fewer kv heads than CP ranks: each rank gets a copy of its group's
+                key, value = (t.repeat_interleave(cp // t.shape[1], dim=1) for t in (key, value))
+            query, key, value = (seq_to_heads(t, index, group, cp) for t in (query, key, value))
         # with padded cu_seqlens, each sequence's real tokens lead its padded slot
         cu_q = _first(params.cu_seqlens_q_padded, params.cu_seqlens_q)
         cu_kv = _first(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
         out = packed_attention(query, key, value, cu_q, cu_kv, params.max_seqlen_q, params.max_seqlen_kv,
-                               causal, self.softmax_scale, dropout)  # [t, np, hn]
-        return out.reshape(query.shape[0], self.num_heads * self.head_dim)
+                               causal, self.softmax_scale, dropout)  # [t, np, hn] ([T, np / cp, hn] under CP)
+        if self.cp_size > 1:
+            out = heads_to_seq(out, index, group, cp)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _sdpa(self, q, k, v, attention_mask, causal, dropout):
         """q [b, np, sq, hn], k/v [b, ng, sk, hn] -> [b, np, sq, hn]."""

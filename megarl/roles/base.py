@@ -27,7 +27,7 @@ from megarl.distributed import ParallelGroups, device
 from megarl.models.pipeline import run_pipeline
 from megarl.roles.batch import SampleBatch, cat_rows
 from megarl.roles.dp_balance import Dealt, deal_rows
-from megarl.roles.inputs import ModelInputs, packed_inputs, padded_inputs
+from megarl.roles.inputs import ModelInputs, cp_packed_inputs, packed_inputs, padded_inputs
 from megarl.roles.memory import MemoryBackoff, OutOfMemoryAgreed, any_rank, caught_oom, deferred_finalize
 from megarl.roles.optim import Trainable
 
@@ -71,6 +71,8 @@ class ModelRole:
 
         def loss_fn(mb: SampleBatch, output):
             loss, count, metrics = head(mb, output)
+            if self.groups.cp_rank > 0:  # every CP rank has the whole loss; counts add over dp x cp
+                count = torch.zeros_like(count)
             return loss, count, metrics if forward_only else {**metrics, LOSS_KEY: loss.detach()}
 
         def forward_step(mb: SampleBatch, model):
@@ -87,6 +89,9 @@ class ModelRole:
 
     def model_inputs(self, mb: SampleBatch) -> ModelInputs:
         """What the model reads for micro-batch ``mb`` under this role's options."""
+        g = self.groups
+        if g.cp_size > 1:  # Ulysses: each CP rank runs its slice of every sequence
+            return cp_packed_inputs(mb.input_ids, mb.lengths, g.cp, g.cp_size, g.cp_rank)
         if self.options.packing:
             return packed_inputs(mb.input_ids, mb.lengths, self.options.pad_multiple)
         return padded_inputs(mb.input_ids, mb.lengths)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megarl.data.packing import pack_rows
+from megarl.models.context_parallel import CPLayout, cp_pack
 
 
 @dataclass
@@ -37,6 +38,11 @@ class ModelInputs:
     width: int  # l: the per-token width of the micro-batch's rows
     starts: Optional[torch.Tensor] = None  # (b,) packed: offset of each sequence in the row; None: padded
     packed_seq_params: Optional[PackedSeqParams] = None  # packed: thd boundaries
+    cp: Optional[CPLayout] = None  # context parallel: the row above is this rank's slice of the global one
+
+    def global_row(self, per_position: torch.Tensor) -> torch.Tensor:
+        """(1, t) this CP rank's numbers -> (1, T) the whole row's (as is without CP)."""
+        return per_position if self.cp is None else self.cp.gather(per_position)
 
     @property
     def packed(self) -> bool:
@@ -47,6 +53,7 @@ class ModelInputs:
         to the right (entry t: computed at t - 1), 0 at column 0 and past each length."""
         if not self.packed:
             return F.pad(per_position[:, :-1], (1, 0))
+        per_position = self.global_row(per_position)
         lengths = self.lengths.to(per_position.device)
         cols = torch.arange(self.width - 1, device=per_position.device)  # (l-1,)
         index = self.starts.to(per_position.device)[:, None] + cols  # (b, l-1) position in the row
@@ -59,7 +66,7 @@ class ModelInputs:
         last = (self.lengths - 1).to(per_position.device)
         if not self.packed:
             return per_position[torch.arange(len(last), device=last.device), last]
-        return per_position[0, self.starts.to(last.device) + last]
+        return self.global_row(per_position)[0, self.starts.to(last.device) + last]
 
 
 def padded_inputs(input_ids: torch.Tensor, lengths: torch.Tensor) -> ModelInputs:
@@ -80,3 +87,16 @@ def packed_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, pad_multiple: 
                              max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen)
     return ModelInputs(p.input_ids, p.position_ids, p.targets, lengths, input_ids.size(1),
                        starts=cu[:len(lengths)].long(), packed_seq_params=params)
+
+
+def cp_packed_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, group, cp: int, rank: int) -> ModelInputs:
+    """This CP rank's slice of the packed row (megarl/models/context_parallel.py): every sequence
+    padded to a multiple of 2·cp, chunks r and 2·cp-1-r of each; global cu_seqlens."""
+    (ids, targets, positions), cu, padded, index = cp_pack(input_ids, lengths, cp)
+    layout = CPLayout(group, cp, rank, index, ids.size(1))
+    span = int(padded.max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=span,
+                             max_seqlen_kv=span)
+    params.cp_index = index  # for the attention's all-to-alls (sdpa_attention.py)
+    return ModelInputs(layout.local(ids), layout.local(positions), layout.local(targets), lengths,
+                       input_ids.size(1), starts=cu[:-1].long(), packed_seq_params=params, cp=layout)

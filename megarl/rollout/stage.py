@@ -139,7 +139,8 @@ class StageForward:
 
     def _rope_tables(self, module):
         """cos / sin of megatron's own RoPE frequencies, cast as megatron casts them."""
-        freqs = module.rotary_pos_emb(module.max_sequence_length)  # (S, 1, 1, hn) fp32
+        # packed_seq: every position (under context parallelism megatron would keep this rank's chunks)
+        freqs = module.rotary_pos_emb(module.max_sequence_length, packed_seq=True)  # (S, 1, 1, hn) fp32
         freqs = freqs.reshape(freqs.shape[0], -1)
         return torch.cos(freqs).to(self.dtype), torch.sin(freqs).to(self.dtype)
 
