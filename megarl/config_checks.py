@@ -371,6 +371,10 @@ def check_paths(cfg: Config) -> None:
     parent = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
     if parent is not None and not os.access(parent, os.W_OK):
         raise ConfigError(f"trainer.run_dir: '{parent}' is not writable; pick a run_dir you can write to")
+    replay = cfg.trainer.replay_rollouts
+    if replay and (not Path(replay).is_dir() or not any(Path(replay).glob("step_*_dp*.pt"))):
+        raise ConfigError(f"trainer.replay_rollouts: '{replay}' holds no dumped rollouts (step_*_dp*.pt); "
+                          f"dump them first with trainer.rollout_only=true trainer.dump_rollouts={replay}")
     if not Path(cfg.data.train_path).is_file():
         raise ConfigError(f"data.train_path: '{cfg.data.train_path}' not found")
     if cfg.data.eval_path and not Path(cfg.data.eval_path).is_file():

@@ -335,3 +335,10 @@ def test_context_parallel_config_errors(overrides, needle):
 
 def test_context_parallel_validates():
     validate(load_config([TINY, "parallel.cp=2"], Config), 2)
+
+
+def test_replay_dir_without_dumps_is_a_config_error(tmp_path):
+    msg = check_error([f"trainer.replay_rollouts={tmp_path}"])
+    assert msg.startswith(f"trainer.replay_rollouts: '{tmp_path}' holds no dumped rollouts")
+    msg = check_error([f"trainer.replay_rollouts={tmp_path / 'missing'}"])
+    assert "holds no dumped rollouts" in msg

@@ -158,3 +158,10 @@ def test_from_run_config_section(tok):
     ds = load_prompt_dataset(cfg, tok)
     assert ds.counts == {"rows": 200, "malformed": 0, "too_long": 0, "kept": 200}
     assert max(len(it.prompt_ids) for it in ds.items) <= data.max_prompt_len
+
+
+def test_corrupt_parquet_is_a_data_error(tmp_path, tok):
+    p = tmp_path / "broken.parquet"
+    p.write_bytes(b"PAR1 this is not a parquet file")
+    with pytest.raises(DataError, match=r"broken.parquet: not a readable Parquet file .*rewrite it or use .jsonl"):
+        load([str(p)], tok)

@@ -60,9 +60,15 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for i, rec in enumerate(pq.read_table(path).to_pylist()):
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:160]}); "
+                        "rewrite it or use .jsonl") from None
+    for i, rec in enumerate(table.to_pylist()):
         yield f"{path}:row {i}", rec
 
 

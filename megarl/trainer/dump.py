@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from megarl.errors import DataError
 from megarl.roles.batch import SampleBatch
 from megarl.trainer.rollout import Rollout
 
@@ -37,9 +38,9 @@ def save_rollout(rollout: Rollout, root: str, step: int, groups) -> None:
 def load_rollout(root: str, step: int, dp_rank: int, device) -> Rollout:
     path = dump_path(root, step, dp_rank)
     if not os.path.isfile(path):
-        raise FileNotFoundError(
+        raise DataError(
             f"trainer.replay_rollouts: {path} not found; dump it first with trainer.dump_rollouts={root} "
-            "using the same data-parallel size"
+            "using the same data-parallel size (or lower trainer.steps to the steps dumped)"
         )
     d = torch.load(path, weights_only=False)
     batch = SampleBatch(d["input_ids"].to(device), d["response_mask"].to(device), d["lengths"].to(device),

@@ -59,7 +59,9 @@ class PPOTrainer:
             self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
             self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
             self._build_data()
-            line.detail = f"{len(self.train_set)} train prompts"
+            c = self.train_set.counts
+            skipped = [f"{c[k]} {k.replace('_', ' ')}" for k in ("malformed", "too_long") if c.get(k)]
+            line.detail = f"{len(self.train_set)} train prompts" + (f"; skipped {', '.join(skipped)}" if skipped else "")
         self.optimizer_steps = cfg.trainer.steps * cfg.actor.ppo_epochs * (
             cfg.data.batch_size * cfg.rollout.n // cfg.actor.mini_batch_size)
         self._build_roles()
