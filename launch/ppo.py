@@ -4,6 +4,8 @@ One step: generate -> score -> old/ref log-probs and values -> advantages
 -> critic and actor updates -> weights to the engine -> metrics, checkpoint.
 SIGTERM / SIGINT: the run finishes its step, saves a checkpoint and exits 0 (resume continues it).
 """
+import os
+
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -23,6 +25,8 @@ def main(argv):
         if rank == 0:
             print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="
                   f"{cfg.trainer.steps}); nothing to do: raise trainer.steps to go on", flush=True)
+        if cfg.trainer.export_hf and not os.path.isdir(trainer.export_path()):  # killed before its export ended
+            trainer.export()
         trainer.close("already_finished")
         dist.destroy_process_group()
         return

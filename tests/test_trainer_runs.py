@@ -11,6 +11,7 @@ accuracy; the multi-turn tool run (yaml/tiny_tools.yaml) must gain 30 points. No
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -62,6 +63,13 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert "already finished step 4" in again
     assert open(resumed / "metrics.jsonl").read() == rows  # no duplicate eval row
     assert os.path.getmtime(resumed / "hf" / "model.safetensors") == exported  # not exported again
+    shutil.rmtree(resumed / "hf")  # as a kill during the final export leaves it: a partial directory only
+    (resumed / "hf.partial").mkdir()
+    (resumed / "hf.partial" / "model.safetensors").write_bytes(b"truncated")
+    ppo("yaml/tiny.yaml", resumed, *SMALL, "trainer.save_every=2", steps=4)
+    assert not (resumed / "hf.partial").exists() and open(resumed / "metrics.jsonl").read() == rows
+    wc = load_file(resumed / "hf" / "model.safetensors")
+    assert all(torch.equal(wa[k], wc[k]) for k in wa)  # exported again, the same weights
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 
 import torch
@@ -228,13 +229,28 @@ class PPOTrainer:
             self.export()
         self.close("end")
 
+    def export_path(self) -> str:
+        return os.path.join(self.cfg.trainer.run_dir, "hf")
+
     def export(self) -> None:
-        """The actor as a Hugging Face directory ``RUN_DIR/hf``, with a progress line and an event."""
-        out = os.path.join(self.cfg.trainer.run_dir, "hf")
+        """The actor as a Hugging Face directory ``RUN_DIR/hf``, with a progress line and an event.
+
+        Written to ``hf.partial`` and renamed when complete, so a kill mid-export never leaves a
+        half-written ``hf`` (a restart of the finished run exports again)."""
+        out = self.export_path()
+        partial = out + ".partial"
+        if self.rank0 and os.path.exists(partial):
+            shutil.rmtree(partial)
+        torch.distributed.barrier()
         with stage(f"exporting the actor to {out}", self.rank0) as line:
             with merged_lora(self.actor.module):  # plain weights W + s B A (no adapters: a no-op)
-                written = export_hf(self.actor.module, self.actor.info, self.groups, out,
+                written = export_hf(self.actor.module, self.actor.info, self.groups, partial,
                                     copy_from=self.cfg.model.tokenizer or self.cfg.model.path)
+            if self.rank0:
+                if os.path.exists(out):
+                    shutil.rmtree(out)
+                os.replace(partial, out)
+            torch.distributed.barrier()
             if written is not None:
                 line.detail = f"{written.tensors} tensors, {written.bytes / 2**20:.1f} MB"
         if written is not None:
