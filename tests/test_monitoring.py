@@ -315,3 +315,26 @@ def test_wandb_offline_history_equals_metrics_file(tiny_run):
     assert config["trainer"]["wandb"]["project"] == "megarl-test"
     assert config["rollout"]["n"] == 2
     assert open(run_dir / "wandb_run_id").read().strip() == run_id  # a resumed run continues this one
+
+
+@pytest.mark.gpu
+def test_nvml_reads_a_busy_gpu():
+    """The real NVML sampler (not a fake) while bf16 matmuls keep GPU 0 busy for 3 s."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sampler, why = nvml_sampler()
+    if sampler is None:
+        pytest.skip(why)
+    monitor = ResourceMonitor(0.05, [sampler]).start()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = time.time()
+    while time.time() - start < 3:
+        a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+    out = monitor.drain()
+    monitor.stop()
+    print(out)
+    assert out["resources/gpu_util_percent_max"] > 50 and out["resources/gpu_memory_gb_max"] > 0.1
+    assert out["resources/gpu_power_w_max"] > 50
