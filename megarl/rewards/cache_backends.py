@@ -11,6 +11,7 @@ import logging
 import os
 import sqlite3
 import struct
+import time
 from collections import OrderedDict
 from typing import Mapping, Protocol, Sequence
 
@@ -73,6 +74,20 @@ class MemoryBackend:
         return len(self._store)
 
 
+def _use_wal(db: sqlite3.Connection, attempts: int = 100) -> None:
+    """Switches the file to WAL. Two ranks opening a new file at once can race in the switch,
+    where SQLite answers "database is locked" at once instead of waiting (seen in CI with
+    two processes): retry until the other one's switch is done."""
+    for attempt in range(attempts):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05)
+
+
 class SqliteBackend:
     """A SQLite file (WAL mode) that processes share and that outlives the run; no eviction.
 
@@ -87,7 +102,7 @@ class SqliteBackend:
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._db = sqlite3.connect(path, timeout=60.0)  # waits for another rank's write to finish
-        self._db.execute("PRAGMA journal_mode=WAL")
+        _use_wal(self._db)
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: a crashed process loses nothing committed
         with self._db:
             self._db.execute("CREATE TABLE IF NOT EXISTS rewards (key TEXT PRIMARY KEY, value BLOB NOT NULL)")
