@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_helpers import spawn
-from test_packed_training import AGG_MODES, _assert_close, _measure, _plain
+from test_packed_training import AGG_MODES, _assert_close, _measure, _plain, _roles
 
 
 def test_chunk_index_is_load_balanced_and_covers_every_token():
@@ -21,25 +21,6 @@ def test_chunk_index_is_load_balanced_and_covers_every_token():
     index = chunk_index([0, 8, 12], cp=2)  # sequences of 8 and 4 tokens: chunks of 2 and 1
     assert index.tolist() == [[0, 1, 6, 7, 8, 11], [2, 3, 4, 5, 9, 10]]
     assert sorted(index.reshape(-1).tolist()) == list(range(12))
-
-
-def _roles(ckpt, tp, cp):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
-
-    init_distributed()
-    groups = build_parallel_groups(tp, 1, cp)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = cfg.reward.model.path = ckpt
-    cfg.actor.optim.lr = cfg.critic.optim.lr = 0.0
-    cfg.actor.micro_batch_size = cfg.critic.micro_batch_size = 2
-    roles = (build_actor(cfg, groups, 8), build_reference(cfg, groups), build_critic(cfg, groups, 8),
-             build_reward_model(cfg, groups))
-    return cfg, groups, roles
 
 
 def _all_to_alls(rank):
@@ -63,7 +44,7 @@ def test_all_to_alls_trade_tokens_for_heads_and_back():
 
 
 def _numbers(rank, ckpt, tp, cp):
-    cfg, groups, roles = _roles(ckpt, tp, cp)
+    cfg, groups, roles = _roles(ckpt, tp, 1, cp)
     return _plain(_measure(cfg, groups, roles, True, 0))
 
 

@@ -140,7 +140,7 @@ def fixed_batch(vocab: int):
                        values=torch.randn(b, width, generator=gen), returns=torch.randn(b, width, generator=gen))
 
 
-def _roles(ckpt, tp, pp):
+def _roles(ckpt, tp, pp, cp=1):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.config import Config
@@ -148,7 +148,7 @@ def _roles(ckpt, tp, pp):
     from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
 
     init_distributed()
-    groups = build_parallel_groups(tp, pp)
+    groups = build_parallel_groups(tp, pp, cp)
     model_parallel_cuda_manual_seed(0)
     cfg = Config()
     cfg.model.path = cfg.reward.model.path = ckpt

@@ -26,6 +26,7 @@ fused LayerNorm-linear hides the normed input from the hook).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import types
 from dataclasses import dataclass
@@ -117,26 +118,20 @@ def _attach(name: str, linear, index: int, opts: LoraOptions) -> Adapter:
     sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = True, 0 if column else 1, 1
     adapter = Adapter(name, column, linear.lora_a, linear.lora_b, opts.alpha / opts.rank, group)
     linear.lora_scale, linear.lora_enabled = adapter.scale, True
-    linear.register_forward_hook(_column_hook if column else _row_hook)
+    region = copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region
+    linear.register_forward_hook(functools.partial(_lora_hook, region))
     gated = name.endswith("linear_fc1") and linear.config.gated_linear_unit
     linear.sharded_state_dict = types.MethodType(_sharded_with_lora(type(linear).sharded_state_dict, column, gated),
                                                  linear)
     return adapter
 
 
-def _column_hook(linear, inputs, output):
+def _lora_hook(region, linear, inputs, output):
+    """out + s (x A^T) B^T; ``region`` is the TP communication of x A^T (see the module docstring)."""
     if not linear.lora_enabled:
         return output
     out, bias = output
-    h = copy_to_tensor_model_parallel_region(F.linear(inputs[0], linear.lora_a), group=linear.tp_group)
-    return out + linear.lora_scale * F.linear(h, linear.lora_b), bias
-
-
-def _row_hook(linear, inputs, output):
-    if not linear.lora_enabled:
-        return output
-    out, bias = output
-    h = reduce_from_tensor_model_parallel_region(F.linear(inputs[0], linear.lora_a), group=linear.tp_group)
+    h = region(F.linear(inputs[0], linear.lora_a), group=linear.tp_group)
     return out + linear.lora_scale * F.linear(h, linear.lora_b), bias
 
 
