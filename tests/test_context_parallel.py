@@ -26,14 +26,14 @@ def test_chunk_index_is_load_balanced_and_covers_every_token():
 def _all_to_alls(rank):
     """seq_to_heads then heads_to_seq is the identity; the middle holds whole sequences."""
     from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.models.context_parallel import chunk_index, heads_to_seq, seq_to_heads
+    from megarl.models.context_parallel import chunk_index, gather_order, heads_to_seq, seq_to_heads
 
     init_distributed()
     groups = build_parallel_groups(1, 1, 2)
     index = chunk_index([0, 8, 12], cp=2)
     full = torch.arange(12 * 4 * 3, dtype=torch.float).reshape(12, 4, 3)  # [T, H, d]
     mine = full[index[groups.cp_rank]]
-    mid = seq_to_heads(mine, index, groups.cp, 2)  # [T, H/2, d]: this rank's 2 heads, all tokens in order
+    mid = seq_to_heads(mine, gather_order(index), groups.cp, 2)  # [T, H/2, d]: this rank's 2 heads, all tokens in order
     back = heads_to_seq(mid, index, groups.cp, 2)
     heads = slice(2 * groups.cp_rank, 2 * groups.cp_rank + 2)
     return bool(torch.equal(mid, full[:, heads])) and bool(torch.equal(back, mine))

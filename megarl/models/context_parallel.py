@@ -80,30 +80,37 @@ def cp_pack(input_ids: torch.Tensor, lengths: torch.Tensor, cp: int):
     keep = cols < padded[:, None]  # (B, span): the padded slots
     flat = [t[keep].view(1, -1) for t in (ids, nxt, cols.expand(b, -1))]
     cu = F.pad(torch.cumsum(padded, 0), (1, 0))  # (B+1,)
-    return flat, cu.to(torch.int32), padded, chunk_index(cu.tolist(), cp)
+    return flat, cu.to(torch.int32), padded, chunk_index(cu, cp)
 
 
-def chunk_index(cu: list[int], cp: int) -> torch.Tensor:
-    """(cp, T / cp) long: rank r's tokens are chunks r and 2cp-1-r of each sequence, in order."""
-    rows = [[] for _ in range(cp)]
-    for start, end in zip(cu[:-1], cu[1:]):
-        c = (end - start) // (2 * cp)
-        for r in range(cp):
-            for k in (r, 2 * cp - 1 - r):
-                rows[r].extend(range(start + k * c, start + (k + 1) * c))
-    return torch.tensor(rows, dtype=torch.long)
+def chunk_index(cu, cp: int) -> torch.Tensor:
+    """(cp, T / cp) long: rank r's tokens are chunks r and 2cp-1-r of each sequence, in order.
+    cu: (n + 1,) cumulative sequence lengths, each a multiple of 2·cp."""
+    cu = torch.as_tensor(cu, dtype=torch.long).cpu()
+    lengths = cu[1:] - cu[:-1]
+    total = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (T,) sequence of each token
+    chunk = (torch.arange(total) - cu[:-1][seq]) // (lengths[seq] // (2 * cp))  # (T,) 0 .. 2cp-1
+    owner = torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
+    return torch.argsort(owner, stable=True).view(cp, total // cp)  # stable: global order per rank
+
+
+def gather_order(index: torch.Tensor) -> torch.Tensor:
+    """(T,) long: the position in the rank-by-rank concatenation of each global token."""
+    order = torch.empty(index.numel(), dtype=torch.long)
+    order[index.reshape(-1)] = torch.arange(index.numel())
+    return order
 
 
 # ---- the attention's all-to-alls ----
 
-def seq_to_heads(x: torch.Tensor, index: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """[t, H, d] this rank's tokens, all heads -> [T, H / cp, d] every token in global order, this rank's heads."""
+def seq_to_heads(x: torch.Tensor, order: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[t, H, d] this rank's tokens, all heads -> [T, H / cp, d] every token in global order, this
+    rank's heads. order: `gather_order` of the layout."""
     t, h, d = x.shape
     send = x.reshape(t, cp, h // cp, d).transpose(0, 1).contiguous()  # (cp, t, H/cp, d): chunk j to rank j
     recv = all_to_all_single(torch.empty_like(send), send, group=group)  # (cp, t, H/cp, d): from rank j
-    order = torch.empty(cp * t, dtype=torch.long, device=x.device)
-    order[index.reshape(-1).to(x.device)] = torch.arange(cp * t, device=x.device)
-    return recv.reshape(cp * t, h // cp, d).index_select(0, order)
+    return recv.reshape(cp * t, h // cp, d).index_select(0, order.to(x.device))
 
 
 def heads_to_seq(y: torch.Tensor, index: torch.Tensor, group, cp: int) -> torch.Tensor:

@@ -102,7 +102,7 @@ class SDPAAttention(MegatronModule):
             index, group, cp = params.cp_index, self.cp_group, self.cp_size
             if key.shape[1] < cp:  # fewer kv heads than CP ranks: each rank gets a copy of its group's
                 key, value = (t.repeat_interleave(cp // t.shape[1], dim=1) for t in (key, value))
-            query, key, value = (seq_to_heads(t, index, group, cp) for t in (query, key, value))
+            query, key, value = (seq_to_heads(t, params.cp_order, group, cp) for t in (query, key, value))
         # with padded cu_seqlens, each sequence's real tokens lead its padded slot
         cu_q = _first(params.cu_seqlens_q_padded, params.cu_seqlens_q)
         cu_kv = _first(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megarl.data.packing import pack_rows
-from megarl.models.context_parallel import CPLayout, cp_pack
+from megarl.models.context_parallel import CPLayout, cp_pack, gather_order
 
 
 @dataclass
@@ -97,6 +97,6 @@ def cp_packed_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, group, cp: 
     span = int(padded.max())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=span,
                              max_seqlen_kv=span)
-    params.cp_index = index  # for the attention's all-to-alls (sdpa_attention.py)
+    params.cp_index, params.cp_order = index, gather_order(index)  # for the attention's all-to-alls
     return ModelInputs(layout.local(ids), layout.local(positions), layout.local(targets), lengths,
                        input_ids.size(1), starts=cu[:-1].long(), packed_seq_params=params, cp=layout)
