@@ -251,4 +251,5 @@ def test_overlapped_samples_equal_turn_by_turn_tp2_pp2(model, tp, pp):
     _assert_same(a["sync"], a["overlap"])
     _assert_same(a["sync"], b["sync"])
     _assert_same(a["overlap"], b["overlap"])
-    assert a["overlap"]["stats"]["rollout/preemptions"] > 0
+    # preemption is forced and asserted at TP1 (test above); here whether the overlapped schedule
+    # preempts depends on when the tools return (it did not in one CI run), so it is not asserted
