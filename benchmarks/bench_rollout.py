@@ -117,14 +117,14 @@ def floor_ms(module, info, batch: int, prompt_len: int, new_tokens: int) -> floa
 
 
 def engine_rows(engine, module, info, args) -> list[dict]:
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
 
     rows = []
     for b in args.batches:
         prompts = prompts_of(b, args.prompt_len, info.vocab_size)
-        engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0))  # captures bucket b
-        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=1)
-        seconds = timed(lambda: engine.generate(prompts, params))
+        engine.generate(sample_requests(prompts, 1, 0, 4), SamplingParams(temperature=1.0))  # captures bucket b
+        params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 1, args.new_tokens)
+        seconds = timed(lambda: engine.generate(requests, params))
         row = {"provider": "megarl", "batch": b, "seconds": seconds, "ms_per_step": seconds / args.new_tokens * 1e3,
                "tokens_per_s": b * args.new_tokens / seconds, **engine.stats}
         if engine.device.type == "cuda":
@@ -137,11 +137,11 @@ def engine_rows(engine, module, info, args) -> list[dict]:
 
 def capture_buckets(engine, prompts) -> None:
     """One short generate per CUDA-graph batch size, so no capture lands in a timed run."""
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.graphs import buckets_up_to
 
     for b in buckets_up_to(engine.options.max_batch) if engine.graphs is not None else [len(prompts)]:
-        engine.generate(prompts[:b], SamplingParams(max_new_tokens=3, temperature=1.0))
+        engine.generate(sample_requests(prompts[:b], 1, 0, 3), SamplingParams(temperature=1.0))
 
 
 def ragged_rows(module, info, groups, args) -> list[dict]:
@@ -172,10 +172,10 @@ def ragged_rows(module, info, groups, args) -> list[dict]:
 
 
 def _ragged_run(engine, prompts, name: str, limits: list[int], b: int) -> dict:
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
 
-    params = SamplingParams(max_new_tokens=max(limits), temperature=1.0, seed=2)
-    seconds = timed(lambda: engine.generate(prompts, params, max_new_tokens=limits))
+    params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 2, limits)
+    seconds = timed(lambda: engine.generate(requests, params))
     return {"provider": name, "batch": b, "requests": len(prompts), "seconds": seconds, "useful_tokens": sum(limits),
             "tokens_per_s": sum(limits) / seconds, "lengths": [min(limits), max(limits)], **engine.stats}
 
@@ -226,12 +226,12 @@ def profile_decode(engine, info, args) -> dict:
     by device time in <out>.profile.txt (the prefill is not in it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
 
     # prompts as long as the timed runs' mean context, so the attention reads as much
     prompts = prompts_of(args.profile, args.prompt_len + args.new_tokens // 2 - 17, info.vocab_size, seed=5)
-    params = SamplingParams(max_new_tokens=17, temperature=1.0)
-    engine.generate(prompts, params)  # warm-up: compile, capture
+    params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 0, 17)
+    engine.generate(requests, params)  # warm-up: compile, capture
     row = {"provider": "megarl-profile", "batch": args.profile, "graphs": engine.graphs is not None}
     if engine.graphs is None or not torch.cuda.is_available():
         return row

@@ -48,7 +48,7 @@ def _export_and_evaluate(rank, src, out_dir, sharded_dir):
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.models import export_hf
     from megarl.roles.build import build_actor
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.native import NativeEngine
     from megarl.trainer.evaluate import held_out_accuracy
     from megarl.rollout.factory import engine_options
@@ -72,7 +72,7 @@ def _export_and_evaluate(rank, src, out_dir, sharded_dir):
                           tokenizer.pad_token_id, engine_options(cfg))
     accuracy = held_out_accuracy(engine, data, tokenizer, groups, MAX_NEW, limit=N_EVAL)
     prompts = [data[i].prompt_ids for i in range(N_EVAL)]
-    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
+    greedy = engine.generate(sample_requests(prompts, 1, 0, MAX_NEW), SamplingParams(temperature=0.0))
     return {"accuracy": accuracy, "prompts": prompts, "greedy": [r.response_ids for r in greedy]}
 
 

@@ -10,7 +10,9 @@ the template's context ids followed by the next sampled ids (decoding and
 re-encoding the whole conversation would give other ids), the loss mask is 1
 on sampled ids and 0 on context, context log-probs are 0, the trajectory
 reaches the rewards, and ``to_sample_batch`` turns the mask into the batch's
-response mask; the turn, token and tool-output limits; per-sample seeds; with
+response mask; the turn, token and tool-output limits; per-sample seeds (turn 0
+one engine call over every request with its own seed, later turns
+``mix_seed(mix_seed(seed, k), 0)``) and results under the requests' keys; with
 TP2 only TP rank 0 runs tools and both ranks build identical sequences.
 """
 import re
@@ -20,8 +22,7 @@ import pytest
 import torch
 
 from megarl.rollout.agent import AgentLoop, AgentOptions
-from megarl.rollout.engine import GenerationResult, SamplingParams
-from megarl.rollout.native import mix_seed
+from megarl.rollout.engine import GenerationResult, Request, SamplingParams, mix_seed, sample_requests
 
 TEMPLATE = ("{% for m in messages %}{{ '<s>' + m['role'] + ':' + m['content'] + '</s>' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<s>assistant:' }}{% endif %}")
@@ -79,17 +80,22 @@ class ScriptedEngine:
         self.marker = tok.encode("tool:", add_special_tokens=False)
         self.stats = {"rollout/decode_steps": 1.0}
 
-    def generate(self, prompts, params, seeds=None, max_new_tokens=None):
-        self.calls.append({"n": params.n, "seeds": list(seeds), "limits": list(max_new_tokens),
-                           "stops": tuple(params.stop_token_ids)})
+    def generate(self, requests, params):
+        self.calls.append({"prompts": [r.prompt for r in requests], "seeds": [r.seed for r in requests],
+                           "limits": [r.max_new_tokens for r in requests], "stops": tuple(params.stop_token_ids)})
         out = []
-        for i, p in enumerate(prompts):
+        for r in requests:
+            p = r.prompt
             turn = sum(p[j:j + len(self.marker)] == self.marker for j in range(len(p)))
-            ids = self.script[min(turn, 1)][: max_new_tokens[i]]
+            ids = self.script[min(turn, 1)][: r.max_new_tokens]
             stop = bool(ids) and ids[-1] in params.stop_token_ids + (self.tok.eos_token_id,)
-            out += [GenerationResult(list(p), ids, [-0.5] * len(ids), "stop" if stop else "length", i)
-                    for _ in range(params.n)]
+            out.append(GenerationResult(list(p), ids, [-0.5] * len(ids), "stop" if stop else "length", r.key))
         return out
+
+
+def _one(prompt, max_new_tokens):
+    """A single request (key 0, seed 0) for ``prompt``."""
+    return [Request(0, prompt, 0, max_new_tokens)]
 
 
 def _loop(tok, engine, executor=None, max_turns=4, max_tool_output_tokens=64, groups=None, interaction=None):
@@ -101,10 +107,11 @@ def test_response_is_sampled_ids_plus_context_ids_with_a_loss_mask():
     tok = make_tokenizer()
     engine = ScriptedEngine(tok)
     prompts = [tok.encode("<s>user:mul</s><s>assistant:"), tok.encode("<s>user:again</s><s>assistant:")]
-    results = _loop(tok, engine).generate(prompts, SamplingParams(max_new_tokens=60, n=2, seed=3))
+    requests = sample_requests(prompts, 2, 3, 60)
+    results = _loop(tok, engine).generate(requests[::-1], SamplingParams())  # results follow the request order
     context = tok.encode("</s><s>tool:424242</s><s>assistant:", add_special_tokens=False)
     first, second = engine.script
-    assert [r.prompt_index for r in results] == [0, 0, 1, 1]
+    assert [r.key for r in results] == [3, 2, 1, 0]
     for r in results:
         assert r.response_ids == first + context + second
         assert r.loss_mask == [1] * len(first) + [0] * len(context) + [1] * len(second)
@@ -115,12 +122,11 @@ def test_response_is_sampled_ids_plus_context_ids_with_a_loss_mask():
         assert r.extra["trajectory"][1]["content"] == "424242"
         whole = r.prompt_ids + r.response_ids  # what decode-then-retokenize would have trained on
         assert tok.encode(tok.decode(whole), add_special_tokens=False) != whole
-    # turn 0: the prompts with n = 2 (shared prefill) and the prompts' seeds; turn 1: each sample alone
-    base = [mix_seed(3, 0), mix_seed(3, 1)]
-    assert engine.calls[0]["n"] == 2 and engine.calls[0]["seeds"] == base
+    # turn 0: one call over every request, its own seed as is; turn 1: each sample's turn seed
+    seeds = [mix_seed(mix_seed(3, i), j) for i in range(2) for j in range(2)][::-1]
+    assert engine.calls[0]["seeds"] == seeds and engine.calls[0]["prompts"] == [r.prompt for r in requests[::-1]]
     assert engine.calls[0]["stops"][-1] == tok.convert_tokens_to_ids("</tool_call>")
-    assert engine.calls[1]["n"] == 1
-    assert engine.calls[1]["seeds"] == [mix_seed(mix_seed(base[i], j), 1) for i in range(2) for j in range(2)]
+    assert engine.calls[1]["seeds"] == [mix_seed(mix_seed(s, 1), 0) for s in seeds]
     assert engine.calls[1]["limits"] == [60 - len(first) - len(context)] * 4
 
 
@@ -129,7 +135,7 @@ def test_loss_mask_becomes_the_batch_response_mask():
 
     tok = make_tokenizer()
     prompt = tok.encode("<s>user:mul</s><s>assistant:")
-    (r,) = _loop(tok, ScriptedEngine(tok)).generate([prompt], SamplingParams(max_new_tokens=60))
+    (r,) = _loop(tok, ScriptedEngine(tok)).generate(_one(prompt, 60), SamplingParams())
     batch = to_sample_batch([r], 0, "cpu")
     p = len(prompt)
     assert batch.response_mask[0, :p].sum() == 0
@@ -139,15 +145,15 @@ def test_loss_mask_becomes_the_batch_response_mask():
 
 def test_turn_budget_and_tool_output_limits():
     tok = make_tokenizer()
-    prompt = [tok.encode("<s>user:mul</s><s>assistant:")]
+    prompt = tok.encode("<s>user:mul</s><s>assistant:")
     first = ScriptedEngine(tok).script[0]
-    (r,) = _loop(tok, ScriptedEngine(tok), max_turns=1).generate(prompt, SamplingParams(max_new_tokens=60))
+    (r,) = _loop(tok, ScriptedEngine(tok), max_turns=1).generate(_one(prompt, 60), SamplingParams())
     assert r.finish_reason == "max_turns" and r.response_ids == first and r.loss_mask == [1] * len(first)
-    (r,) = _loop(tok, ScriptedEngine(tok)).generate(prompt, SamplingParams(max_new_tokens=len(first) + 5))
+    (r,) = _loop(tok, ScriptedEngine(tok)).generate(_one(prompt, len(first) + 5), SamplingParams())
     assert r.finish_reason == "length" and r.response_ids == first  # no room to sample after the tool result
-    (r,) = _loop(tok, ScriptedEngine(tok)).generate(prompt, SamplingParams(max_new_tokens=8))
+    (r,) = _loop(tok, ScriptedEngine(tok)).generate(_one(prompt, 8), SamplingParams())
     assert r.finish_reason == "length" and len(r.response_ids) == 8
-    (r,) = _loop(tok, ScriptedEngine(tok), max_tool_output_tokens=2).generate(prompt, SamplingParams(max_new_tokens=90))
+    (r,) = _loop(tok, ScriptedEngine(tok), max_tool_output_tokens=2).generate(_one(prompt, 90), SamplingParams())
     tool = r.extra["trajectory"][1]["content"]
     assert tool.startswith("42\n") and "4 of 6 tokens dropped" in tool
 
@@ -160,8 +166,8 @@ def test_interaction_adds_user_turns_until_it_returns_none():
         seen.append(len(messages))
         return "more" if len(seen) == 1 else None
 
-    prompt = [tok.encode("<s>user:mul</s><s>assistant:")]
-    (r,) = _loop(tok, ScriptedEngine(tok), interaction=user).generate(prompt, SamplingParams(max_new_tokens=90))
+    prompt = tok.encode("<s>user:mul</s><s>assistant:")
+    (r,) = _loop(tok, ScriptedEngine(tok), interaction=user).generate(_one(prompt, 90), SamplingParams())
     roles = [m["role"] for m in r.extra["trajectory"]]
     assert roles == ["assistant", "tool", "assistant", "user", "assistant"] and seen == [3, 5]
     assert r.finish_reason == "stop"
@@ -174,8 +180,8 @@ def _tp_rank(rank):
     groups = build_parallel_groups(2, 1)
     tok = make_tokenizer()
     executor = Executor(allowed=groups.tp_rank == 0)
-    prompt = [tok.encode("<s>user:mul</s><s>assistant:")]
-    results = _loop(tok, ScriptedEngine(tok), executor, groups=groups).generate(prompt, SamplingParams(max_new_tokens=60, n=2))
+    requests = sample_requests([tok.encode("<s>user:mul</s><s>assistant:")], 2, 0, 60)
+    results = _loop(tok, ScriptedEngine(tok), executor, groups=groups).generate(requests, SamplingParams())
     return {"ids": [r.response_ids for r in results], "tool_runs": len(executor.calls)}
 
 
@@ -190,7 +196,7 @@ def test_real_tools_through_the_factory_pieces():
     options = AgentOptions(tok.convert_tokens_to_ids("</tool_call>"))
     with ToolExecutor(resolve_tools(["calculator"])) as executor:
         loop = AgentLoop(engine, tok, executor, parse_hermes, options)
-        (r,) = loop.generate([tok.encode("<s>user:mul</s><s>assistant:")], SamplingParams(max_new_tokens=120))
+        (r,) = loop.generate(_one(tok.encode("<s>user:mul</s><s>assistant:"), 120), SamplingParams())
     assert r.extra["trajectory"][1] == {"role": "tool", "name": "calculator", "content": "42"}
     assert r.finish_reason == "stop" and r.extra["final_turn_ids"] == engine.script[1]
 

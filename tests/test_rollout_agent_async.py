@@ -96,7 +96,7 @@ def _user(messages: list[dict]) -> str | None:
 def _generate(actor, groups, tok, end_id, overlap: bool, delays=None, pages=POOL_PAGES, graphs=False,
               interaction=None, **options):
     from megarl.rollout.agent import AgentLoop, AgentOptions
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.graphs import DecodeGraphs
     from megarl.tools import ToolExecutor
 
@@ -108,7 +108,7 @@ def _generate(actor, groups, tok, end_id, overlap: bool, delays=None, pages=POOL
     loop = AgentLoop(engine, tok, executor, _parse, AgentOptions(end_id, MAX_TURNS, 64, overlap_tools=overlap),
                      groups, interaction)
     start = time.perf_counter()
-    results = loop.generate([tok.encode(p) for p in PROMPTS], SamplingParams(max_new_tokens=MAX_NEW, n=2, seed=11))
+    results = loop.generate(sample_requests([tok.encode(p) for p in PROMPTS], 2, 11, MAX_NEW), SamplingParams())
     wall = time.perf_counter() - start
     if first:
         executor.close()

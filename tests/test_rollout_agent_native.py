@@ -35,7 +35,7 @@ def _run(rank, ckpt, end_id):
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
     from megarl.rollout.agent import AgentLoop, AgentOptions
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.native import EngineOptions, NativeEngine
 
     init_distributed()
@@ -51,7 +51,7 @@ def _run(rank, ckpt, end_id):
         engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [tok.eos_token_id], 0,
                               EngineOptions(max_batch=4, page_size=8, prefix_cache=cached, kv_cache_gb=0.01))
         loop = AgentLoop(engine, tok, Executor(), lambda text: ([_Call()], []), AgentOptions(end_id, max_turns=3))
-        results = loop.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
+        results = loop.generate(sample_requests(prompts, 1, 0, MAX_NEW), SamplingParams(temperature=0.0))
         out[cached] = {"results": [(r.prompt_ids, r.response_ids, r.loss_mask, r.finish_reason) for r in results],
                        "cached_tokens": engine.stats["rollout/prefix_cached_tokens"], "turns": loop.stats["agent/turns_mean"]}
     return out

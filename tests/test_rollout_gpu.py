@@ -27,7 +27,7 @@ def _run(rank, ckpt, lora=False):
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.native import EngineOptions, NativeEngine
     from megarl.trainer.rollout import to_sample_batch
 
@@ -49,18 +49,18 @@ def _run(rank, ckpt, lora=False):
     graphed, eager = make(True), make(False)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 1000, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (32,), generator=g)]
-    greedy = SamplingParams(max_new_tokens=48, temperature=0.0)
-    out = {"graph": [r.response_ids for r in graphed.generate(prompts, greedy)],
-           "eager": [r.response_ids for r in eager.generate(prompts, greedy)],
+    greedy, one_each = SamplingParams(temperature=0.0), sample_requests(prompts, 1, 0, 48)
+    out = {"graph": [r.response_ids for r in graphed.generate(one_each, greedy)],
+           "eager": [r.response_ids for r in eager.generate(one_each, greedy)],
            "graph_steps": graphed.stats["rollout/graph_steps"]}
     with torch.no_grad():  # an optimizer step, as far as the graphs can tell
         for p in actor.module.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     graphed.update_weights()
     graphed.release_memory()  # the pinned KV cache gives its memory back, keeps its address
-    out["graph_after"] = [r.response_ids for r in graphed.generate(prompts, greedy)]
-    out["eager_after"] = [r.response_ids for r in eager.generate(prompts, greedy)]
-    sampled = graphed.generate(prompts, SamplingParams(max_new_tokens=48, temperature=1.0, n=2, seed=5))
+    out["graph_after"] = [r.response_ids for r in graphed.generate(one_each, greedy)]
+    out["eager_after"] = [r.response_ids for r in eager.generate(one_each, greedy)]
+    sampled = graphed.generate(sample_requests(prompts, 2, 5, 48), SamplingParams(temperature=1.0))
     batch = to_sample_batch(sampled, 0, "cuda")
     train = actor.logprobs(batch, micro_batch_size=16, temperature=1.0)["logprobs"]
     gap = (train - batch.rollout_logprobs).abs()[batch.response_mask > 0]

@@ -19,7 +19,7 @@ eagerly at every layout and must give the same greedy and sampled tokens; with
 one stage they also plan each decode step before the previous step's tokens
 are read (fed from the device; rows past a stop token dropped).
 Log-probs: the engine's log-prob of each sampled token (temperature 0.7,
-top-k 20, top-p 0.9, n = 2, prefix-shared prompts) equals the actor's training
+top-k 20, top-p 0.9, 2 requests per prompt, prefix-shared prompts) equals the actor's training
 forward over the same tokens (fp32, 1e-5). Not covered: graph capture itself
 (GPU test), SGLang, bf16.
 """
@@ -54,7 +54,7 @@ def _rollout(rank, ckpt, tp, pp, eos):
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.trainer.rollout import to_sample_batch
 
     init_distributed()
@@ -64,10 +64,11 @@ def _rollout(rank, ckpt, tp, pp, eos):
     cfg.model.path = ckpt
     actor = build_actor(cfg, groups, optimizer_steps=1)
     engine = _engine(actor, groups, eos, pages=6, max_batch=3)
-    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
+    one_each = sample_requests(PROMPTS, 1, 0, MAX_NEW)
+    greedy = engine.generate(one_each, SamplingParams(temperature=0.0))
     preemptions = engine.stats["rollout/preemptions"]
     try:  # a pool that cannot hold the longest sequence alone is a config error, not a hang
-        _engine(actor, groups, eos, pages=3, max_batch=3).generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
+        _engine(actor, groups, eos, pages=3, max_batch=3).generate(one_each, SamplingParams())
         too_small = "no error"
     except ConfigError as e:
         too_small = str(e)
@@ -76,15 +77,15 @@ def _rollout(rank, ckpt, tp, pp, eos):
 
     bucketed = _engine(actor, groups, eos, pages=64, max_batch=5)  # buckets 1, 2, 4, 5
     bucketed.graphs = DecodeGraphs(bucketed, 5, capture=False)
-    padded = [r.response_ids for r in bucketed.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW,
-                                                                                temperature=0.0))]
+    padded = [r.response_ids for r in bucketed.generate(one_each, SamplingParams(temperature=0.0))]
     padded_steps = bucketed.stats["rollout/graph_steps"]
     padded_ahead = bucketed.stats["rollout/planned_ahead_steps"]
     roomy = _engine(actor, groups, eos, pages=64, max_batch=16)
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_k=20, top_p=0.9, n=2)
-    sampled = roomy.generate(PROMPTS, params, seeds=list(range(100, 107)))
-    alone = roomy.generate([PROMPTS[4]], params, seeds=[104])
-    bucketed_sampled = bucketed.generate(PROMPTS, params, seeds=list(range(100, 107)))
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
+    requests = sample_requests(PROMPTS, 2, 100, MAX_NEW)
+    sampled = roomy.generate(requests, params)
+    alone = roomy.generate(requests[8:10], params)
+    bucketed_sampled = bucketed.generate(requests, params)
     batch = to_sample_batch(sampled, 0, "cpu")
     train = actor.logprobs(batch, micro_batch_size=4, temperature=0.7)["logprobs"]
     diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
@@ -139,6 +140,86 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
         assert other["greedy"] == r["greedy"] and other["sampled"] == r["sampled"]
 
 
+def _prefill_counter(engine) -> list[int]:
+    """Wraps ``engine._step`` (every step of a CPU engine without graphs): the tokens each prefill step
+    feeds are appended to the list returned."""
+    fed, step = [], engine._step
+
+    def counting(plan, rows, steps):
+        if not plan.decode:
+            fed.append(len(plan.input_ids))
+        return step(plan, rows, steps)
+
+    engine._step = counting
+    return fed
+
+
+def _shared_prefills(rank, ckpt, eos):
+    """n-fold requests together and alone; identical prompts apart and adjacent; a group over max_batch."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.roles.build import build_actor
+    from megarl.rollout.engine import SamplingParams, sample_requests
+
+    init_distributed()
+    groups = build_parallel_groups(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path = ckpt
+    actor = build_actor(cfg, groups, optimizer_steps=1)
+    roomy, narrow = (_engine(actor, groups, eos, pages=64, max_batch=b) for b in (16, 2))
+    counters = {roomy: _prefill_counter(roomy), narrow: _prefill_counter(narrow)}
+    params = SamplingParams(temperature=0.8, top_k=30)
+
+    def run(requests, engine=roomy):
+        counters[engine].clear()
+        results = engine.generate(requests, params)
+        return {"results": [(r.key, r.response_ids, r.finish_reason, r.logprobs) for r in results],
+                "prefill_tokens": sum(counters[engine]), "preemptions": engine.stats["rollout/preemptions"]}
+
+    n_fold = sample_requests(PROMPTS, 3, 5, MAX_NEW)
+    a, b, c = PROMPTS[2], PROMPTS[4], PROMPTS[1]
+    apart = sample_requests([a, b, list(a), c, list(b)], 2, 9, MAX_NEW)  # equal contents, other lists
+    first_seen = {}
+    adjacent = sorted(apart, key=lambda r: first_seen.setdefault(tuple(r.prompt), len(first_seen)))
+    wide_group = sample_requests([a], 5, 13, MAX_NEW)
+    return {"n_fold": run(n_fold), "alone": [run([r]) for r in n_fold], "apart": run(apart),
+            "adjacent": run(adjacent), "adjacent_keys": [r.key for r in adjacent],
+            "wide": run(wide_group), "narrow": run(wide_group, narrow), "lengths": (len(a), len(b), len(c))}
+
+
+def test_identical_prompts_share_one_prefill_and_keep_their_tokens(ckpt_and_hf):
+    """The native engine groups requests by prompt content (TP1, 16 slots, 64 pages: no preemption).
+
+    n-fold (``sample_requests``: 7 prompts x 3): each prompt is prefilled once, so the prefill steps
+    feed sum(len(prompt)) tokens (not 3x), and every request's tokens equal those of the same request
+    given alone (its forks read the leader's pages; log-probs to 1e-5, as batches differ). Identical
+    prompts apart in the list (prompt slots a, b, a, c, b; 2 samples each; the repeats are other list
+    objects) prefill a, b, c once each — as when the same requests come adjacent — with the same
+    tokens per key, results in request order. A group larger than max_batch (5 samples on 2 slots)
+    is split (3 prefills) with the same tokens. Not covered: TP/PP (the layout test above runs n = 2
+    groups at every layout), the prefix cache (off)."""
+    ckpt, eos, _ = ckpt_and_hf
+    (r,) = spawn(_shared_prefills, 1, ckpt, eos)
+    la, lb, lc = r["lengths"]
+    assert r["n_fold"]["prefill_tokens"] == sum(len(p) for p in PROMPTS)
+    assert r["n_fold"]["preemptions"] == 0
+    assert [k for k, *_ in r["n_fold"]["results"]] == list(range(3 * len(PROMPTS)))
+    for (key, ids, finish, lps), (alone,) in zip(r["n_fold"]["results"], [a["results"] for a in r["alone"]]):
+        assert (key, ids, finish) == alone[:3]
+        assert torch.allclose(torch.tensor(lps), torch.tensor(alone[3]), rtol=0, atol=1e-5)
+    assert len({tuple(ids) for _, ids, _, _ in r["n_fold"]["results"]}) > len(PROMPTS)  # samples differ
+    assert r["apart"]["prefill_tokens"] == r["adjacent"]["prefill_tokens"] == la + lb + lc
+    assert [k for k, *_ in r["apart"]["results"]] == list(range(10))
+    assert [k for k, *_ in r["adjacent"]["results"]] == r["adjacent_keys"] != list(range(10))
+    by_key = {k: (ids, finish) for k, ids, finish, _ in r["adjacent"]["results"]}
+    assert all(by_key[k] == (ids, finish) for k, ids, finish, _ in r["apart"]["results"])
+    assert r["wide"]["prefill_tokens"] == la and r["narrow"]["prefill_tokens"] == 3 * la
+    assert [x[:3] for x in r["narrow"]["results"]] == [x[:3] for x in r["wide"]["results"]]
+
+
 def _multi_turn(rank, ckpt):
     """Two turns with the prefix cache on and off; turn 2 = turn-1 prompt + response + new tokens."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -146,7 +227,7 @@ def _multi_turn(rank, ckpt):
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.native import EngineOptions, NativeEngine
 
     init_distributed()
@@ -155,7 +236,7 @@ def _multi_turn(rank, ckpt):
     cfg = Config()
     cfg.model.path = ckpt
     actor = build_actor(cfg, groups, optimizer_steps=1)
-    greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    greedy = SamplingParams(temperature=0.0)
     shared = list(range(30, 47))  # two prompts that start with the same 17 tokens
     turn1 = [shared + [5, 6], shared + [7]]
     out = {}
@@ -163,14 +244,15 @@ def _multi_turn(rank, ckpt):
         engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0,
                               EngineOptions(max_batch=4, page_size=PAGE, max_num_batched_tokens=8,
                                             prefix_cache=cached))
-        first = engine.generate(turn1, greedy)
+        first = engine.generate(sample_requests(turn1, 1, 0, MAX_NEW), greedy)
         hits1 = engine.stats["rollout/prefix_cached_tokens"]
         turn2 = [r.prompt_ids + r.response_ids + [11, 12, 13] for r in first]
-        second = engine.generate(turn2, greedy)
+        second = engine.generate(sample_requests(turn2, 1, 0, MAX_NEW), greedy)
         out[cached] = {"turn1": [r.response_ids for r in first], "turn2": [r.response_ids for r in second],
                        "turn2_prompts": turn2, "hits": (hits1, engine.stats["rollout/prefix_cached_tokens"])}
         engine.update_weights()
-        out[cached]["after_sync"] = engine.generate(turn2, greedy) and engine.stats["rollout/prefix_cached_tokens"]
+        out[cached]["after_sync"] = (engine.generate(sample_requests(turn2, 1, 0, MAX_NEW), greedy)
+                                     and engine.stats["rollout/prefix_cached_tokens"])
     return out
 
 

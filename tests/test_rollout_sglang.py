@@ -18,10 +18,12 @@ checks it against the manifest), answers in its formats (result dicts with
 preconditions (weight updates only inside begin/end_weight_update; no resume
 of a tag that was not released; no generate or update into released memory).
 Expected: the fake is built once, on TP rank 0 only (``tp_size`` = TP); each
-prompt becomes ``n`` requests with seed ``mix_seed(seeds[i], j)``, its own
-``max_new_tokens``, stops = eos + params' stops; results are grouped by prompt
-with the fake's ids, log-probs and finish types ("stop" and "length" both
-occur) and are identical on both TP ranks; every weight sync sends exactly the
+request becomes one SGLang request, in order, with its own seed as
+``sampling_seed`` (requests given in an order that is not by prompt, two per
+prompt), its own ``max_new_tokens``, stops = eos + params' stops; results come
+in request order under the requests' keys with the fake's ids, log-probs and
+finish types ("stop" and "length" both occur) and are identical on both TP
+ranks; every weight sync sends exactly the
 stream's buckets in order, then flushes; release frees all three memory tags,
 a weight sync re-maps "weights" only, resume_memory the rest, and a generate
 after release_memory re-maps all three first.
@@ -43,6 +45,13 @@ EOS = 3
 LIMIT = 20000  # bytes per bucket
 PROMPTS = [[7, 8, 9], [13, 14], [20, 21, 22, 23], [30]]
 SEEDS, LIMITS = [11, 12, 13, 14], [6, 3, 8, 5]
+
+
+def _sampled_requests():
+    """Two requests per prompt, samples of a prompt apart (j = 0 of every prompt first), keys 10 + 2 i + j."""
+    from megarl.rollout.engine import Request
+
+    return [Request(10 + 2 * i + j, PROMPTS[i], SEEDS[i] * 100 + j, LIMITS[i]) for j in range(2) for i in range(4)]
 
 
 class FakeEngine:
@@ -117,7 +126,7 @@ def _job(rank, ckpt, tp, out_dir):
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.models import export_hf
     from megarl.roles.build import build_actor
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.sglang import SGLangEngine, SGLangOptions
     from megarl.rollout.weight_stream import iter_hf_buckets
 
@@ -131,14 +140,14 @@ def _job(rank, ckpt, tp, out_dir):
     stream = [[(n, t.clone()) for n, t in b] for b in iter_hf_buckets(actor.module, groups, actor.info, LIMIT)]
     options = SGLangOptions(model_path=ckpt, update_bucket_mb=LIMIT / 2**20)
     engine = SGLangEngine(actor.module, groups, actor.info, [EOS], options, engine_factory=FakeEngine)
-    sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.7, top_p=0.9, top_k=5, n=2, stop_token_ids=(5,)),
-                              seeds=SEEDS, max_new_tokens=LIMITS)
-    greedy = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=0.0))
+    sampled = engine.generate(_sampled_requests(),
+                              SamplingParams(temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=(5,)))
+    greedy = engine.generate(sample_requests(PROMPTS[:2], 1, 0, 4), SamplingParams(temperature=0.0))
     engine.release_memory()
     metrics = engine.update_weights()
     engine.resume_memory()
     engine.release_memory()
-    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))  # resumes everything first
+    engine.generate(sample_requests(PROMPTS[:1], 1, 0, 2), SamplingParams())  # resumes everything first
     engine.close()
     calls = engine.engine.calls if engine.engine is not None else None
     buf = io.BytesIO()  # by value: tensors in shared memory would not outlive this process
@@ -181,21 +190,21 @@ def test_buckets_within_limit(run):
 
 
 def test_generate_control_flow(run):
-    from megarl.rollout.native import mix_seed
+    from megarl.rollout.engine import mix_seed
 
     tp, _, ranks = run
     assert ranks[0]["calls"][0][1]["tp_size"] == tp and all(r["calls"] is None for r in ranks[1:])
     assert ranks[0]["calls"][0][1]["skip_tokenizer_init"] and ranks[0]["calls"][0][1]["load_format"] == "dummy"
     (_, sent, outs), (_, greedy_sent, _), _ = _calls(ranks, "generate")
-    assert sent["return_logprob"] and sent["input_ids"] == [p for p in PROMPTS for _ in range(2)]
-    for k, sp in enumerate(sent["sampling_params"]):
-        i, j = divmod(k, 2)
-        assert (sp["sampling_seed"], sp["max_new_tokens"]) == (mix_seed(SEEDS[i], j), LIMITS[i])
+    requests = _sampled_requests()
+    assert sent["return_logprob"] and sent["input_ids"] == [r.prompt for r in requests]
+    for req, sp in zip(requests, sent["sampling_params"], strict=True):
+        assert (sp["sampling_seed"], sp["max_new_tokens"]) == (req.seed, req.max_new_tokens)  # seed as is
         assert (sp["stop_token_ids"], sp["ignore_eos"], sp["temperature"], sp["top_k"]) == ([3, 5], False, 0.7, 5)
     results = ranks[0]["sampled"]
-    assert [r.prompt_index for r in results] == [0, 0, 1, 1, 2, 2, 3, 3]
-    for r, out in zip(results, outs):
-        assert r.prompt_ids == PROMPTS[r.prompt_index] and r.response_ids == out["output_ids"]
+    assert [r.key for r in results] == [r.key for r in requests]
+    for req, r, out in zip(requests, results, outs, strict=True):
+        assert r.prompt_ids == req.prompt and r.response_ids == out["output_ids"]
         assert r.logprobs == [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert r.finish_reason == out["meta_info"]["finish_reason"]["type"]
     assert {r.finish_reason for r in results} == {"stop", "length"}
@@ -232,10 +241,10 @@ def test_weight_sync_and_memory_calls(run):
 
 
 def test_requests_and_outputs_edge_cases():
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import Request, SamplingParams
     from megarl.rollout.sglang import build_requests, parse_output
 
-    (sp,) = build_requests([[1, 2]], SamplingParams(max_new_tokens=3), eos_ids=[])
+    (sp,) = build_requests([Request(0, [1, 2], 5, 3)], SamplingParams(), eos_ids=[])
     assert sp["ignore_eos"] and sp["stop_token_ids"] is None  # megarl's ignore_eos: no stop at all
     ok = {"output_ids": [4, 3], "meta_info": {"finish_reason": {"type": "stop", "matched": 3},
                                                "output_token_logprobs": [(-0.5, 4, None), (-1.5, 3, None)]}}

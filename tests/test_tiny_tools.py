@@ -136,7 +136,7 @@ def _agent_run(rank):
     from megarl.data import PromptDataConfig, load_prompt_dataset
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
-    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.factory import build_engine
 
     init_distributed()
@@ -148,15 +148,15 @@ def _agent_run(rank):
     data = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.eval_path), tok)
     items = [data[i] for i in range(PROMPTS)]
     loop = build_engine(cfg, actor, groups, tok, [tok.eos_token_id], tok.pad_token_id)
-    sampled = loop.generate([it.prompt_ids for it in items],
-                            SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0, n=4, seed=7))
+    sampled = loop.generate(sample_requests([it.prompt_ids for it in items], 4, 7, cfg.rollout.max_new_tokens),
+                            SamplingParams(temperature=1.0))
     loop.parser = lambda text: parse_hermes("<tool_call>" + text)  # the call's first token is in the prompt
     start = tok.convert_tokens_to_ids("<tool_call>")
-    forced = loop.generate([it.prompt_ids + [start] for it in items],
-                           SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens - 1, temperature=0.0))
-    show = lambda rs: [(r.prompt_index, r.extra["trajectory"], tok.decode(r.extra["final_turn_ids"],
-                                                                          skip_special_tokens=True)) for r in rs]
-    return {"answers": [it.answer for it in items], "sampled": show(sampled), "forced": show(forced)}
+    forced = loop.generate(sample_requests([it.prompt_ids + [start] for it in items], 1, 0,
+                                           cfg.rollout.max_new_tokens - 1), SamplingParams(temperature=0.0))
+    show = lambda rs, n: [(r.key // n, r.extra["trajectory"], tok.decode(r.extra["final_turn_ids"],
+                                                                         skip_special_tokens=True)) for r in rs]
+    return {"answers": [it.answer for it in items], "sampled": show(sampled, 4), "forced": show(forced, 1)}
 
 
 def test_shipped_sft_model_calls_the_calculator_through_the_agent_loop():

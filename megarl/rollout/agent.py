@@ -1,8 +1,8 @@
 """Multi-turn rollouts with tools over any rollout engine, token-in / token-out.
 
 :class:`AgentLoop` is itself a :class:`~megarl.rollout.engine.RolloutEngine`:
-the trainer calls ``generate`` as on a plain engine. Per sample, a state
-machine over turns:
+the trainer calls ``generate`` as on a plain engine, one request per sample.
+Per sample, a state machine over turns:
 
     generate until EOS or the tool-call end token (a stop id of the engine)
       -> tool-call end: parse the turn's calls (Hermes ``<tool_call>{json}</tool_call>``
@@ -18,10 +18,10 @@ engine sampled (loss mask 1, their log-probs) and the appended ids (loss mask
 parse calls and to give rewards the conversation (``extra["trajectory"]``,
 OpenAI-style messages with the tool calls and results).
 
-Seeds: sample j of prompt i draws turn 0 from ``mix_seed(seeds[i], j)`` (the
-engine's own n-fold rule: the n samples share the prompt's prefill) and turn
-k > 0 from ``mix_seed(mix_seed(seeds[i], j), k)``: a sample's tokens depend on
-its seed, the weights and its tool results only.
+Seeds: a sample draws turn 0 from its request's seed (turn 0 of every sample
+is one engine call, so the samples of one prompt share its prefill) and turn
+k > 0 from ``mix_seed(mix_seed(seed, k), 0)`` (:func:`turn_seed`): a sample's
+tokens depend on its seed, the weights and its tool results only.
 
 Limits: ``max_turns`` assistant turns (then finish "max_turns"), the response
 budget (sampled + appended tokens <= max_new_tokens; finish "length"), each
@@ -54,8 +54,15 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from megarl.rollout.engine import GenerationResult, Request, RolloutEngine, SamplingParams
+from megarl.rollout.engine import GenerationResult, Request, RolloutEngine, SamplingParams, mix_seed
 from megarl.rollout.turns import TurnRenderer
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of a sample's turn ``turn``: its request's ``seed`` for turn 0, else
+    ``mix_seed(mix_seed(seed, turn), 0)`` — the trailing 0 is how engines drew a lone request's
+    sample when they still expanded n, so multi-turn runs keep the tokens they sampled then."""
+    return seed if turn == 0 else mix_seed(mix_seed(seed, turn), 0)
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,8 @@ class Trajectory:
     """One sample: its response region as chunks of sampled and appended ids."""
 
     prompt_ids: list[int]
-    prompt_index: int
-    seed: int
+    key: int  # its request's key: the result's
+    seed: int  # its request's seed (turn 0)
     budget: int  # response tokens allowed (sampled + appended)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -106,7 +113,7 @@ class Trajectory:
         self.messages += messages
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.prompt_ids, self.ids, self.logprobs, self.finish or "length", self.prompt_index,
+        return GenerationResult(self.prompt_ids, self.ids, self.logprobs, self.finish or "length", self.key,
                                 {"trajectory": self.messages, "turns": self.turns, "tool_calls": self.tool_calls,
                                  "final_turn_ids": self.last_turn},
                                 loss_mask=self.loss_mask)
@@ -127,23 +134,22 @@ class AgentLoop:
         self._users: ThreadPoolExecutor | None = None  # overlapped: the interaction's one thread
 
     # -- RolloutEngine -------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
-                 max_new_tokens: list[int] | None = None) -> list[GenerationResult]:
-        from megarl.rollout.native import mix_seed
-
-        base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
-        limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
-        trajs = [Trajectory(list(p), i, mix_seed(base[i], j), limits[i])
-                 for i, p in enumerate(prompts) for j in range(params.n)]  # index i * n + j
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[GenerationResult]:
+        """One trajectory per request (its prompt, seed and response budget), results in request order
+        under the requests' keys. Turn 0 of every sample is one engine call (``generate`` or the start
+        of ``serve``), so requests with identical prompts share its prefill; the engine sees each
+        sample under its position in ``requests``."""
+        trajs = [Trajectory(list(r.prompt), r.key, r.seed, r.max_new_tokens) for r in requests]
         turn = replace(params, stop_token_ids=tuple(params.stop_token_ids) + (self.options.tool_call_end,))
+        first = [self.next_request(i, t) for i, t in enumerate(trajs)]
         if self.options.overlap_tools:
             from megarl.rollout.agent_overlap import OverlappedTurns
 
             feed = OverlappedTurns(self, trajs)
-            self.engine.serve(prompts, turn, feed, seeds=base, max_new_tokens=limits)
+            self.engine.serve(first, turn, feed)
             waited = feed.waited_s
         else:
-            waited = self._by_turns(prompts, turn, base, limits, trajs)
+            waited = self._by_turns(first, turn, trajs)
         self._record(trajs, waited)
         return [t.result() for t in trajs]
 
@@ -157,17 +163,12 @@ class AgentLoop:
         self.engine.resume_memory()
 
     # -- turn by turn (the reference schedule) -------------------------------
-    def _by_turns(self, prompts, turn: SamplingParams, base: list[int], limits: list[int],
-                  trajs: list[Trajectory]) -> float:
-        """Every active sample's turn in one engine call, then their replies; returns the seconds spent
-        on replies (the engine idle)."""
-        first = self.engine.generate(prompts, turn, seeds=base, max_new_tokens=limits)  # n samples share a prefill
-        waited = self._after_turn(trajs, first)
+    def _by_turns(self, first: list[Request], turn: SamplingParams, trajs: list[Trajectory]) -> float:
+        """Every active sample's turn in one engine call (``first``: turn 0's requests, one per
+        trajectory), then their replies; returns the seconds spent on replies (the engine idle)."""
+        waited = self._after_turn(trajs, self.engine.generate(first, turn))  # identical prompts share a prefill
         while active := [t for t in trajs if t.finish is None]:
-            requests = [self.next_request(i, t) for i, t in enumerate(active)]
-            results = self.engine.generate([q.prompt for q in requests], replace(turn, n=1),
-                                           seeds=[q.seed for q in requests],
-                                           max_new_tokens=[q.max_new_tokens for q in requests])
+            results = self.engine.generate([self.next_request(i, t) for i, t in enumerate(active)], turn)
             waited += self._after_turn(active, results)
         return waited
 
@@ -228,10 +229,9 @@ class AgentLoop:
         t.add_context(ids, reply.messages)
 
     def next_request(self, key: int, t: Trajectory) -> Request:
-        """A continuing sample's next turn: everything so far as the prompt, the turn's own seed."""
-        from megarl.rollout.native import mix_seed
-
-        return Request(key, t.prompt_ids + t.ids, mix_seed(t.seed, t.turns), t.budget - len(t.ids))
+        """A sample's next turn under the engine key ``key``: everything so far as the prompt, the turn's
+        own seed (:func:`turn_seed`), the budget left."""
+        return Request(key, t.prompt_ids + t.ids, turn_seed(t.seed, t.turns), t.budget - len(t.ids))
 
     def tool_reply(self, calls, outputs, problems: list[str]) -> Reply:
         limit = self.options.max_tool_output_tokens

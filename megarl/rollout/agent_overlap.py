@@ -36,7 +36,8 @@ from megarl.rollout.engine import GenerationResult, Request
 
 
 class OverlappedTurns:
-    """Follow-ups of one overlapped ``generate``: keys are indices into ``trajs`` (``i * n + j``)."""
+    """Follow-ups of one overlapped ``generate``: the engine's keys are indices into ``trajs`` (the
+    positions of their requests in the ``generate`` call)."""
 
     def __init__(self, loop, trajs: list):
         self.loop, self.trajs = loop, trajs

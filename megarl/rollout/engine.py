@@ -1,38 +1,80 @@
 """The rollout interface every engine implements.
 
-Requests are token-in / token-out: prompt token ids in, response token ids
-(with the log-prob of each sampled token under the sampling temperature) out.
-All ranks of one TP group (and PP group) call :meth:`RolloutEngine.generate`
-together with the same prompts and get the same results.
+Requests are token-in / token-out and one sample each: an engine call takes a
+flat list of :class:`Request` (prompt token ids, a seed, a length limit) and
+returns one :class:`GenerationResult` per request, in request order, under the
+request's key (response token ids, with the log-prob of each sampled token
+under the sampling temperature). n-fold sampling happens above the engine: the
+caller repeats each prompt n times (:func:`sample_requests`), and the engine
+shares the prefill of identical prompts itself (the native engine forks one
+prefill's pages, SGLang's radix cache matches the prefix).
+
+What every engine promises: a request's tokens depend only on its prompt, its
+seed (used as is) and the weights — not on the other requests, their order or
+the batch it ran in. All ranks of one TP group (and PP group) call
+:meth:`RolloutEngine.generate` together with the same requests and get the same
+results.
 
 An engine that can admit requests into a running generation (the native one)
-also has ``serve(prompts, params, feed, seeds, max_new_tokens)``: the same
-initial requests, but each finished request goes to ``feed.finished`` at once
-and ``feed.poll`` hands it :class:`Request` follow-ups between steps (see
-:class:`FollowUps`); the multi-turn agent loop uses it to overlap tool calls
-with decoding.
+also has ``serve(requests, params, feed)``: the same initial requests, but each
+finished request goes to ``feed.finished`` at once and ``feed.poll`` hands it
+:class:`Request` follow-ups between steps (see :class:`FollowUps`); the
+multi-turn agent loop uses it to overlap tool calls with decoding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*words: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over their sequence)."""
+    x = 0x9E3779B97F4A7C15
+    for w in words:
+        x = (x ^ (w & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 29
+    return x >> 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token."""
+    """How to pick each next token; the same for every request of a call (limits and seeds are per request)."""
 
-    max_new_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     stop_token_ids: tuple[int, ...] = ()
-    n: int = 1  # samples per prompt
-    seed: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate: the unit of every engine call (``generate``, ``serve`` and its follow-ups)."""
+
+    key: int  # the caller's name for it, unique within a call: its result carries it (GenerationResult.key)
+    prompt: list[int]
+    seed: int  # the sampler's seed, used as is: the tokens depend on it, the prompt and the weights only
+    max_new_tokens: int  # response length limit
+
+
+def sample_requests(prompts: list[list[int]], n: int, seed: int, max_new_tokens: int | list[int]) -> list[Request]:
+    """``n`` requests per prompt, grouped by prompt: request ``k = i * n + j`` is sample ``j`` of prompt
+    ``i`` (key ``k``, so its prompt is ``key // n``) with seed ``mix_seed(mix_seed(seed, i), j)``.
+
+    ``max_new_tokens``: one limit for all, or one per prompt. The seeds are the ones engines derived
+    themselves when they expanded ``n`` (before issue 9), so runs sample the same tokens as then.
+    """
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    if len(limits) != len(prompts):
+        raise ValueError(f"max_new_tokens: {len(limits)} limits for {len(prompts)} prompts")
+    return [Request(i * n + j, list(p), mix_seed(mix_seed(seed, i), j), limits[i])
+            for i, p in enumerate(prompts) for j in range(n)]
 
 
 @dataclass
@@ -43,20 +85,10 @@ class GenerationResult:
     response_ids: list[int]
     logprobs: list[float]  # per response token, under temperature (1.0 when greedy)
     finish_reason: str  # "stop" | "length" | "max_turns"
-    prompt_index: int = 0  # which prompt of the request it answers
+    key: int  # the key of the request it answers
     extra: dict = field(default_factory=dict)
     loss_mask: list[int] | None = None  # per response token: 1 sampled by the model, 0 appended context
     #                                     (tool / user / template tokens); None: every token sampled
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request admitted into a running generation (``serve``); n = 1, the call's sampling params."""
-
-    key: int  # the caller's name for it: its result comes back under this key (and as prompt_index)
-    prompt: list[int]
-    seed: int  # drawn as generate([prompt], seeds=[seed]) would: tokens depend on it, weights, prompt only
-    max_new_tokens: int
 
 
 class FollowUps(Protocol):
@@ -67,7 +99,7 @@ class FollowUps(Protocol):
     """
 
     def finished(self, key: int, result: GenerationResult) -> None:
-        """A request is done. Keys of the initial requests: ``i * n + j`` for sample j of prompt i."""
+        """A request is done (an initial one or a follow-up): ``key`` is its request's key."""
 
     def poll(self, idle: bool) -> list[Request]:
         """Requests to admit now. ``idle``: nothing else runs, so wait for one; [] then ends the call."""
@@ -76,13 +108,11 @@ class FollowUps(Protocol):
 class RolloutEngine(Protocol):
     """What the trainer needs from an inference engine."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
-                 max_new_tokens: list[int] | None = None) -> list[GenerationResult]:
-        """``n`` results per prompt, grouped by prompt, in order.
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[GenerationResult]:
+        """One result per request, in request order, each under its request's key.
 
-        ``seeds`` (one per prompt) fix each request's randomness, so its tokens do
-        not depend on the other requests; ``max_new_tokens`` (one per prompt)
-        overrides ``params.max_new_tokens``.
+        A request's tokens depend only on its prompt, seed and the weights (see the
+        module docstring); requests with identical prompts may share their prefill.
         """
 
     def update_weights(self) -> dict:

@@ -1,7 +1,9 @@
 """megarl's native rollout engine: continuous batching on the actor's own Megatron weights.
 
-Per ``generate`` call: requests (``n`` per prompt, each with its own seed) go
-to a :class:`~megarl.rollout.scheduler.Scheduler` over a paged KV cache;
+Per ``generate`` call: requests (one sample each, with its own seed) go to a
+:class:`~megarl.rollout.scheduler.Scheduler` over a paged KV cache — requests
+whose prompts are identical, wherever they are in the list, as one group whose
+prompt is prefilled once and whose other members fork its pages;
 each step it plans a chunked prefill or a decode, the stage forward
 (:mod:`megarl.rollout.stage`) runs it, and the fused sampler
 (``megarl.kernels.sampling``) picks each request's next token from its seed and
@@ -29,24 +31,11 @@ import torch.distributed as dist
 from megarl.cli import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
 from megarl.kernels.sampling import sample_tokens
-from megarl.rollout.engine import FollowUps, GenerationResult, SamplingParams
+from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
 from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
 from megarl.rollout.stage import ForwardBatch, StageForward
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*words: int) -> int:
-    """A 63-bit seed from integers (splitmix64 over their sequence)."""
-    x = 0x9E3779B97F4A7C15
-    for w in words:
-        x = (x ^ (w & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & _MASK64
-        x ^= x >> 29
-    return x >> 1
-
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -82,34 +71,39 @@ class NativeEngine:
         self.stats: dict[str, float] = {}
 
     # -- RolloutEngine -------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
-                 max_new_tokens: list[int] | None = None) -> list[GenerationResult]:
-        """``params.n`` results per prompt, grouped by prompt, in order.
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[GenerationResult]:
+        """One result per request, in request order, under its key; each request samples from its own
+        seed (as is) and stops after its ``max_new_tokens``.
 
-        Sample ``j`` of prompt ``i`` draws from seed ``mix_seed(seeds[i], j)``
-        (``seeds`` default: ``mix_seed(params.seed, i)``) and stops after
-        ``max_new_tokens[i]`` tokens (default ``params.max_new_tokens``).
+        Requests with identical prompts (by content, anywhere in the list) are one group: the first is
+        prefilled, the others fork its pages (copy-on-write), so an n-fold batch
+        (:func:`~megarl.rollout.engine.sample_requests`) prefills each prompt once. A request's tokens
+        do not depend on its group, position or batch (the sampler reads its seed and token index).
         """
-        seqs, longest = self._sequences(prompts, params, seeds, max_new_tokens)
+        seqs, longest = self._sequences(requests)
         sched = self._run(seqs, params, longest, None)
-        return [self._result(s) for s in sorted(sched.done, key=lambda s: s.rid)]
+        by_key = {s.rid: s for s in sched.done}
+        return [self._result(by_key[r.key]) for r in requests]
 
-    def serve(self, prompts: list[list[int]], params: SamplingParams, feed: FollowUps,
-              seeds: list[int] | None = None, max_new_tokens: list[int] | None = None) -> None:
-        """``generate``'s requests, each result handed to ``feed.finished`` as soon as its last token is
-        recorded; between steps ``feed.poll`` may add requests (n = 1, ``params``' sampling), which join
-        the waiting queue and are admitted like refills. Returns when nothing runs and ``feed.poll(idle=True)``
-        gives nothing. Every request must fit the longest initial prompt + limit (the KV cache and the
-        graphs are sized for it); each one's tokens depend on its seed and prompt only, as in ``generate``."""
-        seqs, longest = self._sequences(prompts, params, seeds, max_new_tokens)
+    def serve(self, requests: list[Request], params: SamplingParams, feed: FollowUps) -> None:
+        """``generate``'s requests (grouped the same way), each result handed to ``feed.finished`` as soon
+        as its last token is recorded; between steps ``feed.poll`` may add requests (one sample each,
+        seed as is, ``params``' sampling), which join the waiting queue alone and are admitted like
+        refills. Returns when nothing runs and ``feed.poll(idle=True)`` gives nothing. Every request must
+        fit the longest initial prompt + limit (the KV cache and the graphs are sized for it); each one's
+        tokens depend on its seed and prompt only, as in ``generate``."""
+        seqs, longest = self._sequences(requests)
         self._run(seqs, params, longest, _Feed(feed, longest))
 
-    def _sequences(self, prompts, params: SamplingParams, seeds, max_new_tokens) -> tuple[list[Sequence], int]:
-        base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
-        limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
-        seqs = [Sequence(i * params.n + j, i, list(p), mix_seed(base[i], j), limits[i])
-                for i, p in enumerate(prompts) for j in range(params.n)]
-        longest = max(len(p) + m for p, m in zip(prompts, limits))
+    def _sequences(self, requests: list[Request]) -> tuple[list[Sequence], int]:
+        """A sequence per request (``rid`` = its key, ``prompt_index`` = its prompt's group: the order in
+        which distinct prompts first appear) and the longest prompt + limit."""
+        if len({r.key for r in requests}) != len(requests):
+            raise ValueError("rollout requests: every request of a call needs its own key")
+        groups: dict[tuple[int, ...], int] = {}
+        seqs = [Sequence(r.key, groups.setdefault(tuple(r.prompt), len(groups)), list(r.prompt), r.seed,
+                         r.max_new_tokens) for r in requests]
+        longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
         if longest > self.module.max_sequence_length:
             raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's "
                              f"{self.module.max_sequence_length} positions; lower rollout.max_new_tokens")
@@ -156,18 +150,31 @@ class NativeEngine:
     # -- steps ---------------------------------------------------------------
     def _scheduler(self, seqs: list[Sequence], params: SamplingParams, longest: int,
                    every_prompt: bool = False) -> Scheduler:
-        """``every_prompt``: size the pool for a prompt per sample (follow-ups no longer share it)."""
+        """A scheduler holding ``seqs`` as prefill-sharing groups (see :meth:`_prefill_groups`), its KV
+        pool sized for each group's prompt once; ``every_prompt``: for a prompt per sequence instead
+        (``serve``: follow-ups share nothing)."""
         o = self.options
         stops = set(self.eos_ids) | set(params.stop_token_ids)
-        prompt_tokens = sum(len(s.prompt) for s in (seqs if every_prompt else seqs[:: params.n]))
+        groups = self._prefill_groups(seqs)
+        prompt_tokens = sum(len(s.prompt) for s in (seqs if every_prompt else [g[0] for g in groups]))
         needed = prompt_tokens + sum(s.max_new + o.page_size for s in seqs)
         self._ensure_cache(needed, longest, min(o.max_batch, len(seqs)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
         sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens,
                           max_pages, stops, prefix_cache=o.prefix_cache)
-        for start in range(0, len(seqs), params.n):
-            sched.add_group(seqs[start:start + params.n])
+        for group in groups:
+            sched.add_group(group)
         return sched
+
+    def _prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """Sequences of one prompt (``prompt_index``) together, in order of first appearance, the
+        request order kept within each; a group takes its slots at once, so one larger than
+        ``max_batch`` is split into groups of ``max_batch`` (each prefilling the prompt once)."""
+        by_prompt: dict[int, list[Sequence]] = {}
+        for s in seqs:
+            by_prompt.setdefault(s.prompt_index, []).append(s)
+        size = self.options.max_batch
+        return [g[start:start + size] for g in by_prompt.values() for start in range(0, len(g), size)]
 
     def _ensure_cache(self, needed_tokens: int, longest: int, max_seqs: int) -> None:
         """A KV cache for this call: sized per call, or once for max_batch x max_len when graphs hold
@@ -391,11 +398,13 @@ class NativeEngine:
 
     @staticmethod
     def _result(seq: Sequence) -> GenerationResult:
-        return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.prompt_index)
+        """``seq``'s response, under its request's key (``rid``)."""
+        return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.rid)
 
 
 class _Feed:
-    """``serve``'s end of :class:`~megarl.rollout.engine.FollowUps`: finished sequences out, requests in."""
+    """``serve``'s end of :class:`~megarl.rollout.engine.FollowUps`: finished sequences out (under their
+    keys), requests in (each alone, its seed as is)."""
 
     def __init__(self, followups: FollowUps, longest: int):
         self.followups, self.longest = followups, longest
@@ -408,8 +417,8 @@ class _Feed:
                 raise ValueError(f"follow-up request {req.key}: prompt {len(req.prompt)} + max_new_tokens "
                                  f"{req.max_new_tokens} must be in [prompt + 1, {self.longest}], the longest "
                                  "initial request this call was sized for")
-            seed = mix_seed(req.seed, 0)  # as generate([prompt], seeds=[seed]) draws its only sample
-            sched.add_group([Sequence(req.key, req.key, list(req.prompt), seed, req.max_new_tokens)])
+            alone = -1  # no prefill group: it shares nothing with the sequences already queued
+            sched.add_group([Sequence(req.key, alone, list(req.prompt), req.seed, req.max_new_tokens)])
 
 
 class _SamplingRows:

@@ -7,11 +7,11 @@ A step is either a **prefill** (chunks of waiting sequences, at most
 ``max_tokens`` new tokens; a long prompt takes several steps) or a **decode**
 (one token for every running sequence). Prefill goes first whenever a waiting
 sequence fits: finished sequences free slots and pages, and the freed room is
-refilled at once. The ``n`` samples of a prompt are one **group**: the leader
-is prefilled once and the others fork from it, sharing its pages. When a
-decode step needs more pages than are free, the most recently admitted
-sequences are **preempted**: their pages are released and they wait, at the
-front of the queue, to be recomputed from their tokens — never an OOM.
+refilled at once. Requests of one prompt are one **group** (the engine forms
+them): the leader is prefilled once and the others fork from it, sharing its
+pages. When a decode step needs more pages than are free, the most recently
+admitted sequences are **preempted**: their pages are released and they wait,
+at the front of the queue, to be recomputed from their tokens — never an OOM.
 
 Hot state is per slot in numpy arrays (block table, length, last token), so a
 decode step costs a few vector ops, not a Python loop over the batch.
@@ -53,8 +53,8 @@ ADMIT_FRACTION = 1 / 8
 class Sequence:
     """One response being generated."""
 
-    rid: int  # output position
-    prompt_index: int
+    rid: int  # the request's key
+    prompt_index: int  # its prefill group (the engine's number for its prompt)
     prompt: list[int]
     seed: int
     max_new: int  # response length limit
@@ -118,7 +118,7 @@ class Scheduler:
 
     # -- queue ---------------------------------------------------------------
     def add_group(self, seqs: list[Sequence]) -> None:
-        """The samples of one prompt: the first is prefilled, the rest fork from it."""
+        """Requests of one prompt: the first is prefilled, the rest fork from it."""
         leader, *rest = seqs
         leader.forks = rest
         self.waiting.append(leader)

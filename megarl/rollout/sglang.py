@@ -11,12 +11,13 @@ Layout (PP = 1). TP rank 0 of each TP group starts SGLang's offline engine
 default). Only that rank talks to SGLang; each call's result, or its error,
 reaches the other TP ranks by ``broadcast_object_list`` over the TP group.
 
-generate: token in / token out (``skip_tokenizer_init``); ``n`` requests per
-prompt, request ``j`` of prompt ``i`` with ``sampling_seed`` = ``mix_seed(seeds[i],
-j)`` as in the native engine. SGLang honours it only under
-``enable_deterministic_inference`` (``deterministic``, default on); off, tokens
-depend on SGLang's batching. Stops: ``eos_ids`` + ``params.stop_token_ids``;
-none: ``ignore_eos`` (otherwise SGLang also stops at the model config's eos).
+generate: token in / token out (``skip_tokenizer_init``); one SGLang request per
+:class:`~megarl.rollout.engine.Request`, in order, with ``sampling_seed`` = the
+request's seed (SGLang's radix cache shares the prefill of identical prompts).
+SGLang honours the seed only under ``enable_deterministic_inference``
+(``deterministic``, default on); off, tokens depend on SGLang's batching.
+Stops: ``eos_ids`` + ``params.stop_token_ids``; none: ``ignore_eos``
+(otherwise SGLang also stops at the model config's eos).
 Log-probs: ``meta_info["output_token_logprobs"]``, (logprob, token id, text)
 per token, computed under the temperature (greedy: 1.0) before top-k / top-p.
 Finish types "stop" / "length" map through; "abort" raises.
@@ -51,8 +52,7 @@ import torch.distributed as dist
 from megarl.cli import ConfigError
 from megarl.distributed import ParallelGroups
 from megarl.models.hf_config import ModelInfo
-from megarl.rollout.engine import GenerationResult, SamplingParams
-from megarl.rollout.native import mix_seed
+from megarl.rollout.engine import GenerationResult, Request, SamplingParams
 from megarl.rollout.weight_stream import iter_hf_buckets, tensor_bytes
 
 SGLANG_VERSION = "0.5.23"
@@ -102,14 +102,10 @@ def _sampling_kwargs(params: SamplingParams, seed: int, max_new_tokens: int, sto
             "sampling_seed": seed}
 
 
-def build_requests(prompts: list[list[int]], params: SamplingParams, eos_ids: list[int],
-                   seeds: Optional[list[int]] = None, max_new_tokens: Optional[list[int]] = None) -> list[dict]:
-    """SGLang sampling dicts, ``params.n`` per prompt, grouped by prompt (request k answers prompt k // n)."""
-    base = seeds if seeds is not None else [mix_seed(params.seed, i) for i in range(len(prompts))]
-    limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
+def build_requests(requests: list[Request], params: SamplingParams, eos_ids: list[int]) -> list[dict]:
+    """SGLang sampling dicts, one per request, in order: its own seed (as is) and length limit."""
     stops = sorted(set(eos_ids) | set(params.stop_token_ids))
-    return [_sampling_kwargs(params, mix_seed(base[i], j), limits[i], stops)
-            for i in range(len(prompts)) for j in range(params.n)]
+    return [_sampling_kwargs(params, r.seed, r.max_new_tokens, stops) for r in requests]
 
 
 def parse_output(out: dict, k: int) -> tuple[list[int], list[float], str]:
@@ -173,25 +169,23 @@ class SGLangEngine:
         self.engine = factory(**kwargs)
 
     # -- RolloutEngine -------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
-                 max_new_tokens: list[int] | None = None) -> list[GenerationResult]:
-        """``params.n`` results per prompt, grouped by prompt, in order (same on every TP rank)."""
-        if any(len(p) == 0 for p in prompts):
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[GenerationResult]:
+        """One result per request, in request order, under its key (same on every TP rank)."""
+        if any(len(r.prompt) == 0 for r in requests):
             raise ValueError("SGLang rollout: every prompt needs at least one token")
-        requests = build_requests(prompts, params, self.eos_ids, seeds, max_new_tokens)
-        outputs, self.stats = self._call(lambda: self._generate(prompts, params.n, requests))
-        return [GenerationResult(list(prompts[k // params.n]), ids, lps, reason, prompt_index=k // params.n)
-                for k, (ids, lps, reason) in enumerate(outputs)]
+        sampling = build_requests(requests, params, self.eos_ids)
+        outputs, self.stats = self._call(lambda: self._generate([list(r.prompt) for r in requests], sampling))
+        return [GenerationResult(list(r.prompt), ids, lps, reason, r.key)
+                for r, (ids, lps, reason) in zip(requests, outputs)]
 
-    def _generate(self, prompts, n: int, requests: list[dict]):
-        if not requests:
+    def _generate(self, input_ids: list[list[int]], sampling: list[dict]):
+        if not sampling:
             return [], {"rollout/requests": 0.0}
         self._resume(MEMORY_TAGS)
         start = time.perf_counter()
-        input_ids = [list(prompts[k // n]) for k in range(len(requests))]
-        raw = self.engine.generate(input_ids=input_ids, sampling_params=requests, return_logprob=True)
+        raw = self.engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
         outputs = [parse_output(out, k) for k, out in enumerate(raw)]
-        stats = {"rollout/requests": float(len(requests)), "rollout/engine_seconds": time.perf_counter() - start,
+        stats = {"rollout/requests": float(len(sampling)), "rollout/engine_seconds": time.perf_counter() - start,
                  "rollout/response_tokens": float(sum(len(ids) for ids, _, _ in outputs))}
         return outputs, stats
 

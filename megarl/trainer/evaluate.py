@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megarl.data import PromptDataset
 from megarl.rewards import math_answer_reward
-from megarl.rollout.engine import RolloutEngine, SamplingParams
+from megarl.rollout.engine import RolloutEngine, SamplingParams, sample_requests
 
 
 def eval_count(num_items: int, limit: int) -> int:
@@ -26,8 +26,8 @@ def held_out_accuracy(engine: RolloutEngine, dataset: PromptDataset, tokenizer, 
     items = [dataset[i] for i in index]
     correct = 0.0
     if items:
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-        results = engine.generate([it.prompt_ids for it in items], params)
+        requests = sample_requests([it.prompt_ids for it in items], 1, 0, max_new_tokens)  # greedy: seed unused
+        results = engine.generate(requests, SamplingParams(temperature=0.0))
         answers = [r.extra.get("final_turn_ids", r.response_ids) for r in results]  # multi-turn: the last turn
         texts = tokenizer.batch_decode(answers, skip_special_tokens=True)
         correct = sum(math_answer_reward(t, it.answer) for t, it in zip(texts, items) if it.answer is not None)

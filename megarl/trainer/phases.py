@@ -31,9 +31,9 @@ def train_temperature(cfg) -> float:
 
 def greedy_baseline(tr, prompts, rollout) -> None:
     """ReMax: the score of each prompt's greedy response, per sample."""
-    params = SamplingParams(tr.cfg.rollout.max_new_tokens, 0.0, n=1,
-                            stop_token_ids=tuple(tr.cfg.rollout.stop_token_ids))
-    greedy = generate_rollout(tr.engine, prompts, params, tr.tokenizer, tr.pad_id, tr.device)
+    params = SamplingParams(temperature=0.0, stop_token_ids=tuple(tr.cfg.rollout.stop_token_ids))
+    greedy = generate_rollout(tr.engine, prompts, params, tr.tokenizer, tr.pad_id, tr.device,
+                              n=1, seed=0, max_new_tokens=tr.cfg.rollout.max_new_tokens)  # greedy: seed unused
     score_rollout(tr.reward, greedy)
     rollout.batch.greedy_scores = greedy.scores.repeat_interleave(tr.cfg.rollout.n)
 

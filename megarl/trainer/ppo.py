@@ -143,9 +143,13 @@ class PPOTrainer:
     # -- the phases of a step ------------------------------------------------
     def sampling_params(self) -> SamplingParams:
         r = self.cfg.rollout
-        seed = (r.seed * 1_000_003 + self.step) * 1009 + self.groups.dp_rank  # same in a TP x PP replica
         stops = () if r.ignore_eos else tuple(r.stop_token_ids)
-        return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, stops, r.n, seed)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_token_ids=stops)
+
+    def sampling_seed(self) -> int:
+        """This step's rollout seed: the same in a TP x PP replica, another per step and DP rank."""
+        r = self.cfg.rollout
+        return (r.seed * 1_000_003 + self.step) * 1009 + self.groups.dp_rank
 
     def generate(self) -> Rollout:
         self.timer = PhaseTimer()
@@ -159,8 +163,9 @@ class PPOTrainer:
         with self.timer("rollout"):
             prompts = self.sampler.next_batch(self.train_set)
             self.engine.resume_memory()
-            rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer,
-                                       self.pad_id, self.device)
+            r = self.cfg.rollout
+            rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer, self.pad_id,
+                                       self.device, n=r.n, seed=self.sampling_seed(), max_new_tokens=r.max_new_tokens)
             rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
             if self.cfg.algorithm.advantage == "remax":
                 phases.greedy_baseline(self, prompts, rollout)

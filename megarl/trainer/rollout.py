@@ -7,7 +7,7 @@ import torch
 
 from megarl.data import PromptBatch
 from megarl.roles.batch import SampleBatch
-from megarl.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from megarl.rollout.engine import GenerationResult, RolloutEngine, SamplingParams, sample_requests
 
 
 @dataclass
@@ -46,13 +46,14 @@ def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> Sam
     return SampleBatch(ids.to(device), mask.to(device), lengths.to(device), rollout_logprobs=rollout_lp.to(device))
 
 
-def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: SamplingParams,
-                     tokenizer, pad_id: int, device) -> Rollout:
-    """Generates and packs one step's samples. A multi-turn result (``extra["trajectory"]``, from
-    :class:`~megarl.rollout.agent.AgentLoop`) gives rewards its last assistant turn as the response
-    and the whole conversation as ``extra["trajectory"]``."""
-    results = engine.generate(prompts.prompt_ids, params)
-    items = [prompts.items[r.prompt_index] for r in results]
+def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: SamplingParams, tokenizer,
+                     pad_id: int, device, *, n: int, seed: int, max_new_tokens: int) -> Rollout:
+    """Generates and packs one step's samples: ``n`` requests per prompt from ``seed``
+    (:func:`~megarl.rollout.engine.sample_requests`), each result back to its prompt by key (``key // n``).
+    A multi-turn result (``extra["trajectory"]``, from :class:`~megarl.rollout.agent.AgentLoop`) gives
+    rewards its last assistant turn as the response and the whole conversation as ``extra["trajectory"]``."""
+    results = engine.generate(sample_requests(prompts.prompt_ids, n, seed, max_new_tokens), params)
+    items = [prompts.items[r.key // n] for r in results]
     return Rollout(
         batch=to_sample_batch(results, pad_id, device),
         prompts=[it.prompt_text for it in items],
