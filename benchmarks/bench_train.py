@@ -165,6 +165,25 @@ def time_updates(actor, acfg, batch, warmup: int, steps: int) -> dict:
             "grad_norm": m["grad_norm"], "oom_retries": m.get("oom_retries", 0.0)}
 
 
+def profile_update(actor, acfg, batch, path: str) -> dict:
+    """One ``Policy.update`` under torch.profiler: the top kernels by device time in ``path``, and
+    kernel time against wall time (a gap means the host or a sync holds the device back)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        actor.update(batch, acfg, 1.0, [torch.arange(len(batch))], norm_len=batch.width)
+        sync()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(events.table(sort_by="self_device_time_total", row_limit=45))
+        f.write("\n" + events.table(sort_by="cpu_time_total", row_limit=30))
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"profiled_wall_s": wall, "kernel_s": kernel_us / 1e6, "profile": path}
+
+
 def released() -> float | None:
     """Frees what the last actor left (cycles, cached blocks); GiB still allocated."""
     gc.collect()
@@ -217,6 +236,8 @@ def case_packing(args, groups, w: Workload) -> dict:
         actor.options = run_options(cfg, packing)  # what actor.packing=true|false builds
         out[name] = time_updates(actor, acfg, batch, args.warmup, args.steps)
         out[name] |= micro_layout(batch, acfg.micro_batch_size, acfg.max_tokens_per_micro, packing)
+        if args.profile and torch.cuda.is_available():
+            out[name] |= profile_update(actor, acfg, batch, os.path.join(args.out_dir, f"profile_{name}.txt"))
     packed, padded = out["packed"]["tokens_per_s"], out["padded"]["tokens_per_s"]
     return {"padded_tokens_per_s": padded, "packed_tokens_per_s": packed, "speedup": packed / padded,
             "speedup_vs_fixed_rows": packed / out["padded_fixed_rows"]["tokens_per_s"],
@@ -315,6 +336,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/megarl_bench", help="checkpoints are made (and kept) here")
     ap.add_argument("--out", default=None, help="JSON of a single case")
     ap.add_argument("--out-dir", default=".", help="--case all: train_<case>.json here")
+    ap.add_argument("--profile", action="store_true", help="packing case: one profiled update per layout "
+                    "(top kernels in <out-dir>/profile_<layout>.txt)")
     args, args.overrides = ap.parse_known_args()
     from megarl.launch_common import quiet_libraries
 

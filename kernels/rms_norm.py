@@ -1,13 +1,14 @@
 """Residual add + RMSNorm in one pass, with megatron's (local spec) rounding.
 
 Spec (`add_rms_norm_ref`). x, residual (T, h) in the activation dtype; weight
-(h,) in its own dtype (the local spec keeps norm weights in fp32 beside bf16
-activations, so torch's fused kernel never runs and the composite does):
+(h,) in its own dtype (the model's params dtype; fp32 beside bf16 activations
+works too):
     s = residual + x                          rounded to the activation dtype
     y = (s_f32 * rsqrt(mean(s_f32^2) + eps) * w_f32)   rounded to the activation dtype
 returns (y, s): the normed input of the next sublayer and the new residual
-stream. ``residual=None`` normalizes x alone (s = x). These are exactly the
-numbers of ``s = residual + x; F.rms_norm(s, (h,), w, eps)``.
+stream. ``residual=None`` normalizes x alone (s = x). In fp32 these are exactly
+the numbers of ``s = residual + x; F.rms_norm(s, (h,), w, eps)``; in bf16 they
+round once where torch's composite rounds ``s * rsqrt(...)`` before the weight.
 
 Kernel: one program per row, the row in registers (h <= 16384), one read of
 x and residual, one write of y and s. The decode step calls it twice per layer

@@ -1,4 +1,4 @@
-"""megarl.kernels add_rms_norm, rope_cache, silu_mul: Triton against the specs on odd shapes.
+"""megarl.kernels add_rms_norm, rope_cache, silu_mul (and swiglu's backward): Triton against the specs on odd shapes.
 
 Shapes: rows 1 and 7, hidden 100 (not a power of two), head dims 32 and 64,
 query heads per group 1, 2 and 6, caches with shuffled target rows and
@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from megarl.kernels import interpret_mode  # noqa: E402
 from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref  # noqa: E402
 from megarl.kernels.rope_cache import rope_cache, rope_cache_ref  # noqa: E402
-from megarl.kernels.swiglu import silu_mul, silu_mul_ref  # noqa: E402
+from megarl.kernels.swiglu import silu_mul, silu_mul_ref, swiglu  # noqa: E402
 
 pytestmark = needs_triton
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
@@ -72,3 +72,21 @@ def test_rope_cache(dtype, groups, per_group, d):
 def test_silu_mul(dtype, rows, f):
     x = _rand(rows, 2 * f, dtype=dtype, seed=6) * 3
     torch.testing.assert_close(silu_mul(x, backend="triton"), silu_mul_ref(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 100), (3, 5, 2200)])
+def test_swiglu_grad_equals_autograd_of_the_spec(dtype, shape):
+    """The fused backward gives the gradient torch's autograd computes through silu(gate) * up."""
+    x = (_rand(*shape, dtype=dtype, seed=7) * 3).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    dout = _rand(*shape[:-1], shape[-1] // 2, dtype=dtype, seed=8)
+    out = swiglu(x, backend="triton")
+    out.backward(dout)
+    out_ref = silu_mul_ref(x_ref)
+    out_ref.backward(dout)
+    assert out.shape == out_ref.shape and x.grad.dtype == dtype
+    torch.testing.assert_close(out, out_ref, **TOL[dtype])
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[dtype])
+    with pytest.raises(ValueError, match="even"):
+        swiglu(x[..., :-1], backend="triton")
