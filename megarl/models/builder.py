@@ -22,7 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.distributed.groups import ParallelGroups
-from megarl.models.fused_mlp import FusedSwiGLUMLP
+from megarl.models.fused_mlp import fuse_swiglu
 from megarl.models.hf_config import ModelInfo, sliding_window_check
 from megarl.models.sdpa_attention import SDPAAttention
 from megarl.models.value_head import ValueHead
@@ -117,7 +117,6 @@ def layer_spec(info: ModelInfo, opts: ModelOptions) -> ModuleSpec:
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=info.qk_norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=info.qk_norm, normalization="RMSNorm")
-    spec.submodules.mlp = ModuleSpec(module=FusedSwiGLUMLP, submodules=spec.submodules.mlp.submodules)
     if opts.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     return spec
@@ -156,6 +155,7 @@ def build_gpt_model(
     if info.value_head and groups.is_last_stage:
         model.output_layer = ValueHead(config, groups)
     _norms_in_params_dtype(model, config.params_dtype)
+    fuse_swiglu(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())  # local-spec norms are built on the CPU
     return model

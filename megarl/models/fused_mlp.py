@@ -10,10 +10,15 @@ whose forward sends the fc1 output through ``megarl.kernels.swiglu`` — one
 Triton launch each way, the same numbers as the unfused ops. Anything else
 (CPU tensors, another activation, clamping, an offset, per-token scales) takes
 megatron's own forward unchanged.
+
+:func:`fuse_swiglu` turns a built model's ``MLP`` modules into this subclass
+(it adds no state): megatron's layer builds its MLP with the right TP group
+only when the spec names ``MLP`` itself, so the spec stays megatron's.
 """
 from __future__ import annotations
 
 import torch.nn.functional as F
+import torch
 from megatron.core.transformer.mlp import MLP
 
 from megarl.kernels.swiglu import swiglu
@@ -35,3 +40,10 @@ class FusedSwiGLUMLP(MLP):
         if bias is not None:
             intermediate = intermediate + bias
         return self.linear_fc2(swiglu(intermediate))  # (output, output bias)
+
+
+def fuse_swiglu(model: torch.nn.Module) -> None:
+    """Every plain ``MLP`` of ``model`` becomes a :class:`FusedSwiGLUMLP` (in place, same parameters)."""
+    for module in model.modules():
+        if type(module) is MLP:
+            module.__class__ = FusedSwiGLUMLP

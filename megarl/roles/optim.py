@@ -129,7 +129,23 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
         wd_incr_style="constant",
     )
     _sum_losses_then_normalize(module.config, groups, optimizer)
+    if torch.cuda.is_available() and not optim.cpu_offload:
+        _fused_adam(optimizer)
     return Trainable(model, optimizer, scheduler, loss_scaled=dtype == torch.float16)
+
+
+def _fused_adam(optimizer) -> None:
+    """torch's single-kernel AdamW for the fp32 master shards on CUDA. Without apex or
+    transformer-engine megatron-core falls back to ``torch.optim.AdamW`` with its default
+    multi-tensor ("foreach") step; the fused step is the same update in fewer passes over the
+    master weights and moments. Set before any state exists, so the step counters are created on
+    the device as the fused kernel needs (checkpoint loads move them there too)."""
+    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    for opt in inner:
+        if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and not opt.state:
+            for group in opt.param_groups:
+                if all(p.is_cuda and p.dtype == torch.float32 for p in group["params"]):
+                    group.update(fused=True, foreach=False)
 
 
 def _cpu_offload(enabled: bool) -> dict:
