@@ -2,21 +2,26 @@
 
 Spec (`rope_ref`: megatron-core's ``_apply_rotary_pos_emb_bshd`` without
 interleaving, partial rotary or mscale). t (T, H, D) in the activation dtype,
-positions (T,) int, freqs (S, D) fp32 angles (megatron's table: the D/2
-frequencies twice); with c = cos(freqs[pos]), s = sin(freqs[pos]) rounded to
-t's dtype and rot(x) = [-x2, x1] (x1, x2 the two halves of the last dim):
+positions (T,) int, and the tables cos, sin (S, D) of megatron's angles in t's
+dtype (`rope_tables`: ``torch.cos(freqs).to(dtype)``, as megatron rounds
+them); with c = cos[pos], s = sin[pos] and rot(x) = [-x2, x1] (x1, x2 the two
+halves of the last dim):
     out = (t * c) rounded + (rot(t) * s) rounded          rounded
 Its backward, as torch's autograd computes it through those ops, with
 rot^T(g) = [g2, -g1]:
     dt = (dout * c) rounded + rot^T((dout * s) rounded)   rounded
+The tables come from torch, not from Triton's cos / sin (fast approximations
+that drift at large angles: 17% of bf16 elements differed at angles up to 200
+rad on an H200). The kernels round where the spec rounds, but a bitwise check
+against it failed on the H200 (2026-12-01; the cause is not isolated, a
+contracted multiply-add is suspected), so GPU results are taken as the spec's
+up to one rounding (the tolerance tests have not run on a GPU yet).
 
-Kernels: grid (T,), one program per token holding all H heads: the token's
-angles are read and their cos / sin taken once for every head; one read of t
-(or dout) and one write. Unfused, megatron takes ~10 launches per call
-(gather, cos, sin, two casts, chunk, neg, cat, two muls, add) and as many
-again in the backward, for queries and keys of every layer. Triton's cos / sin
-are not torch's to the last fp32 bit, so c and s (rounded to bf16) can differ
-in rare elements: GPU results equal the spec up to that rounding.
+Kernels: grid (T,), one program per token holding all H heads: one read of the
+token's c and s rows for every head, one read of t (or dout) and one write.
+Unfused, megatron takes ~10 launches per call (gather, cos, sin, two casts,
+chunk, neg, cat, two muls, add) and as many again in the backward, for
+queries and keys of every layer.
 """
 import torch
 
@@ -28,15 +33,19 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_ref(t, positions, freqs):
-    """The spec: (T, H, D), (T,), (S, D) fp32 -> (T, H, D) in t.dtype (autograd through torch's ops)."""
-    f = freqs[positions.long()][:, None, :]  # (T, 1, D)
-    cos, sin = torch.cos(f).to(t.dtype), torch.sin(f).to(t.dtype)
-    return t * cos + _rotate_half(t) * sin
+def rope_tables(freqs, dtype):
+    """(S, D) fp32 angles -> cos, sin (S, D) in ``dtype``, rounded as megatron rounds them."""
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
+def rope_ref(t, positions, cos, sin):
+    """The spec: (T, H, D), (T,), (S, D), (S, D) -> (T, H, D) in t.dtype (autograd through torch's ops)."""
+    p = positions.long()
+    return t * cos[p][:, None, :] + _rotate_half(t) * sin[p][:, None, :]
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, freqs_ptr, out_ptr, H, stride_xt, stride_xh, stride_ot, stride_oh, stride_f,
+def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
                  D: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]  # (BH, 1)
@@ -48,49 +57,49 @@ def _rope_kernel(x_ptr, pos_ptr, freqs_ptr, out_ptr, H, stride_xt, stride_xh, st
     x = tl.load(x_row + d, mask=ok, other=0.0)
     xp = tl.load(x_row + partner, mask=ok, other=0.0).to(tl.float32)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    angle = tl.load(freqs_ptr + pos * stride_f + d)  # (1, D) fp32
-    c = tl.cos(angle).to(x.dtype).to(tl.float32)
+    c = tl.load(cos_ptr + pos * stride_c + d).to(tl.float32)  # (1, D)
     if BACKWARD:  # rot^T(g * s): element d takes +g[d + half] s[d + half] (d < half), -g[d - half] s[d - half]
-        sp = tl.sin(tl.load(freqs_ptr + pos * stride_f + partner)).to(x.dtype).to(tl.float32)
+        sp = tl.load(sin_ptr + pos * stride_c + partner).to(tl.float32)
         b = (xp * sp).to(x.dtype).to(tl.float32)
         b = tl.where(d < half, b, -b)
     else:  # rot(x) * s: element d takes -x[d + half] (d < half), +x[d - half]
-        s = tl.sin(angle).to(x.dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_c + d).to(tl.float32)
         b = (tl.where(d < half, -xp, xp) * s).to(x.dtype).to(tl.float32)
     a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + heads * stride_oh + d, (a + b).to(x.dtype), mask=ok)
 
 
-def _launch(x, positions, freqs, backward: bool):
+def _launch(x, positions, cos, sin, backward: bool):
     T, H, D = x.shape
     out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T:
-        _rope_kernel[(T,)](x, positions, freqs, out, H, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                           freqs.stride(0), D=D, BLOCK_H=next_pow2(H), BACKWARD=backward,
+        _rope_kernel[(T,)](x, positions, cos, sin, out, H, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+                           cos.stride(0), D=D, BLOCK_H=next_pow2(H), BACKWARD=backward,
                            num_warps=4 if H * D <= 2048 else 8)
     return out
 
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, positions, freqs):
-        ctx.save_for_backward(positions, freqs)
-        return _launch(t, positions, freqs, backward=False)
+    def forward(ctx, t, positions, cos, sin):
+        ctx.save_for_backward(positions, cos, sin)
+        return _launch(t, positions, cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx, dout):
-        positions, freqs = ctx.saved_tensors
-        return _launch(dout.contiguous(), positions, freqs, backward=True), None, None
+        positions, cos, sin = ctx.saved_tensors
+        return _launch(dout.contiguous(), positions, cos, sin, backward=True), None, None, None
 
 
-def rope(t, positions, freqs, backend: str = "auto"):
+def rope(t, positions, cos, sin, backend: str = "auto"):
     """Differentiable RoPE (module docstring): t (T, H, D) with unit last stride, positions (T,) int,
-    freqs (S, D) fp32 with D even and a power of two for the Triton path."""
-    if t.dim() != 3 or freqs.dim() != 2 or freqs.shape[-1] != t.shape[-1] or positions.shape != t.shape[:1]:
-        raise ValueError(f"rope: want t (T, H, D), positions (T,), freqs (S, D); got {tuple(t.shape)}, "
-                         f"{tuple(positions.shape)}, {tuple(freqs.shape)}")
+    cos, sin (S, D) in t's dtype (`rope_tables`); D a power of two for the Triton path."""
+    if (t.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[-1] != t.shape[-1]
+            or positions.shape != t.shape[:1]):
+        raise ValueError(f"rope: want t (T, H, D), positions (T,), cos and sin (S, D); got {tuple(t.shape)}, "
+                         f"{tuple(positions.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
     d = t.shape[-1]
-    if choose(backend, t, positions, freqs) != "triton" or d & (d - 1) or d < 2:
-        return rope_ref(t, positions, freqs)
+    if choose(backend, t, positions, cos, sin) != "triton" or d & (d - 1) or d < 2:
+        return rope_ref(t, positions, cos, sin)
     t = t if t.stride(-1) == 1 else t.contiguous()
-    return _Rope.apply(t, positions.contiguous(), freqs.float().contiguous())
+    return _Rope.apply(t, positions.contiguous(), cos.to(t.dtype).contiguous(), sin.to(t.dtype).contiguous())

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megarl.models.rope_thd import _MEGATRON_THD, packed_rope
+from megarl.models.rope_thd import _MEGATRON_THD, packed_rope, padded_rope
 
 
 class OneRank:
@@ -33,3 +33,4 @@ def test_installed_by_the_model_builder():
     import megarl.models.builder  # noqa: F401
 
     assert rope_utils._apply_rotary_pos_emb_thd is packed_rope
+    assert rope_utils._apply_rotary_pos_emb_bshd is padded_rope

@@ -1,4 +1,4 @@
-"""RoPE on packed (THD) rows without a host sync: a drop-in for megatron-core's baseline.
+"""RoPE on packed (THD) rows without a host sync, and fused on CUDA: drop-ins for megatron-core's baseline.
 
 megatron-core 0.16's unfused THD path (``rope_utils._apply_rotary_pos_emb_thd``,
 taken whenever RoPE fusion is off, i.e. without transformer-engine) reads the
@@ -13,18 +13,24 @@ s padded.
 applies megatron's own ``_apply_rotary_pos_emb_bshd`` once: the same element
 ops, so the same bits (tests/test_rope_thd.py). On CUDA (full, non-interleaved
 rotary, mscale 1) the rotation is ``megarl.kernels.rope`` instead, forward and
-backward in one launch each: the same roundings, with Triton's cos / sin (the
-unfused ops took ~6% of a 1.5B actor update on an H200). Context parallel ranks
-(cp > 1) keep megatron's function.
+backward in one launch each, on cos / sin tables of megatron's angles rounded
+as megatron rounds them: the same numbers up to one rounding (see
+``megarl/kernels/rope.py``; the unfused ops took ~6% of a 1.5B actor update on
+an H200). The tables are made once per forward: megatron hands
+every layer the same (cached) ``freqs`` tensor. Context parallel ranks (cp > 1)
+keep megatron's function. Padded rows (``actor.packing=false``: megatron's
+``_apply_rotary_pos_emb_bshd``) take the same kernel through `padded_rope`, so
+packed and padded layouts compare on the same kernels.
 """
 from __future__ import annotations
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from megarl.kernels.rope import rope
+from megarl.kernels.rope import rope, rope_tables
 
 _MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
+_MEGATRON_BSHD = rope_utils._apply_rotary_pos_emb_bshd
 
 
 def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
@@ -38,11 +44,33 @@ def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, 
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         positions = positions - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
     if _fusable(t, freqs, rotary_interleaved, multi_latent_attention, mscale):
-        return rope(t, positions, freqs.view(freqs.shape[0], -1))
+        return rope(t, positions, *_tables(freqs, t.dtype))
     freqs = freqs[positions]
-    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
+    return _MEGATRON_BSHD(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
                                                  mscale=mscale).squeeze(1)
+
+
+def padded_rope(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+                multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+    """t [s, b, h, d], freqs [s, 1, 1, d] -> megatron's RoPE of padded rows (fused where `_fusable`)."""
+    fits = t.dim() == 4 and freqs.dim() == 4 and freqs.shape[0] == t.shape[0] and freqs.shape[1:3] == (1, 1)
+    if not (fits and _fusable(t, freqs, rotary_interleaved, multi_latent_attention, mscale)):
+        return _MEGATRON_BSHD(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+    s, b, h, d = t.shape
+    positions = torch.arange(s, device=t.device).repeat_interleave(b)  # row-major (s, b) tokens
+    return rope(t.reshape(s * b, h, d), positions, *_tables(freqs, t.dtype)).view(s, b, h, d)
+
+
+_TABLES: dict = {}  # the last freqs tensor seen (held, so its memory cannot be reused) -> its tables
+
+
+def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (S, D) in ``dtype`` of megatron's (S, 1, 1, D) angles, made once per freqs tensor."""
+    held = _TABLES.get(dtype)
+    if held is None or held[0] is not freqs or held[1] != freqs._version:
+        _TABLES[dtype] = (freqs, freqs._version, rope_tables(freqs.view(freqs.shape[0], -1), dtype))
+    return _TABLES[dtype][2]
 
 
 def _fusable(t, freqs, rotary_interleaved: bool, multi_latent_attention: bool, mscale: float) -> bool:
@@ -52,5 +80,6 @@ def _fusable(t, freqs, rotary_interleaved: bool, multi_latent_attention: bool, m
 
 
 def install() -> None:
-    """Route megatron's unfused THD RoPE through `packed_rope` (idempotent)."""
+    """Route megatron's unfused THD and BSHD RoPE through `packed_rope` and `padded_rope` (idempotent)."""
     rope_utils._apply_rotary_pos_emb_thd = packed_rope
+    rope_utils._apply_rotary_pos_emb_bshd = padded_rope
