@@ -1,0 +1,124 @@
+"""Alternatives for the 1.5B decode step, each timed in a CUDA graph (issue 8): is any worth taking?
+
+    python3 benchmarks/bench_decode_options.py --out $OUT/decode_options.json [--parts attention,gemm,sampling]
+
+- attention: the paged decode kernel at B in {32, 128, 512} and 384 / 640 keys per row, with the
+  cache token-major (the engine's (P, page, Hkv, D)) or head-major ((P, Hkv, page, D) storage seen
+  through strides), at the default split count and at 1, 2, 4 splits; fraction of HBM = K + V bytes
+  / time / 4.24 TB/s.
+- gemm: the step's linears (QKV + bias, output projection, fc1, fc2, logits) at M in {32, 128, 512}
+  under cuBLAS and cuBLASLt (``torch.backends.cuda.preferred_blas_library``), with and without bf16
+  reduced-precision reductions; weights rotate over copies that defeat the L2.
+- sampling: the fused sampler (plain, temperature 1, V = 151,936, bf16 logits) against its byte floor.
+Prints one line per measurement and writes them all to --out.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import graph_ms  # noqa: E402
+
+from megarl.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from megarl.kernels import paged_decode as PD  # noqa: E402
+from megarl.kernels.sampling import sample_tokens  # noqa: E402
+
+DEV = "cuda"
+HQ, HKV, D, PAGE = 12, 2, 128, 16
+SCALE = D ** -0.5
+
+
+def attention_rows():
+    rows = []
+    for B in (32, 128, 512):
+        for ctx in (384, 640):
+            width = -(-ctx // PAGE)
+            copies = max(1, min(16, -(-(256 << 20) // (2 * B * ctx * HKV * D * 2))))
+            n_pages = 1 + copies * B * width
+            for layout in ("token", "head"):
+                if layout == "token":
+                    kc = torch.randn(n_pages, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
+                    vc = torch.randn_like(kc)
+                else:  # (P, Hkv, page, D) storage seen as (P, page, Hkv, D)
+                    kc = torch.randn(n_pages, HKV, PAGE, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+                    vc = torch.randn(n_pages, HKV, PAGE, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+                perm = (torch.randperm(n_pages - 1, device=DEV) + 1).int().view(copies, B, width)
+                sl = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+                qs = [torch.randn(B, HQ, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+                for splits in (None, 1, 2, 4):
+                    fns = [lambda q=q, t=perm[c].contiguous(), s=splits: PD.paged_decode_attention_triton(
+                        q, kc, vc, t, sl, SCALE, num_splits=s, max_seqlen_k=ctx) for c, q in enumerate(qs)]
+                    ms = graph_ms(fns)
+                    kv = 2 * B * ctx * HKV * D * 2
+                    row = dict(B=B, ctx=ctx, layout=layout, splits=splits or PD.decode_splits(B, HKV, width, PAGE, torch.device(DEV)),
+                               us=ms * 1e3, hbm=kv / (ms * 1e-3) / 4.24e12)
+                    print(row, flush=True)
+                    rows.append(row)
+    return rows
+
+
+def gemm_rows():
+    shapes = {"qkv": (2048, 1536, True), "proj": (1536, 1536, False), "fc1": (17920, 1536, False),
+              "fc2": (1536, 8960, False), "logits": (151936, 1536, False)}
+    rows = []
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for reduced in (True, False):
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+            for name, (n, k, bias) in shapes.items():
+                copies = max(1, min(28, -(-(256 << 20) // (n * k * 2))))
+                ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+                bs = [torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None for _ in range(copies)]
+                for m in (32, 128, 512):
+                    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+                    fns = [lambda w=w, b=b: F.linear(x, w, b) for w, b in zip(ws, bs)]
+                    try:
+                        us = graph_ms(fns) * 1e3
+                    except Exception as e:  # noqa: BLE001
+                        us = None
+                        print("ERR", lib, name, m, e)
+                    floor = n * k * 2 / 4.24e12 * 1e6
+                    row = dict(lib=lib, reduced=reduced, op=name, M=m, us=us, floor_us=floor)
+                    print(row, flush=True)
+                    rows.append(row)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    return rows
+
+
+def sampling_rows():
+    rows = []
+    V = 151936
+    for B in (32, 128, 512):
+        for dtype in (torch.bfloat16,):
+            copies = 4
+            xs = [torch.randn(B, V, device=DEV, dtype=dtype) for _ in range(copies)]
+            t = torch.ones(B, device=DEV); k = torch.full((B,), -1, dtype=torch.int32, device=DEV)
+            p = torch.ones(B, device=DEV); seeds = torch.arange(B, device=DEV); offs = torch.zeros(B, dtype=torch.long, device=DEV)
+            fns = [lambda x=x: sample_tokens(x, t, k, p, seeds, offs) for x in xs]
+            us = graph_ms(fns) * 1e3
+            row = dict(B=B, us=us, floor_us=B * V * 2 / 4.24e12 * 1e6)
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="attention,gemm,sampling")
+    a = ap.parse_args()
+    out = {}
+    for part in a.parts.split(","):
+        out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
+}[part]()
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
