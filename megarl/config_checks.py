@@ -66,7 +66,9 @@ def check_cpu_offload(cfg: Config, o, prefix: str, trains_norms: bool) -> None:
     """``<prefix>.cpu_offload``: megatron-core 0.16.1's HybridDeviceOptimizer under the distributed
     optimizer takes half-precision parameters only (an fp32 one reaches it as a non-leaf view and
     its constructor raises), and steps only parameters that live on a CUDA device.
-    ``trains_norms``: the role trains the norm weights (all but a LoRA actor)."""
+    ``trains_norms``: the role trains the norm weights (all but a LoRA actor). The local spec's
+    norms were fp32 until they were built in the params dtype; a role that trains them with
+    offload has not run on a GPU since, so it stays refused until it has."""
     if not o.cpu_offload:
         return
     key = f"{prefix}.cpu_offload=true"
@@ -79,8 +81,8 @@ def check_cpu_offload(cfg: Config, o, prefix: str, trains_norms: bool) -> None:
     te = cfg.model.layer_spec == "te" or (cfg.model.layer_spec == "auto" and have_te())
     if trains_norms and not te:
         lora = " or actor.lora.rank > 0 (norms frozen)" if prefix == "actor.optim" else ""
-        raise ConfigError(f"{key} with the local layer spec trains its torch norms' fp32 weights, which megatron-core's "
-                          f"offload cannot hold; use model.layer_spec=te{lora}, or set {prefix}.cpu_offload=false")
+        raise ConfigError(f"{key} with the local layer spec and trained norms is not verified on a GPU yet; "
+                          f"use model.layer_spec=te{lora}, or set {prefix}.cpu_offload=false")
     import torch
 
     if not torch.cuda.is_available():

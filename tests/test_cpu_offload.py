@@ -5,9 +5,10 @@ What megatron-core 0.16.1 supports, found by running it:
 - every trained parameter must be bf16/fp16: the distributed optimizer hands an
   fp32 parameter over as a non-leaf view of the model's own storage, and the
   offload optimizer's constructor (a ``torch.optim.Optimizer``) raises "can't
-  optimize a non-leaf Tensor". fp32 models, and the local layer spec's torch
-  norms (fp32 weights inside a bf16 model), are therefore refused; a LoRA actor
-  (norms frozen, adapters bf16) or the TE spec fit;
+  optimize a non-leaf Tensor". fp32 models are therefore refused; so is a role
+  that trains the local spec's norms (fp32 weights until they were built in the
+  params dtype; not run on a GPU with offload since); a LoRA actor (norms
+  frozen, adapters bf16) or the TE spec fit;
 - it needs CUDA: on a CPU-only machine nothing is "on the GPU", the optimizer
   keeps no GPU twin of its parameters and its first step fails (KeyError in
   ``_set_sub_optimizer_grads``). The equality test is therefore a ``gpu`` test.
@@ -39,7 +40,7 @@ def _cfg(**actor):
     (lambda c: setattr(c.parallel, "distributed_optimizer", False),
      "actor.optim.cpu_offload=true needs parallel.distributed_optimizer=true"),
     (lambda c: setattr(c.model, "dtype", "float32"), "actor.optim.cpu_offload=true needs model.dtype=bfloat16"),
-    (lambda c: setattr(c.actor.lora, "rank", 0), "with the local layer spec trains its torch norms' fp32 weights"),
+    (lambda c: setattr(c.actor.lora, "rank", 0), "with the local layer spec and trained norms is not verified on a GPU yet"),
 ])
 def test_unsupported_combinations_are_config_errors(change, message):
     from megarl.cli import ConfigError
