@@ -140,20 +140,6 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
         assert other["greedy"] == r["greedy"] and other["sampled"] == r["sampled"]
 
 
-def _prefill_counter(engine) -> list[int]:
-    """Wraps ``engine._step`` (every step of a CPU engine without graphs): the tokens each prefill step
-    feeds are appended to the list returned."""
-    fed, step = [], engine._step
-
-    def counting(plan, rows, steps):
-        if not plan.decode:
-            fed.append(len(plan.input_ids))
-        return step(plan, rows, steps)
-
-    engine._step = counting
-    return fed
-
-
 def _shared_prefills(rank, ckpt, eos):
     """n-fold requests together and alone; identical prompts apart and adjacent; a group over max_batch."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -170,14 +156,13 @@ def _shared_prefills(rank, ckpt, eos):
     cfg.model.path = ckpt
     actor = build_actor(cfg, groups, optimizer_steps=1)
     roomy, narrow = (_engine(actor, groups, eos, pages=64, max_batch=b) for b in (16, 2))
-    counters = {roomy: _prefill_counter(roomy), narrow: _prefill_counter(narrow)}
     params = SamplingParams(temperature=0.8, top_k=30)
 
     def run(requests, engine=roomy):
-        counters[engine].clear()
         results = engine.generate(requests, params)
         return {"results": [(r.key, r.response_ids, r.finish_reason, r.logprobs) for r in results],
-                "prefill_tokens": sum(counters[engine]), "preemptions": engine.stats["rollout/preemptions"]}
+                "prefill_tokens": engine.stats["rollout/prefill_tokens"],
+                "preemptions": engine.stats["rollout/preemptions"]}
 
     n_fold = sample_requests(PROMPTS, 3, 5, MAX_NEW)
     a, b, c = PROMPTS[2], PROMPTS[4], PROMPTS[1]

@@ -114,7 +114,8 @@ class NativeEngine:
         rows = _SamplingRows(params, self.device)
         was_training = self.module.training
         self.module.eval()
-        steps = {"prefill": 0, "decode": 0, "graph": 0, "ahead": 0, "prefill_s": 0.0, "sync_s": 0.0, "wait_s": 0.0,
+        steps = {"prefill": 0, "prefill_tokens": 0, "decode": 0, "graph": 0, "ahead": 0, "prefill_s": 0.0,
+                 "sync_s": 0.0, "wait_s": 0.0,
                  "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
         try:
             with torch.no_grad(), cpu_compat.paused():
@@ -292,6 +293,8 @@ class NativeEngine:
 
     def _step(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
         steps["decode" if plan.decode else "prefill"] += 1
+        if not plan.decode:
+            steps["prefill_tokens"] += len(plan.input_ids)
         if plan.copies[0]:
             self.cache.copy_pages(*plan.copies)
         if plan.decode and self.graphs is not None and self.graphs.fits(plan):
@@ -382,6 +385,7 @@ class NativeEngine:
         cache = self.cache
         self.stats = {
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
+            "rollout/prefill_tokens": float(steps["prefill_tokens"]),  # computed (shared or cached prefixes not)
             "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
             "rollout/preemptions": float(sched.preemptions),
             # wall seconds of this call (timing/: run-dependent, unlike the counters)
