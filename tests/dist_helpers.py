@@ -59,3 +59,20 @@ def spawn(fn, world_size: int, *args, timeout: float = 600):
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def worker_actor(ckpt: str, tp: int = 1, pp: int = 1):
+    """Inside a spawned worker: the process group, megatron's groups at (tp, pp) and an actor built from
+    ``ckpt`` with the default config (one optimizer step planned). Returns (actor, groups)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.roles.build import build_actor
+
+    init_distributed()
+    groups = build_parallel_groups(tp, pp)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path = ckpt
+    return build_actor(cfg, groups, optimizer_steps=1), groups

@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from megarl.rollout.agent import AgentLoop, AgentOptions
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams, mix_seed, sample_requests

@@ -42,7 +42,7 @@ import time
 import pytest
 import torch
 
-from dist_helpers import spawn
+from dist_helpers import spawn, worker_actor
 from megarl.models.tiny import make_tiny_checkpoint
 from test_rollout_agent import make_tokenizer
 
@@ -134,18 +134,9 @@ def _slow_table(samples) -> dict:
 
 
 def _run(rank, ckpt, end_id, tp, pp, timing):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor
 
-    init_distributed()
-    groups = build_parallel_groups(tp, pp)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = ckpt
-    actor = build_actor(cfg, groups, optimizer_steps=1)
+    actor, groups = worker_actor(ckpt, tp, pp)
     tok = make_tokenizer()
     run = lambda overlap, **kw: _generate(actor, groups, tok, end_id, overlap, **kw)  # noqa: E731
     out = {"sync": run(False), "overlap": run(True)}

@@ -12,9 +12,9 @@ the same as without it.
 """
 import torch
 
-from dist_helpers import spawn
+from dist_helpers import spawn, worker_actor
 from megarl.models.tiny import make_tiny_checkpoint
-from test_rollout_agent import Executor, _loop, make_tokenizer
+from test_rollout_agent import Executor, make_tokenizer
 
 MAX_NEW = 48
 
@@ -29,21 +29,11 @@ def _greedy(model, ids, n):
 
 
 def _run(rank, ckpt, end_id):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor
     from megarl.rollout.agent import AgentLoop, AgentOptions
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.native import EngineOptions, NativeEngine
 
-    init_distributed()
-    groups = build_parallel_groups(1, 1)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = ckpt
-    actor = build_actor(cfg, groups, optimizer_steps=1)
+    actor, groups = worker_actor(ckpt)
     tok = make_tokenizer()
     prompts = [tok.encode("<s>user:mul 6 7</s><s>assistant:"), tok.encode("<s>user:ab</s><s>assistant:")]
     out = {}

@@ -26,7 +26,7 @@ forward over the same tokens (fp32, 1e-5). Not covered: graph capture itself
 import pytest
 import torch
 
-from dist_helpers import spawn
+from dist_helpers import spawn, worker_actor
 from megarl.models.tiny import make_tiny_checkpoint
 
 PROMPTS = [[7, 8, 9, 10, 11, 12], [13, 14], list(range(20, 43)), [30], [5, 6, 7, 8, 9, 10, 11, 12, 13],
@@ -48,21 +48,11 @@ def _engine(actor, groups, eos, pages: int, max_batch: int):
 
 
 def _rollout(rank, ckpt, tp, pp, eos):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     from megarl.cli import ConfigError
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.trainer.rollout import to_sample_batch
 
-    init_distributed()
-    groups = build_parallel_groups(tp, pp)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = ckpt
-    actor = build_actor(cfg, groups, optimizer_steps=1)
+    actor, groups = worker_actor(ckpt, tp, pp)
     engine = _engine(actor, groups, eos, pages=6, max_batch=3)
     one_each = sample_requests(PROMPTS, 1, 0, MAX_NEW)
     greedy = engine.generate(one_each, SamplingParams(temperature=0.0))
@@ -142,19 +132,9 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
 
 def _shared_prefills(rank, ckpt, eos):
     """n-fold requests together and alone; identical prompts apart and adjacent; a group over max_batch."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor
     from megarl.rollout.engine import SamplingParams, sample_requests
 
-    init_distributed()
-    groups = build_parallel_groups(1, 1)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = ckpt
-    actor = build_actor(cfg, groups, optimizer_steps=1)
+    actor, groups = worker_actor(ckpt)
     roomy, narrow = (_engine(actor, groups, eos, pages=64, max_batch=b) for b in (16, 2))
     params = SamplingParams(temperature=0.8, top_k=30)
 
@@ -207,20 +187,10 @@ def test_identical_prompts_share_one_prefill_and_keep_their_tokens(ckpt_and_hf):
 
 def _multi_turn(rank, ckpt):
     """Two turns with the prefix cache on and off; turn 2 = turn-1 prompt + response + new tokens."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.native import EngineOptions, NativeEngine
 
-    init_distributed()
-    groups = build_parallel_groups(1, 1)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = ckpt
-    actor = build_actor(cfg, groups, optimizer_steps=1)
+    actor, groups = worker_actor(ckpt)
     greedy = SamplingParams(temperature=0.0)
     shared = list(range(30, 47))  # two prompts that start with the same 17 tokens
     turn1 = [shared + [5, 6], shared + [7]]

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist_helpers import spawn
+from dist_helpers import spawn, worker_actor
 
 EOS = 3
 LIMIT = 20000  # bytes per bucket
@@ -120,22 +120,12 @@ class FakeEngine:
 
 
 def _job(rank, ckpt, tp, out_dir):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.models import export_hf
-    from megarl.roles.build import build_actor
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.sglang import SGLangEngine, SGLangOptions
     from megarl.rollout.weight_stream import iter_hf_buckets
 
-    init_distributed()
-    groups = build_parallel_groups(tp, 1)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = ckpt
-    actor = build_actor(cfg, groups, optimizer_steps=1)
+    actor, groups = worker_actor(ckpt, tp)
     export_hf(actor.module, actor.info, groups, out_dir)
     stream = [[(n, t.clone()) for n, t in b] for b in iter_hf_buckets(actor.module, groups, actor.info, LIMIT)]
     options = SGLangOptions(model_path=ckpt, update_bucket_mb=LIMIT / 2**20)
