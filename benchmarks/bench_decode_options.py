@@ -23,7 +23,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import graph_ms  # noqa: E402
 
-from megarl.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from megarl.kernels import paged_decode as PD  # noqa: E402
 from megarl.kernels.sampling import sample_tokens  # noqa: E402
 
