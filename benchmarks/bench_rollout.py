@@ -267,7 +267,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shape", default=None, help="tiny (default on CPU) | qwen2.5-1.5b | llama2-7b")
     ap.add_argument("--batches", default=None, help="comma-separated engine batch sizes")
-    ap.add_argument("--hf-batches", default=None, help="comma-separated transformers.generate batch sizes")
+    ap.add_argument("--hf-batches", default=None, help="comma-separated transformers.generate batch sizes (0: none)")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--ragged", type=int, default=0, help="batch size of the ragged-length run (0: none)")
@@ -280,7 +280,7 @@ def parse() -> argparse.Namespace:
     cpu = args.device == "cpu"
     args.shape = args.shape or ("tiny" if cpu else "qwen2.5-1.5b")
     args.batches = [int(x) for x in (args.batches or ("32" if cpu else "32,128,512")).split(",")]
-    args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x]
+    args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x and int(x) > 0]
     args.admit_fractions = [float(x) for x in args.admit_fractions.split(",") if x]
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)

@@ -75,7 +75,7 @@ def _on_device(batch):
                              if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
-def _offload_job(rank, offload: bool, steps: int):
+def _offload_job(rank, offload: bool, steps: int, lora_rank: int = 4):
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -87,13 +87,14 @@ def _offload_job(rank, offload: bool, steps: int):
     groups = build_parallel_groups(1, 1)
     model_parallel_cuda_manual_seed(0)
     cfg = _cfg(micro_batch_size=4)
-    cfg.actor.optim.cpu_offload, cfg.actor.optim.lr = offload, 1e-4
+    cfg.actor.optim.cpu_offload, cfg.actor.optim.lr, cfg.actor.lora.rank = offload, 1e-4, lora_rank
     actor = build_actor(cfg, groups, 8)
     (dist_opt,) = actor.trainable.optimizer.chained_optimizers
     inner = dist_opt.optimizer
     out = {"hybrid": isinstance(inner, HybridDeviceOptimizer),
            "fraction": getattr(inner, "offload_fraction", None)}
-    masters = [p for g in dist_opt.shard_fp32_from_float16_groups for p in g]  # fp32 copies of the adapters
+    masters = [p for g in dist_opt.shard_fp32_from_float16_groups for p in g]  # fp32 copies of what trains
+    out["fp32_params"] = sum(len(g) for g in dist_opt.shard_fp32_groups)  # none: offload takes half precision only
 
     def flat():
         return torch.cat([p.detach().reshape(-1).float().cpu() for p in masters]).numpy()
@@ -116,15 +117,17 @@ def test_bf16_lora_actor_gets_the_offload_optimizer():
 
 
 @pytest.mark.gpu
-def test_offloaded_steps_equal_device_steps():
-    """Two Adam steps (bf16 LoRA actor, fp32 masters, lr 1e-4): host AdamW == device AdamW to 1e-6.
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_offloaded_steps_equal_device_steps(lora_rank):
+    """Two Adam steps (bf16 actor, fp32 masters, lr 1e-4): host AdamW == device AdamW to 1e-6.
+    LoRA (adapters only) and a full fine-tune (every weight, the bf16 norms included).
 
     Step 1 differs only by the two AdamW implementations' rounding (~1e-11); step 2 also by
     bf16 weights that rounded apart (an Adam step moves a master by at most ~lr)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    on, off = spawn(_offload_job, 1, True, 2)[0], spawn(_offload_job, 1, False, 2)[0]
-    assert on["hybrid"] and not off["hybrid"]
+    on, off = spawn(_offload_job, 1, True, 2, lora_rank)[0], spawn(_offload_job, 1, False, 2, lora_rank)[0]
+    assert on["hybrid"] and not off["hybrid"] and on["fp32_params"] == 0
     assert on["moments_on_host"] and not on["gpu_sub_optimizer"]
     assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-6)  # the same weights
     assert on["losses"][1] == pytest.approx(off["losses"][1], rel=1e-4)  # bf16 weights may round apart by an ulp

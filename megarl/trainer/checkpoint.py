@@ -59,9 +59,11 @@ def adam_step(optimizer) -> float:
 
 
 def set_adam_step(optimizer, step: float) -> None:
+    """Where the primed state keeps its counter: the host for torch's default Adam, the
+    parameter's device for the fused one (its kernel reads the step there)."""
     for inner in _inner_optimizers(optimizer):
         for state in inner.state.values():
-            state["step"] = torch.tensor(step, dtype=torch.float32)
+            state["step"] = torch.tensor(step, dtype=torch.float32, device=state["step"].device)
 
 
 def _role_state(role, loading: bool, with_optimizer: bool) -> dict:
