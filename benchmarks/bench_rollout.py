@@ -20,7 +20,10 @@ one (``of_fixed``). Every CUDA-graph bucket is captured before the timed runs.
 ``--profile B`` takes one decode step at batch B apart: device time of its
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
 and torch.profiler over replays (kernels per step in the JSON, the top kernels
-in ``<out>.profile.txt``). The checkpoint is the
+in ``<out>.profile.txt``). ``--prefill NxL,...`` times prefills alone: N prompts of L
+tokens, one sampled token each (median of 5 calls, wall and device time, the device
+time from torch.profiler's kernel total; TFLOP/s from 2 x non-embedding parameters
+x tokens). The checkpoint is the
 shipped tiny model (``--shape tiny``) or a random-weight one made by
 benchmarks/make_checkpoint.py.
 """
@@ -249,6 +252,32 @@ def profile_decode(engine, info, args) -> dict:
     return row | {"kernels_per_step": kernels or None}
 
 
+def prefill_rows(engine, module, info, args) -> list[dict]:
+    """Prefill-only generate calls (one new token): is a prefill host- or device-bound?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.rollout.engine import SamplingParams, sample_requests
+
+    dense = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embedding."))
+    rows = []
+    for case in args.prefill:
+        n, length = (int(x) for x in case.split("x"))
+        requests = sample_requests(prompts_of(n, length, info.vocab_size, seed=7), 1, 0, 1)
+        run = lambda: engine.generate(requests, SamplingParams(temperature=1.0))  # noqa: E731
+        run()
+        wall = sorted(timed(run) for _ in range(5))[2]
+        device_ms = None
+        if engine.device.type == "cuda":
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                sync()
+            device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        rows.append({"provider": "megarl-prefill", "batch": n, "prompt_len": length, "wall_ms": wall * 1e3,
+                     "device_ms": device_ms, "tflops_wall": 2 * dense * n * length / wall / 1e12})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     def cell(r, key, fmt, width):
         return f"{r[key]:{width}{fmt}}" if r.get(key) is not None else " " * width
@@ -274,6 +303,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--admit-fractions", default="", help="comma list: ragged run again per scheduler.ADMIT_FRACTION")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
+    ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
     ap.add_argument("--work", default="/tmp/megarl_bench")
     ap.add_argument("--out", default="bench_rollout.json")
     args = ap.parse_args()
@@ -282,6 +312,7 @@ def parse() -> argparse.Namespace:
     args.batches = [int(x) for x in (args.batches or ("32" if cpu else "32,128,512")).split(",")]
     args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x and int(x) > 0]
     args.admit_fractions = [float(x) for x in args.admit_fractions.split(",") if x]
+    args.prefill = [x for x in args.prefill.split(",") if x]
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
     args.dtype = "float32" if cpu else "bfloat16"
@@ -298,6 +329,7 @@ def main() -> None:
     if args.profile:
         args.profile = min(args.profile, engine.options.max_batch)
         rows.append(profile_decode(engine, info, args))
+    rows += prefill_rows(engine, module, info, args)
     engine.release_memory()
     if args.ragged:
         rows += ragged_rows(module, info, groups, args)

@@ -5,18 +5,19 @@ What megatron-core 0.16.1 supports, found by running it:
 - every trained parameter must be bf16/fp16: the distributed optimizer hands an
   fp32 parameter over as a non-leaf view of the model's own storage, and the
   offload optimizer's constructor (a ``torch.optim.Optimizer``) raises "can't
-  optimize a non-leaf Tensor". fp32 models are therefore refused; so is a role
-  that trains the local spec's norms (fp32 weights until they were built in the
-  params dtype; not run on a GPU with offload since); a LoRA actor (norms
-  frozen, adapters bf16) or the TE spec fit;
+  optimize a non-leaf Tensor". fp32 models are therefore refused; a bf16 model's
+  weights are all bf16, the local spec's norms included (built in the params
+  dtype), so a full fine-tune fits as well as a LoRA actor;
 - it needs CUDA: on a CPU-only machine nothing is "on the GPU", the optimizer
   keeps no GPU twin of its parameters and its first step fails (KeyError in
   ``_set_sub_optimizer_grads``). The equality test is therefore a ``gpu`` test.
 
 CPU here: each refused combination is a one-line config error naming the key,
-and a bf16 LoRA actor gets a HybridDeviceOptimizer with the whole shard offloaded
-(construction only). GPU: two updates with offload equal two without: fp32
-master weights 1e-6, the moments in host memory, no GPU sub-optimizer.
+and a bf16 actor (LoRA or full) gets a HybridDeviceOptimizer with the whole shard
+offloaded (construction only). GPU: two updates with offload equal two without
+(fp32 master weights 1e-6, the moments in host memory, no GPU sub-optimizer), and
+an offloaded actor saved after one update and loaded into a fresh one takes the
+same second update as the one that went on.
 """
 import pytest
 import torch
@@ -40,7 +41,6 @@ def _cfg(**actor):
     (lambda c: setattr(c.parallel, "distributed_optimizer", False),
      "actor.optim.cpu_offload=true needs parallel.distributed_optimizer=true"),
     (lambda c: setattr(c.model, "dtype", "float32"), "actor.optim.cpu_offload=true needs model.dtype=bfloat16"),
-    (lambda c: setattr(c.actor.lora, "rank", 0), "with the local layer spec and trained norms is not verified on a GPU yet"),
 ])
 def test_unsupported_combinations_are_config_errors(change, message):
     from megarl.cli import ConfigError
@@ -53,17 +53,20 @@ def test_unsupported_combinations_are_config_errors(change, message):
     assert "\n" not in str(e.value) and "cpu_offload=false" in str(e.value)
 
 
-def test_critic_and_cuda_errors():
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_offload_fits_a_bf16_actor_and_critic(lora_rank):
     from megarl.cli import ConfigError
     from megarl.config_checks import check_actor, check_critic
 
     cfg = _cfg()
+    cfg.actor.lora.rank = lora_rank
     cfg.critic.enable, cfg.critic.optim.cpu_offload = True, True
-    with pytest.raises(ConfigError, match="critic.optim.cpu_offload=true with the local layer spec"):
-        check_critic(cfg)
-    if not torch.cuda.is_available():  # the one combination that fits, on this CPU machine
-        with pytest.raises(ConfigError, match="actor.optim.cpu_offload=true needs a CUDA device"):
-            check_actor(cfg)
+    for check, key in ((check_actor, "actor"), (check_critic, "critic")):
+        if torch.cuda.is_available():
+            check(cfg)
+        else:  # on this CPU machine the one thing missing is the GPU
+            with pytest.raises(ConfigError, match=f"{key}.optim.cpu_offload=true needs a CUDA device"):
+                check(cfg)
 
 
 def _on_device(batch):
@@ -111,9 +114,10 @@ def _offload_job(rank, offload: bool, steps: int, lora_rank: int = 4):
     return out
 
 
-def test_bf16_lora_actor_gets_the_offload_optimizer():
-    out = spawn(_offload_job, 1, True, 0)[0]
-    assert out["hybrid"] and out["fraction"] == 1.0
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_bf16_actor_gets_the_offload_optimizer(lora_rank):
+    out = spawn(_offload_job, 1, True, 0, lora_rank)[0]
+    assert out["hybrid"] and out["fraction"] == 1.0 and out["fp32_params"] == 0
 
 
 @pytest.mark.gpu
@@ -134,3 +138,55 @@ def test_offloaded_steps_equal_device_steps(lora_rank):
     assert abs(on["masters"] - off["masters"]).max() <= 1e-6
     moved = abs(on["masters"] - on["masters_before"]).max()  # the offloaded steps did update the weights
     assert moved > 1e-5, moved
+
+
+def _resume_job(rank, root):
+    """Full fine-tune with offload: update, save, update again; a fresh actor loads and updates."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.roles.build import build_actor
+    from test_broken_inputs_checkpoint import _checkpointer
+    from test_recompute import _batch
+
+    init_distributed()
+    groups = build_parallel_groups(1, 1)
+    cfg = _cfg(micro_batch_size=4)
+    cfg.actor.optim.lr, cfg.actor.lora.rank = 1e-4, 0
+
+    def actor():
+        model_parallel_cuda_manual_seed(0)
+        return build_actor(cfg, groups, 8)
+
+    def update(a):
+        return a.update(b, cfg.actor, 1.0, [torch.arange(len(b))], norm_len=8)[0]["actor/pg_loss"]
+
+    def masters(a):
+        (opt,) = a.trainable.optimizer.chained_optimizers
+        return torch.cat([p.detach().reshape(-1).float().cpu() for g in opt.shard_fp32_from_float16_groups
+                          for p in g]).numpy()
+
+    straight = actor()
+    b = _on_device(_batch(straight.info.vocab_size))
+    update(straight)
+    ck = _checkpointer(root, groups)
+    ck.save(1, {"actor": straight}, {"step": 1})
+    saved = masters(straight)
+    losses = [update(straight)]
+    resumed = actor()
+    ck.load(1, {"actor": resumed})
+    loaded = masters(resumed)
+    losses.append(update(resumed))
+    return {"saved": saved, "loaded": loaded, "straight": masters(straight), "resumed": masters(resumed),
+            "losses": losses}
+
+
+@pytest.mark.gpu
+def test_offloaded_actor_resumes(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = spawn(_resume_job, 1, str(tmp_path))[0]
+    assert (out["loaded"] == out["saved"]).all()  # the masters back exactly
+    assert out["losses"][1] == pytest.approx(out["losses"][0], rel=1e-6)  # the same weights
+    assert abs(out["resumed"] - out["straight"]).max() <= 1e-6  # and the same second step
+    assert abs(out["straight"] - out["saved"]).max() > 1e-5

@@ -131,6 +131,8 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
     _sum_losses_then_normalize(module.config, groups, optimizer)
     if torch.cuda.is_available() and not optim.cpu_offload:
         _fused_adam(optimizer)
+    if optim.cpu_offload:
+        _offload_masters_are_fp32(optimizer)
     return Trainable(model, optimizer, scheduler, loss_scaled=dtype == torch.float16)
 
 
@@ -156,6 +158,36 @@ def _cpu_offload(enabled: bool) -> dict:
     if not enabled:
         return {}
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=False)
+
+
+def _hybrid_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [o for o in inner if isinstance(o, HybridDeviceOptimizer)]
+
+
+def _offload_masters_are_fp32(optimizer) -> None:
+    """megatron-core 0.16.1 builds its HybridDeviceOptimizer with ``param_update_in_fp32=True``
+    (keep fp32 copies of half-precision parameters). Under the distributed optimizer its
+    parameters are the fp32 master shards, so it makes no copies, yet its load hook looks one up
+    for every parameter: every checkpoint load raised KeyError (seen on an H200). With the flag
+    off for parameters that are fp32 already the update is the same; `resync_offloaded_masters`
+    then does what the flag's aliasing did on a load."""
+    for hdo in _hybrid_optimizers(optimizer):
+        if not hdo.param_to_fp32_param:
+            hdo.param_update_in_fp32 = hdo.defaults["param_update_in_fp32"] = False
+
+
+@torch.no_grad()
+def resync_offloaded_masters(optimizer) -> None:
+    """After a checkpoint load: the host copies that the offloaded AdamW steps take the loaded
+    master shards. megatron-core's load writes the masters on the GPU after its load hook has
+    cloned the host copies from them, and (dp_reshardable format) does not copy them over again;
+    the moments are loaded in place into the tensors the host optimizer holds."""
+    for hdo in _hybrid_optimizers(optimizer):
+        for master, host in hdo.gpu_params_map_cpu_copy.items():
+            host.copy_(master)
 
 
 def _sum_losses_then_normalize(config, groups: ParallelGroups, optimizer) -> None:

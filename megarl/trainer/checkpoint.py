@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from megarl.errors import CheckpointError
+from megarl.roles.optim import resync_offloaded_masters
 from megarl.trainer import resume
 from megarl.trainer.resume import Layout
 
@@ -208,5 +209,6 @@ class Checkpointer:
         if with_optimizer:
             with torch.no_grad():
                 role.trainable.optimizer.load_state_dict(loaded["optimizer"])
+            resync_offloaded_masters(role.trainable.optimizer)
             set_adam_step(role.trainable.optimizer, state["adam_steps"][name])
         role.trainable.scheduler.load_state_dict(loaded["scheduler"])
