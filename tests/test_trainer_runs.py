@@ -24,8 +24,8 @@ SMALL = ["data.batch_size=8", "rollout.n=2", "actor.mini_batch_size=8", "actor.m
          "critic.micro_batch_size=4", "trainer.eval_samples=8", "trainer.tensorboard=false"]
 
 
-def ppo(config: str, run_dir, *overrides, steps: int):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+def ppo(config: str, run_dir, *overrides, steps: int, nproc: int = 2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "launch/ppo.py", config, f"trainer.run_dir={run_dir}", f"trainer.steps={steps}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
