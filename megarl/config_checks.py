@@ -200,6 +200,7 @@ def check_actor(cfg: Config) -> None:
     check_optim(act.optim, "actor.optim")
     check_cpu_offload(cfg, act.optim, "actor.optim")
     check_counts(act, "actor", ["ppo_epochs"])
+    check_counts(act, "actor", ["forward_micro_batch_size"], low=0)
     check_numbers(act, "actor", ["kl_loss_coef", "entropy_coef"], low=0)
     check_lora(cfg)
 
@@ -228,6 +229,7 @@ def check_critic(cfg: Config) -> None:
         check_optim(cfg.critic.optim, "critic.optim")
         check_cpu_offload(cfg, cfg.critic.optim, "critic.optim")
         check_counts(cfg.critic, "critic", ["ppo_epochs"])
+        check_counts(cfg.critic, "critic", ["forward_micro_batch_size"], low=0)
 
 
 def check_reward(cfg: Config) -> None:

@@ -60,21 +60,25 @@ def _dropout(role) -> float:
     return max(c.hidden_dropout, c.attention_dropout)
 
 
+def forward_micro_batch(role_cfg) -> int:
+    """Rows per forward-only micro-batch of the actor / critic section: its own setting, else the update's."""
+    return role_cfg.forward_micro_batch_size or role_cfg.micro_batch_size
+
+
 def prepare(tr, rollout) -> None:
     """Old log-probs (unless the update is on-policy), reference log-probs and values."""
     cfg, b = tr.cfg, rollout.batch
+    micro = forward_micro_batch(cfg.actor)
     if not on_policy_update(cfg, tr.step, len(b), tr.groups.dp_size, _dropout(tr.actor)):
         with tr.timer("old_logprobs"):
-            out = tr.actor.logprobs(b, cfg.actor.micro_batch_size, train_temperature(cfg),
-                                    cfg.actor.max_tokens_per_micro)
+            out = tr.actor.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)
             _set_old_logprobs(rollout, out)
     if tr.ref is not None:
         with tr.timer("ref_logprobs"):
-            b.ref_logprobs = tr.ref.logprobs(
-                b, cfg.actor.micro_batch_size, train_temperature(cfg), cfg.actor.max_tokens_per_micro)["logprobs"]
+            b.ref_logprobs = tr.ref.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)["logprobs"]
     if tr.critic is not None:
         with tr.timer("values"):
-            b.values = tr.critic.values(b, cfg.critic.micro_batch_size)
+            b.values = tr.critic.values(b, forward_micro_batch(cfg.critic))
 
 
 def _set_old_logprobs(rollout, out: dict) -> None:
