@@ -40,7 +40,7 @@ from test_trainer_runs import ROOT, SMALL
 SCALE = 1e-4  # gradient entries ~ N(0, SCALE): total norm far below actor.optim.clip_grad=1
 
 
-def _actor(tp: int = 1, model_path: str | None = None):
+def _actor(tp: int = 1, model_path: str | None = None, *overrides: str):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.cli import load_config
@@ -49,7 +49,7 @@ def _actor(tp: int = 1, model_path: str | None = None):
     from megarl.roles.build import build_actor
 
     init_distributed()
-    overrides = [f"parallel.tp={tp}"] + ([f"model.path={model_path}"] if model_path else [])
+    overrides = [f"parallel.tp={tp}", *overrides] + ([f"model.path={model_path}"] if model_path else [])
     cfg = load_config([os.path.join(ROOT, "yaml/tiny.yaml"), *overrides], Config)
     groups = build_parallel_groups(tp, 1, 1)
     model_parallel_cuda_manual_seed(cfg.trainer.seed)

@@ -12,30 +12,16 @@ norm weights beside bf16 ones, and megatron-core 0.16.1 could not save it:
 (tried on this CPU machine with that build). No such checkpoint can exist, so
 there is nothing to migrate.
 """
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from dist_helpers import spawn
-from test_broken_inputs_checkpoint import _adam_step, _checkpointer
-from test_trainer_runs import ROOT
+from test_broken_inputs_checkpoint import _actor, _adam_step, _checkpointer
 
 
 def _bf16_actor():
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megarl.cli import load_config
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor
-
-    init_distributed()
-    cfg = load_config([os.path.join(ROOT, "yaml/tiny.yaml"), "model.dtype=bfloat16"], Config)
-    groups = build_parallel_groups(1, 1, 1)
-    model_parallel_cuda_manual_seed(cfg.trainer.seed)
-    return build_actor(cfg, groups, 10), groups
+    return _actor(1, None, "model.dtype=bfloat16")
 
 
 def _masters(actor) -> dict:

@@ -78,20 +78,27 @@ def _on_device(batch):
                              if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
-def _offload_job(rank, offload: bool, steps: int, lora_rank: int = 4):
-    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+def _actor(offload: bool, lora_rank: int):
+    """In a spawned worker: (cfg, groups, a bf16 actor, lr 1e-4, micro-batches of 4)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
-    from test_recompute import _batch
 
     init_distributed()
     groups = build_parallel_groups(1, 1)
     model_parallel_cuda_manual_seed(0)
     cfg = _cfg(micro_batch_size=4)
     cfg.actor.optim.cpu_offload, cfg.actor.optim.lr, cfg.actor.lora.rank = offload, 1e-4, lora_rank
-    actor = build_actor(cfg, groups, 8)
+    return cfg, groups, build_actor(cfg, groups, 8)
+
+
+def _offload_job(rank, offload: bool, steps: int, lora_rank: int = 4):
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from test_recompute import _batch
+
+    cfg, _, actor = _actor(offload, lora_rank)
     (dist_opt,) = actor.trainable.optimizer.chained_optimizers
     inner = dist_opt.optimizer
     out = {"hybrid": isinstance(inner, HybridDeviceOptimizer),
@@ -142,21 +149,8 @@ def test_offloaded_steps_equal_device_steps(lora_rank):
 
 def _resume_job(rank, root):
     """Full fine-tune with offload: update, save, update again; a fresh actor loads and updates."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megarl.distributed import build_parallel_groups, init_distributed
-    from megarl.roles.build import build_actor
     from test_broken_inputs_checkpoint import _checkpointer
     from test_recompute import _batch
-
-    init_distributed()
-    groups = build_parallel_groups(1, 1)
-    cfg = _cfg(micro_batch_size=4)
-    cfg.actor.optim.lr, cfg.actor.lora.rank = 1e-4, 0
-
-    def actor():
-        model_parallel_cuda_manual_seed(0)
-        return build_actor(cfg, groups, 8)
 
     def update(a):
         return a.update(b, cfg.actor, 1.0, [torch.arange(len(b))], norm_len=8)[0]["actor/pg_loss"]
@@ -166,14 +160,14 @@ def _resume_job(rank, root):
         return torch.cat([p.detach().reshape(-1).float().cpu() for g in opt.shard_fp32_from_float16_groups
                           for p in g]).numpy()
 
-    straight = actor()
+    cfg, groups, straight = _actor(True, 0)
     b = _on_device(_batch(straight.info.vocab_size))
     update(straight)
     ck = _checkpointer(root, groups)
     ck.save(1, {"actor": straight}, {"step": 1})
     saved = masters(straight)
     losses = [update(straight)]
-    resumed = actor()
+    _, _, resumed = _actor(True, 0)
     ck.load(1, {"actor": resumed})
     loaded = masters(resumed)
     losses.append(update(resumed))

@@ -11,9 +11,10 @@ ends at step 2.
 import pytest
 import torch
 
+from test_trainer_killresume import VOLATILE as MACHINE_READINGS
 from test_trainer_runs import SMALL, metrics, ppo
 
-VOLATILE = ("timing/", "perf/", "resources/", "memory/", "rollout/peak_memory_gb")
+VOLATILE = (*MACHINE_READINGS, "rollout/peak_memory_gb")
 
 
 def _stable(rows: dict, ended_at: int | None = None) -> dict:

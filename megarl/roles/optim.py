@@ -136,14 +136,18 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
     return Trainable(model, optimizer, scheduler, loss_scaled=dtype == torch.float16)
 
 
+def inner_optimizers(optimizer) -> list:
+    """The torch optimizers under megatron's (chained, distributed) wrappers."""
+    return [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
 def _fused_adam(optimizer) -> None:
     """torch's single-kernel AdamW for the fp32 master shards on CUDA. Without apex or
     transformer-engine megatron-core falls back to ``torch.optim.AdamW`` with its default
     multi-tensor ("foreach") step; the fused step is the same update in fewer passes over the
     master weights and moments. Set before any state exists, so the step counters are created on
     the device as the fused kernel needs (checkpoint loads move them there too)."""
-    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    for opt in inner:
+    for opt in inner_optimizers(optimizer):
         if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and not opt.state:
             for group in opt.param_groups:
                 if all(p.is_cuda and p.dtype == torch.float32 for p in group["params"]):
@@ -163,8 +167,7 @@ def _cpu_offload(enabled: bool) -> dict:
 def _hybrid_optimizers(optimizer) -> list:
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    return [o for o in inner if isinstance(o, HybridDeviceOptimizer)]
+    return [o for o in inner_optimizers(optimizer) if isinstance(o, HybridDeviceOptimizer)]
 
 
 def _offload_masters_are_fp32(optimizer) -> None:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from megarl.errors import CheckpointError
-from megarl.roles.optim import resync_offloaded_masters
+from megarl.roles.optim import inner_optimizers, resync_offloaded_masters
 from megarl.trainer import resume
 from megarl.trainer.resume import Layout
 
@@ -44,16 +44,12 @@ _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 def _stepped(optimizer) -> bool:
     """Whether Adam has state yet (a role may not have been updated, e.g. during critic warmup)."""
-    return all(len(inner.state) > 0 for inner in _inner_optimizers(optimizer))
-
-
-def _inner_optimizers(optimizer) -> list:
-    return [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return all(len(inner.state) > 0 for inner in inner_optimizers(optimizer))
 
 
 def adam_step(optimizer) -> float:
     """torch Adam's step count (megatron-core's dp_reshardable format does not restore it)."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for state in inner.state.values():
             return float(state["step"])
     return 0.0
@@ -62,7 +58,7 @@ def adam_step(optimizer) -> float:
 def set_adam_step(optimizer, step: float) -> None:
     """Where the primed state keeps its counter: the host for torch's default Adam, the
     parameter's device for the fused one (its kernel reads the step there)."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for state in inner.state.values():
             state["step"] = torch.tensor(step, dtype=torch.float32, device=state["step"].device)
 
