@@ -16,7 +16,8 @@ once) plus the live K/V of the batch, averaged over the steps — over
 slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
 then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
 does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
-one (``of_fixed``). Every CUDA-graph bucket is captured before the timed runs.
+one (``of_fixed``); each is timed on its second run. Every CUDA-graph bucket is captured before the
+timed runs.
 ``--profile B`` takes one decode step at batch B apart: device time of its
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
 and torch.profiler over replays (kernels per step in the JSON, the top kernels
@@ -178,6 +179,7 @@ def _ragged_run(engine, prompts, name: str, limits: list[int], b: int) -> dict:
     from megarl.rollout.engine import SamplingParams, sample_requests
 
     params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 2, limits)
+    engine.generate(requests, params)  # untimed: captures the prefill graphs its refills use
     seconds = timed(lambda: engine.generate(requests, params))
     return {"provider": name, "batch": b, "requests": len(prompts), "seconds": seconds, "useful_tokens": sum(limits),
             "tokens_per_s": sum(limits) / seconds, "lengths": [min(limits), max(limits)], **engine.stats}

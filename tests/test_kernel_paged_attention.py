@@ -173,6 +173,23 @@ def test_prefill_last_row_is_decode(backend):
     torch.testing.assert_close(pre[last], dec, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
+def test_prefill_padding_rows_and_sequences(backend):
+    """A CUDA graph's padded prefill: 41 real queries of 2 sequences, 23 rows past cu[-1] and 2
+    sequences without queries or keys. The real rows equal the unpadded call's; the reference and
+    torch versions give zeros on the padding (the kernel leaves it alone: not compared)."""
+    lens, q_lens = [19, 30], [11, 30]
+    kc, vc, table, sl = paged(lens + [0, 0], 8, 2, 64, torch.float32)
+    cu = packed(q_lens + [0, 0])
+    q = queries((64, 4, 64), torch.float32)
+    want = paged_prefill_attention_ref(q[:41], kc, vc, table[:2], cu[:3], sl[:2], 0.125)
+    with poisoned_empty():
+        got = paged_prefill_attention(q, kc, vc, table, cu, sl, 0.125, max_seqlen_q=64, backend=backend)
+    check(got[:41], want, torch.float32)
+    if backend != "triton":
+        assert not got[41:].any()
+
+
 @needs_triton
 def test_odd_head_dim():
     """D = 40 (not a power of two) is padded to 64 in registers and masked."""

@@ -98,11 +98,13 @@ def _generate(actor, groups, tok, end_id, overlap: bool, delays=None, pages=POOL
     from megarl.rollout.agent import AgentLoop, AgentOptions
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.graphs import DecodeGraphs
+    from megarl.rollout.prefill_graphs import PrefillGraphs
     from megarl.tools import ToolExecutor
 
     engine = _engine(actor, groups, tok, pages, **options)
-    if graphs:  # the CUDA-graph path's buffers, eagerly: decode steps planned ahead
+    if graphs:  # the CUDA-graph path's buffers, eagerly: decode steps planned ahead, prefills padded
         engine.graphs = DecodeGraphs(engine, 8, capture=False)
+        engine.prefill_graphs = PrefillGraphs(engine, engine.graphs, capture=False)
     first = groups.tp_rank == 0 and groups.pp_rank == 0
     executor = ToolExecutor({"sleepy": _sleepy(delays)}, max_workers=8) if first else _NoTools()
     loop = AgentLoop(engine, tok, executor, _parse, AgentOptions(end_id, MAX_TURNS, 64, overlap_tools=overlap),

@@ -64,11 +64,14 @@ def _rollout(rank, ckpt, tp, pp, eos):
         too_small = str(e)
 
     from megarl.rollout.graphs import DecodeGraphs  # the graph path's buffers and padding, run eagerly
+    from megarl.rollout.prefill_graphs import PrefillGraphs
 
     bucketed = _engine(actor, groups, eos, pages=64, max_batch=5)  # buckets 1, 2, 4, 5
     bucketed.graphs = DecodeGraphs(bucketed, 5, capture=False)
+    bucketed.prefill_graphs = PrefillGraphs(bucketed, bucketed.graphs, capture=False)  # 8-token chunks -> 16
     padded = [r.response_ids for r in bucketed.generate(one_each, SamplingParams(temperature=0.0))]
     padded_steps = bucketed.stats["rollout/graph_steps"]
+    padded_prefills = bucketed.stats["rollout/prefill_graph_steps"]
     padded_ahead = bucketed.stats["rollout/planned_ahead_steps"]
     roomy = _engine(actor, groups, eos, pages=64, max_batch=16)
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
@@ -82,6 +85,7 @@ def _rollout(rank, ckpt, tp, pp, eos):
     return {"greedy": [r.response_ids for r in greedy], "finish": [r.finish_reason for r in greedy],
             "preemptions": preemptions, "diff": float(diff), "too_small": too_small,
             "padded": padded, "padded_steps": padded_steps, "padded_ahead": padded_ahead,
+            "padded_prefills": padded_prefills,
             "bucketed_sampled": [r.response_ids for r in bucketed_sampled],
             "sampled": [r.response_ids for r in sampled], "alone": [r.response_ids for r in alone]}
 
@@ -118,8 +122,9 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
     assert r["finish"] == ["stop" if eos in e else "length" for e in expected]
     assert r["preemptions"] > 0  # the 6-page pool cannot hold every sequence
     assert r["too_small"].startswith("rollout.kv_cache_gb:")
-    # decode through the graph buffers, batches padded to buckets (3 -> 4): same tokens
-    assert r["padded"] == expected and r["padded_steps"] > 0
+    # decode and prefill through the graph buffers, batches padded to buckets (3 -> 4 rows, chunks of
+    # at most 8 tokens -> 16, sequences and sampled rows to the row buckets): same tokens
+    assert r["padded"] == expected and r["padded_steps"] > 0 and r["padded_prefills"] > 0
     # one stage: decode steps were planned while the previous one ran (its tokens fed on the device)
     assert (r["padded_ahead"] > 0) == (pp == 1)
     assert r["bucketed_sampled"] == r["sampled"]

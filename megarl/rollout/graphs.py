@@ -5,7 +5,7 @@ the next smaller batch) runs, and replayed from then on — across PPO steps:
 the graph reads the actor's parameters through their addresses, and the
 optimizer updates those tensors in place (megatron's DDP buffers and the
 distributed optimizer never re-allocate them), so new weights need no new
-capture. :meth:`DecodeGraphs.check_weights` asserts that at every weight sync
+capture. :meth:`GraphShared.check_weights` asserts that at every weight sync
 by comparing the pointers seen at capture. TP all-reduces and the logits
 all-gather run inside the graph; with PP each stage replays its own graph
 between receiving and sending hidden states (point-to-point stays outside),
@@ -60,18 +60,69 @@ class Launched:
         return out[0].astype(np.int64), out[1].copy()
 
 
+class GraphShared:
+    """What every captured graph of one engine shares: one memory pool (replays never overlap, and
+    a graph's temporaries are dead once it ends, so any replay order is safe), the addresses of the
+    weights they read, and the per-row sampling settings (static, ``max_batch`` rows)."""
+
+    def __init__(self, engine, max_batch: int):
+        self.engine, self.pool, self.pointers = engine, None, []
+        dev = engine.device
+        self.temperature = torch.ones(max_batch, device=dev)
+        self.top_k = torch.full((max_batch,), -1, dtype=torch.int32, device=dev)
+        self.top_p = torch.ones(max_batch, device=dev)
+        self.rows_seen = None  # the sampling settings now in the static buffers
+
+    def capture(self, body) -> torch.cuda.CUDAGraph:
+        """``body()`` run twice on a side stream (compile, autotune, allocate), then captured."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        self.pool = graph.pool()
+        self.pointers = self.pointers or self._weight_pointers()
+        return graph
+
+    def load_sampling(self, rows) -> None:
+        """The call's sampling settings into the static rows (they change per generate call, not per step)."""
+        if rows is self.rows_seen:
+            return
+        rows = rows.grow(self.temperature.shape[0])
+        for name in ("temperature", "top_k", "top_p"):
+            getattr(self, name).copy_(getattr(rows, name)[: self.temperature.shape[0]])
+        self.rows_seen = rows
+
+    def sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor):
+        """(S, V) logits -> tokens, log-probs (S,) under the static sampling rows."""
+        s = logits.shape[0]
+        return sample_tokens(logits, self.temperature[:s], self.top_k[:s], self.top_p[:s], seeds, offsets,
+                             vocab_size=self.engine.vocab_size)
+
+    def _weight_pointers(self) -> list[int]:
+        return [t.data_ptr() for t in self.engine.stage.parameters()]
+
+    def check_weights(self) -> None:
+        """The captured graphs read the parameters by address: they must not have moved."""
+        if self.pointers and self._weight_pointers() != self.pointers:
+            raise RuntimeError("actor parameters were re-allocated after the rollout CUDA graphs were captured; "
+                               "the graphs would read stale weights (set rollout.cuda_graphs=false)")
+
+
 class DecodeGraphs:
     """Lazily captured decode graphs of one engine, sharing one memory pool."""
 
     def __init__(self, engine, max_batch: int, capture: bool = True):
         self.engine, self.max_batch, self.capture = engine, max_batch, capture
+        self.shared = GraphShared(engine, max_batch)
         self.buckets = buckets_up_to(max_batch)
         self.max_len = engine.max_len  # longest sequence the static block table holds
         self.max_pages = pages_for(engine.max_len, engine.options.page_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-        self.pointers: list[int] = []
-        self.rows_seen = None  # the sampling settings now in the static buffers
         b, dev = max_batch, engine.device
         pin = dev.type == "cuda"  # host buffers the copies read (or write) while the host goes on
         self.staging = [(_host((len(_ROW_FIELDS), b), torch.long, pin), _host((b, self.max_pages), torch.int32, pin),
@@ -79,9 +130,6 @@ class DecodeGraphs:
         self.turn = 0
         self.inputs = torch.zeros((len(_ROW_FIELDS), b), dtype=torch.long, device=dev)
         self.table = torch.zeros((b, self.max_pages), dtype=torch.int32, device=dev)
-        self.temperature = torch.ones(b, device=dev)
-        self.top_k = torch.full((b,), -1, dtype=torch.int32, device=dev)
-        self.top_p = torch.ones(b, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.sampled = torch.zeros(2, b, device=dev)  # [tokens; log-probs] of the last stage
@@ -113,8 +161,7 @@ class DecodeGraphs:
         if not engine.groups.is_last_stage:
             self.hidden_out[:b].copy_(out)
             return
-        tokens, logprobs = sample_tokens(out, self.temperature[:b], self.top_k[:b], self.top_p[:b],
-                                         f("seeds"), f("offsets"), vocab_size=engine.vocab_size)
+        tokens, logprobs = self.shared.sample(out, f("seeds"), f("offsets"))
         self.sampled[0, :b].copy_(tokens)
         self.sampled[1, :b].copy_(logprobs)
 
@@ -122,18 +169,7 @@ class DecodeGraphs:
         self.inputs.zero_()  # warm-up writes land in the scratch page
         self.table.zero_()
         self.hidden_in.zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile / autotune / allocate outside the capture
-                self._body(b)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._body(b)
-        self.pool = graph.pool()
-        self.pointers = self.pointers or self._weight_pointers()
-        return graph
+        return self.shared.capture(lambda: self._body(b))
 
     def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and log-probs (n,) of a decode step, through the bucket's graph (any PP)."""
@@ -187,18 +223,4 @@ class DecodeGraphs:
         host_table[:n, :width] = plan.block_table
         self.inputs.copy_(self.staging[self.turn][0], non_blocking=True)
         self.table[:b].copy_(self.staging[self.turn][1][:b], non_blocking=True)
-        if rows is not self.rows_seen:  # the sampling settings change per generate call, not per step
-            rows = rows.grow(self.max_batch)
-            for name in ("temperature", "top_k", "top_p"):
-                getattr(self, name).copy_(getattr(rows, name)[: self.max_batch])
-            self.rows_seen = rows
-
-    # -- weights -------------------------------------------------------------
-    def _weight_pointers(self) -> list[int]:
-        return [t.data_ptr() for t in self.engine.stage.parameters()]
-
-    def check_weights(self) -> None:
-        """The captured graphs read the parameters by address: they must not have moved."""
-        if self.pointers and self._weight_pointers() != self.pointers:
-            raise RuntimeError("actor parameters were re-allocated after the decode CUDA graphs were captured; "
-                               "the graphs would read stale weights (set rollout.cuda_graphs=false)")
+        self.shared.load_sampling(rows)

@@ -8,8 +8,9 @@ each step it plans a chunked prefill or a decode, the stage forward
 (:mod:`megarl.rollout.stage`) runs it, and the fused sampler
 (``megarl.kernels.sampling``) picks each request's next token from its seed and
 token index alone — so a request's tokens do not depend on the batch it ran
-in. Decode steps replay CUDA graphs where CUDA is used (``graphs.py``);
-every other step, and every step on CPU, runs eagerly (the tested reference).
+in. Decode steps and small prefills replay CUDA graphs where CUDA is used
+(``graphs.py``, ``prefill_graphs.py``); every other step, and every step on
+CPU, runs eagerly (the tested reference).
 
 ``serve`` is ``generate`` for a caller that answers finished requests with new
 ones while the rest decode (the agent loop's tool calls): between steps it
@@ -34,6 +35,7 @@ from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
+from megarl.rollout.prefill_graphs import PrefillGraphs
 from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
 from megarl.rollout.stage import ForwardBatch, StageForward
 
@@ -68,6 +70,7 @@ class NativeEngine:
         self.cache: KVCache | None = None
         use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
+        self.prefill_graphs = PrefillGraphs(self, self.graphs) if use_graphs else None
         self.stats: dict[str, float] = {}
 
     # -- RolloutEngine -------------------------------------------------------
@@ -114,7 +117,8 @@ class NativeEngine:
         rows = _SamplingRows(params, self.device)
         # no module.eval(): the engine reads the weights, never calls a module (the train/eval walk
         # over ~430 modules cost ~2 ms per call on an H200 host)
-        steps = {"prefill": 0, "prefill_tokens": 0, "decode": 0, "graph": 0, "ahead": 0, "prefill_s": 0.0,
+        steps = {"prefill": 0, "prefill_tokens": 0, "prefill_graph": 0, "decode": 0, "graph": 0, "ahead": 0,
+                 "prefill_s": 0.0,
                  "sync_s": 0.0, "wait_s": 0.0,
                  "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
         with torch.no_grad(), cpu_compat.paused():
@@ -125,7 +129,7 @@ class NativeEngine:
     def update_weights(self) -> dict:
         """The engine reads the training weights in place: nothing to move (graphs check pointers)."""
         if self.graphs is not None:
-            self.graphs.check_weights()
+            self.graphs.shared.check_weights()
         if self.cache is not None:
             self.cache.pool.forget()  # cached K/V were computed with the old weights
         return {"weight_sync/bytes": 0.0, "weight_sync/zero_copy": 1.0}
@@ -297,6 +301,9 @@ class NativeEngine:
         if plan.decode and self.graphs is not None and self.graphs.fits(plan):
             steps["graph"] += 1
             return self.graphs.run(plan, rows)
+        if not plan.decode and self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
+            steps["prefill_graph"] += 1
+            return self.prefill_graphs.run(plan, rows)
         batch = self.to_device(plan)
         out = self._forward(batch, torch.as_tensor(plan.sample_rows, device=self.device))
         return self._sample_and_share(out, plan, rows)
@@ -384,6 +391,7 @@ class NativeEngine:
             "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
             "rollout/prefill_tokens": float(steps["prefill_tokens"]),  # computed (shared or cached prefixes not)
             "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
+            "rollout/prefill_graph_steps": float(steps["prefill_graph"]),
             "rollout/preemptions": float(sched.preemptions),
             # wall seconds of this call (timing/: run-dependent, unlike the counters)
             "timing/rollout_prefill": steps["prefill_s"], "timing/rollout_device_wait": steps["wait_s"],

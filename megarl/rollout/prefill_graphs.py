@@ -1,0 +1,127 @@
+"""CUDA graphs of small prefill steps, bucketed by new tokens and by sequences.
+
+A prefill of a few prompts (a continuous-batching refill, a multi-turn follow-up)
+is host-bound when run eagerly: ~10 launches per layer, each costing more host
+time than its kernel takes on the device (H200, 1.5B shape: 16 prompts of 128
+tokens, 24 ms of wall time against 9 ms of kernels; benchmarks/RESULTS.md,
+"Prefill alone"). Such a step replays a graph captured at a bucket (t, c) instead:
+its T new tokens, N sequences and S sampled rows are padded to t >= T tokens and
+c >= max(N, S) rows:
+
+- tokens past T sit at position 0, write their K/V to the scratch page and belong
+  to no sequence (the attention leaves their rows unspecified; every other op is
+  row-wise, so they touch no real row);
+- sequences past N have no queries and no keys;
+- sampled rows past S read token 0, and their tokens are dropped.
+
+The paged prefill kernel's grid is sized for t queries per sequence (its blocks
+past a sequence's queries exit at once). Prefills over ``MAX_TOKENS`` are
+device-bound and stay eager. The weights, the memory pool and the per-row
+sampling settings are the decode graphs' (:class:`~megarl.rollout.graphs.GraphShared`);
+with PP each stage replays between receiving and sending hidden states, as decode
+does. ``capture=False`` runs the same padded buffers eagerly (CPU tests).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megarl.rollout.graphs import buckets_up_to
+from megarl.rollout.stage import ForwardBatch
+
+# Token buckets. Eager prefills of 8k tokens and more run within ~15% of their kernel time on an
+# H200 (1.5B shape: 64 x 128 tokens 42.0 ms wall / 36.4 ms device), those of 1-2k tokens at 2-3x
+# it (16 x 64: 14.3 / 5.0 ms; 16 x 128: 24.0 / 9.1 ms): graphs go up to 2048 tokens.
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+MAX_TOKENS = TOKEN_BUCKETS[-1]
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")  # (t,) each
+_ROW_FIELDS = ("seq_lens", "cu_seqlens_q", "sample_rows", "seeds", "offsets")  # (c,) each, cu (c + 1,)
+
+
+class PrefillGraphs:
+    """Lazily captured prefill graphs of one engine, beside its decode graphs."""
+
+    def __init__(self, engine, decode, capture: bool = True):
+        self.engine, self.shared, self.capture = engine, decode.shared, capture
+        self.max_rows, self.max_pages = decode.max_batch, decode.max_pages
+        self.row_buckets = buckets_up_to(decode.max_batch)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        dev, pin = engine.device, engine.device.type == "cuda"
+        t, c = MAX_TOKENS, self.max_rows
+        self.host = [torch.zeros(shape, dtype=dtype) for shape, dtype in (
+            ((len(_TOKEN_FIELDS), t), torch.long), ((len(_ROW_FIELDS), c + 1), torch.long),
+            ((c, self.max_pages), torch.int32))]
+        self.host = [h.pin_memory() if pin else h for h in self.host]
+        self.tokens, self.rows, self.table = (torch.zeros_like(h, device=dev) for h in self.host)
+        self.sampled = torch.zeros(2, c, device=dev)  # [tokens; log-probs] of the last stage
+        self.copied = torch.cuda.Event() if pin else None  # the host buffers are free again
+        stage = engine.stage
+        self.hidden_in = torch.zeros(t, stage.hidden, dtype=stage.dtype, device=dev)
+        self.hidden_out = torch.zeros_like(self.hidden_in)
+
+    def fits(self, plan) -> bool:
+        return (len(plan.input_ids) <= MAX_TOKENS and max(len(plan.seqs), len(plan.sampled)) <= self.max_rows
+                and plan.block_table.shape[1] <= self.max_pages)
+
+    def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and log-probs (S,) of a prefill step, through its bucket's graph."""
+        engine, n_tokens, n_sampled = self.engine, len(plan.input_ids), len(plan.sampled)
+        t = next(b for b in TOKEN_BUCKETS if b >= n_tokens)
+        c = next(b for b in self.row_buckets if b >= max(len(plan.seqs), n_sampled))
+        if self.capture and (t, c) not in self.graphs:
+            self.graphs[(t, c)] = self._capture(t, c)
+        self._load(plan, rows, t, c)
+        if engine.receive_hidden(n_tokens, into=self.hidden_in[:n_tokens]) is not None:
+            self.hidden_in[n_tokens:t].zero_()
+        if self.capture:
+            self.graphs[(t, c)].replay()
+        else:
+            self._body(t, c)
+        engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n_tokens])
+        if n_sampled == 0:  # a chunk that completes no prompt (as eager: nothing to share)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        return engine.share(self.sampled[:, :n_sampled] if engine.groups.is_last_stage else None, n_sampled)
+
+    def _body(self, t: int, c: int) -> None:
+        """The prefill of this stage on t padded tokens and c padded rows of the static buffers."""
+        engine, tok, row = self.engine, self.tokens[:, :t], self.rows
+        batch = ForwardBatch(tok[0], tok[1], tok[2], self.table[:c], row[0, :c], row[1, : c + 1], t, False,
+                             engine.max_len)
+        x = None if engine.groups.is_first_stage else self.hidden_in[:t]
+        out = engine.compute(batch, x, row[2, :c])  # (c, V_padded) logits on the last stage
+        if not engine.groups.is_last_stage:
+            self.hidden_out[:t].copy_(out)
+            return
+        tokens, logprobs = self.shared.sample(out, row[3, :c], row[4, :c])
+        self.sampled[0, :c].copy_(tokens)
+        self.sampled[1, :c].copy_(logprobs)
+
+    def _capture(self, t: int, c: int) -> torch.cuda.CUDAGraph:
+        for buffer in (self.tokens, self.rows, self.table, self.hidden_in):
+            buffer.zero_()  # warm-up writes land in the scratch page
+        return self.shared.capture(lambda: self._body(t, c))
+
+    def _load(self, plan, rows, t: int, c: int) -> None:
+        """The step's inputs, padded (module docstring), into the static buffers: three copies."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies have read them (a step may end unsynced)
+        tok, row, table = (h.numpy() for h in self.host)
+        n_tokens, n_seqs, n_sampled = len(plan.input_ids), len(plan.seqs), len(plan.sampled)
+        tok[:, :t] = 0
+        for i, name in enumerate(_TOKEN_FIELDS):
+            tok[i, :n_tokens] = getattr(plan, name)
+        row[:, : c + 1] = 0
+        row[0, :n_seqs] = plan.seq_lens
+        row[1, : n_seqs + 1] = plan.cu_seqlens_q
+        row[1, n_seqs + 1: c + 1] = n_tokens  # padded sequences: no queries
+        row[2, :n_sampled] = plan.sample_rows
+        row[3, :n_sampled] = plan.seeds
+        row[4, :n_sampled] = plan.offsets
+        table[:c] = 0
+        table[:n_seqs, : plan.block_table.shape[1]] = plan.block_table
+        self.tokens.copy_(self.host[0], non_blocking=True)  # whole buffers: contiguous, never staged
+        self.rows.copy_(self.host[1], non_blocking=True)
+        self.table[:c].copy_(self.host[2][:c], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.shared.load_sampling(rows)
