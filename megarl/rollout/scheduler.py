@@ -42,11 +42,12 @@ import numpy as np
 from megarl.rollout.pages import PagePool, pages_for, prefix_keys
 
 # While others decode, a prefill waits until this fraction of the slots is free (or every
-# waiting request fits): each eager prefill step costs ~17 ms whatever its size, against idle
-# slots while waiting. H200, 1.5B shape, 512 requests of 16-1024 tokens on 128 slots
-# (benchmarks/RESULTS.md): 1/16 34,794, 1/8 35,734, 1/4 34,544 useful tokens/s (26 prefill
-# steps at 1/8; admitting at every free slot takes ~350).
-ADMIT_FRACTION = 1 / 8
+# waiting request fits): a prefill step stops every decoding slot for its length, against idle
+# slots while waiting. H200, 1.5B shape, 512 requests of 16-1024 tokens on 128 slots, prefills of
+# <= 2048 tokens through CUDA graphs (benchmarks/RESULTS.md, session 7), useful tokens/s:
+# 1/64 35,805 (185 prefill steps), 1/32 36,921 (96), 1/16 36,714 (50), 1/8 36,128 (26).
+# (Eager prefills, ~17 ms each whatever their size, had 1/8 best: 1/16 34,794, 1/8 35,734.)
+ADMIT_FRACTION = 1 / 32
 
 
 @dataclass
