@@ -9,7 +9,11 @@ Providers, each forward + backward of the same q, k, v, dout, timed with CUDA ev
 (median of ``--iters`` after warm-up), outputs and gradients compared with flash varlen:
 - ``flash_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (what megarl runs today);
 - ``cudnn_ragged``: aten's cuDNN attention with ragged offsets (cum_seq_q / cum_seq_k);
-- ``cudnn_padded``: rows scattered into a (b, max_len) batch, causal SDPA (cuDNN), gathered.
+- ``cudnn_padded``: rows scattered into a (b, max_len) batch, causal SDPA (cuDNN), gathered;
+and, for scale, ``cudnn_dense_only``: the SDPA alone on rows already padded (not a drop-in).
+Measured on an H200 (benchmarks/RESULTS.md, session 7): flash varlen 7.79 ms over the five bins,
+cuDNN padded 7.55, cuDNN on padded rows alone 4.93; the ragged cuDNN entry gave wrong gradients
+at ~130 ms a call. megarl keeps flash varlen.
 """
 from __future__ import annotations
 
@@ -158,7 +162,7 @@ def main():
     print("schemas:", torch.ops.aten._cudnn_attention_forward.default._schema, "|",
           torch.ops.aten._cudnn_attention_backward.default._schema, flush=True)
     rows = []
-    for i, lens in enumerate(bins_of(args.tokens, 0)):
+    for i, lens in enumerate(bins_of(args.tokens, 0)):  # the actor update's bins (bench_train.py)
         t, dev = sum(lens), "cuda"
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
         g = torch.Generator(device=dev).manual_seed(i)
