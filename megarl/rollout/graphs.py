@@ -20,7 +20,10 @@ on the device (planned ahead, see ``scheduler.py``) takes it from the previous
 replay's output row ``src_rows`` inside the graph. :meth:`DecodeGraphs.launch`
 returns at once; the tokens come back through a pinned buffer and an event, so
 the host plans the next step while this one runs. ``capture=False`` runs the
-very same buffers and padding eagerly (CPU tests of this path).
+very same buffers and padding eagerly (CPU tests of this path). What every graph
+of an engine shares — the memory pool, the weight pointers, the per-row sampling
+settings — is :class:`GraphShared`, which the prefill graphs
+(``prefill_graphs.py``) use too.
 """
 from __future__ import annotations
 
