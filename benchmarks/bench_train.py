@@ -113,8 +113,8 @@ def make_batch(w: Workload, vocab: int, dev):
     return SampleBatch(ids.to(dev), mask.to(dev), lengths.to(dev), old_logprobs=old.to(dev), advantages=adv.to(dev))
 
 
-def actor_config(path: str, w: Workload, variant: list[str], extra: list[str]):
-    """The run config of one variant, through the CLI's parser and the config checks."""
+def actor_config(path: str, w: Workload, variant: list[str], extra: list[str], world: int = 1):
+    """The run config of one variant, through the CLI's parser and the config checks (``world`` ranks)."""
     from megarl.cli import load_config
     from megarl.config import Config
     from megarl.config_checks import validate
@@ -127,7 +127,7 @@ def actor_config(path: str, w: Workload, variant: list[str], extra: list[str]):
             "actor.optim.lr=1e-7", "trainer.run_dir=/tmp/megarl_bench_train"]
     keys += [f"data.train_path={prompts}"] if os.path.isfile(prompts) else []
     cfg = load_config(keys + variant + extra, Config)
-    validate(cfg, 1)
+    validate(cfg, world)
     return cfg
 
 

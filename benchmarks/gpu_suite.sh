@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_suite.sh rollout-kernels  # paged attention + sampling: GPU tests and benchmarks
 #   bash benchmarks/gpu_suite.sh e2e        # GRPO step, megarl vs TRL (needs TRL wheels in .whl/)
 #   bash benchmarks/gpu_suite.sh issue8     # rollout, then e2e: every issue-8 number in one call
+#   bash benchmarks/gpu_suite.sh long       # 2 GPUs: a 32k-token sequence at CP1 (out of memory) and CP2, equal grads on 4k
 #   bash benchmarks/gpu_suite.sh train      # fused-kernel, offload and resume GPU tests; actor update: packing, MFU, memory (~9 min)
 # Needs .whl/ (megatron-core wheel: ../shared/gpu/fetch_wheels.sh) carried to the machine.
 set -uo pipefail
@@ -48,6 +49,8 @@ case "${1:-models}" in
   train)
     T=420 run gpu_tests python3 -m pytest -q -s tests/test_models_fused_gpu.py tests/test_kernel_rope.py tests/test_cpu_offload.py tests/test_checkpoint_dtypes.py tests/test_trainer_resume_gpu.py
     T=450 run train python3 benchmarks/bench_train.py --case all --out-dir "$OUT" "${@:2}" ;;
+  long)
+    T=560 run long python3 benchmarks/bench_long_context.py --out "$OUT/long_context.json" ;;
   e2e)
     T=560 run e2e python3 benchmarks/bench_e2e.py --out "$OUT/e2e_grpo_1p5b.json" "${@:2}" ;;
 esac

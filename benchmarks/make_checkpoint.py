@@ -86,10 +86,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256, help="random prompts written to prompts.jsonl")
     ap.add_argument("--prompt-len", type=int, default=128, help="words per prompt")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-positions", type=int, default=None, help="max_position_embeddings other than the shape's")
     args = ap.parse_args()
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
+    if args.max_positions:
+        shape["max_position_embeddings"] = args.max_positions
     os.makedirs(args.out, exist_ok=True)
     vocab = shape["vocab_size"]
     write_model(args.out, shape, args.classifier, args.seed)
