@@ -14,8 +14,10 @@ Seeds: sampled responses depend only on the request's seed — the same prompt
 and seed give the same tokens alone or among other requests, in another
 position. The CUDA-graph path's static input buffers and bucket padding (a
 batch of 3 decoding as 4, the pad row reading no keys and writing the scratch
-page; with PP the hidden states in and out of each stage's buffers) run
-eagerly at every layout and must give the same greedy and sampled tokens; with
+page; prefill chunks of at most 8 tokens as 16, in no sequence, and their
+sequences and sampled rows padded to a row bucket; with PP the hidden states in
+and out of each stage's buffers) run eagerly at every layout and must give the
+same greedy and sampled tokens; with
 one stage they also plan each decode step before the previous step's tokens
 are read (fed from the device; rows past a stop token dropped).
 Log-probs: the engine's log-prob of each sampled token (temperature 0.7,
