@@ -45,7 +45,8 @@ def buckets_up_to(max_batch: int) -> list[int]:
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
 
 
-def _host(shape, dtype, pin: bool) -> torch.Tensor:
+def host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
+    """A zeroed host tensor, pinned when ``pin`` (asynchronous copies to or from the device)."""
     t = torch.zeros(shape, dtype=dtype)
     return t.pin_memory() if pin else t
 
@@ -128,8 +129,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         b, dev = max_batch, engine.device
         pin = dev.type == "cuda"  # host buffers the copies read (or write) while the host goes on
-        self.staging = [(_host((len(_ROW_FIELDS), b), torch.long, pin), _host((b, self.max_pages), torch.int32, pin),
-                         _host((2 * b,), torch.float32, pin)) for _ in range(2)]
+        self.staging = [(host_buffer((len(_ROW_FIELDS), b), torch.long, pin),
+                         host_buffer((b, self.max_pages), torch.int32, pin),
+                         host_buffer((2 * b,), torch.float32, pin)) for _ in range(2)]
         self.turn = 0
         self.inputs = torch.zeros((len(_ROW_FIELDS), b), dtype=torch.long, device=dev)
         self.table = torch.zeros((b, self.max_pages), dtype=torch.int32, device=dev)

@@ -118,9 +118,7 @@ class NativeEngine:
         # no module.eval(): the engine reads the weights, never calls a module (the train/eval walk
         # over ~430 modules cost ~2 ms per call on an H200 host)
         steps = {"prefill": 0, "prefill_tokens": 0, "prefill_graph": 0, "decode": 0, "graph": 0, "ahead": 0,
-                 "prefill_s": 0.0,
-                 "sync_s": 0.0, "wait_s": 0.0,
-                 "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
+                 "prefill_s": 0.0, "sync_s": 0.0, "wait_s": 0.0, "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
         with torch.no_grad(), cpu_compat.paused():
             self._loop(sched, rows, steps, ahead=self._can_overlap(longest), feed=feed)
         self._record(sched, steps)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megarl.rollout.graphs import buckets_up_to
+from megarl.rollout.graphs import buckets_up_to, host_buffer
 from megarl.rollout.stage import ForwardBatch
 
 # Token buckets. Eager prefills of 8k tokens and more run within ~15% of their kernel time on an
@@ -48,10 +48,9 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         dev, pin = engine.device, engine.device.type == "cuda"
         t, c = MAX_TOKENS, self.max_rows
-        self.host = [torch.zeros(shape, dtype=dtype) for shape, dtype in (
+        self.host = [host_buffer(shape, dtype, pin) for shape, dtype in (
             ((len(_TOKEN_FIELDS), t), torch.long), ((len(_ROW_FIELDS), c + 1), torch.long),
             ((c, self.max_pages), torch.int32))]
-        self.host = [h.pin_memory() if pin else h for h in self.host]
         self.tokens, self.rows, self.table = (torch.zeros_like(h, device=dev) for h in self.host)
         self.sampled = torch.zeros(2, c, device=dev)  # [tokens; log-probs] of the last stage
         self.copied = torch.cuda.Event() if pin else None  # the host buffers are free again
