@@ -125,32 +125,23 @@ def run(fn, q, k, v, dout, cu, max_len, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def timed(fn, args, iters: int) -> float:
-    for _ in range(3):
-        run(fn, *args)
+def timed(step, iters: int) -> float:
+    """Median ms of ``step()`` over ``iters`` calls after 3 warm-up calls (CUDA events)."""
     times = []
-    for _ in range(iters):
+    for _ in range(iters + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run(fn, *args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def timed_plain(fn, iters: int) -> float:
-    """fwd + bwd of ``fn()`` (already padded inputs: the padded layout's attention alone)."""
-    times = []
-    for i in range(iters + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        out.backward(torch.ones_like(out))
+        step()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times[3:])
+
+
+def dense_step(dense) -> None:
+    """fwd + bwd of causal SDPA on already padded (b, h, L, d) rows: the padded layout's attention alone."""
+    out = F.scaled_dot_product_attention(*dense, is_causal=True, enable_gqa=True)
+    out.backward(torch.ones_like(out))
 
 
 def main():
@@ -177,15 +168,14 @@ def main():
             try:
                 got = run(fn, *inputs)
                 row["max_abs_diff"] = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, want)]
-                row["ms"] = timed(fn, inputs, args.iters)
+                row["ms"] = timed(lambda: run(fn, *inputs), args.iters)  # noqa: B023 (called at once)
                 row["tflops"] = flops / row["ms"] / 1e9
             except Exception as e:  # noqa: BLE001 (a provider this torch / cuDNN cannot run)
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
             print(row, flush=True)
         dense = [x.new_zeros(len(lens), x.shape[1], max(lens), 128).requires_grad_() for x in (q, k, v)]
-        sdpa = lambda: F.scaled_dot_product_attention(*dense, is_causal=True, enable_gqa=True)  # noqa: E731
-        rows.append({"provider": "cudnn_dense_only", "bin": i, "ms": timed_plain(sdpa, args.iters)})
+        rows.append({"provider": "cudnn_dense_only", "bin": i, "ms": timed(lambda: dense_step(dense), args.iters)})
         print(rows[-1], flush=True)
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
