@@ -12,7 +12,7 @@ checkpoint; ms per token step = wall time / new tokens (prefill included);
 tokens/s = B * new tokens / wall time. The floor of a decode step is the bytes
 it must read once — every weight but the input embedding (tied heads count
 once) plus the live K/V of the batch, averaged over the steps — over
-4.24 TB/s. ``--ragged B`` adds two runs of 4 x B requests on an engine of B
+4.24 TB/s. ``--ragged B`` adds two runs of W x B requests (``--ragged-waves`` W, default 4) on an engine of B
 slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
 then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
 does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
@@ -149,11 +149,11 @@ def capture_buckets(engine, prompts) -> None:
 
 
 def ragged_rows(module, info, groups, args) -> list[dict]:
-    """4 x B requests on B slots: lengths fixed at --new-tokens, then drawn from 16..1024 (and
+    """W x B requests on B slots (W = --ragged-waves): lengths fixed at --new-tokens, then drawn from 16..1024 (and
     again under each --admit-fractions value of the scheduler's admission constant)."""
     from megarl.rollout import scheduler
 
-    b, n = args.ragged, 4 * args.ragged
+    b, n = args.ragged, args.ragged_waves * args.ragged
     engine = make_engine(module, info, groups, args, args.prompt_len + 1024, max_batch=b)
     prompts = prompts_of(n, args.prompt_len, info.vocab_size, seed=3)
     capture_buckets(engine, prompts)
@@ -302,6 +302,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--ragged", type=int, default=0, help="batch size of the ragged-length run (0: none)")
+    ap.add_argument("--ragged-waves", type=int, default=4,
+                    help="requests of the ragged runs per slot: the drain tail's share shrinks as it grows")
     ap.add_argument("--admit-fractions", default="", help="comma list: ragged run again per scheduler.ADMIT_FRACTION")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
