@@ -75,6 +75,7 @@ def _rollout(rank, ckpt, tp, pp, eos):
     padded_steps = bucketed.stats["rollout/graph_steps"]
     padded_prefills = bucketed.stats["rollout/prefill_graph_steps"]
     padded_ahead = bucketed.stats["rollout/planned_ahead_steps"]
+    refills_ahead = bucketed.stats["rollout/planned_ahead_prefills"]
     roomy = _engine(actor, groups, eos, pages=64, max_batch=16)
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
     requests = sample_requests(PROMPTS, 2, 100, MAX_NEW)
@@ -87,7 +88,7 @@ def _rollout(rank, ckpt, tp, pp, eos):
     return {"greedy": [r.response_ids for r in greedy], "finish": [r.finish_reason for r in greedy],
             "preemptions": preemptions, "diff": float(diff), "too_small": too_small,
             "padded": padded, "padded_steps": padded_steps, "padded_ahead": padded_ahead,
-            "padded_prefills": padded_prefills,
+            "padded_prefills": padded_prefills, "refills_ahead": refills_ahead,
             "bucketed_sampled": [r.response_ids for r in bucketed_sampled],
             "sampled": [r.response_ids for r in sampled], "alone": [r.response_ids for r in alone]}
 
@@ -127,8 +128,10 @@ def test_continuous_batching_greedy_seeds_and_logprobs(ckpt_and_hf, tp, pp):
     # decode and prefill through the graph buffers, batches padded to buckets (3 -> 4 rows, chunks of
     # at most 8 tokens -> 16, sequences and sampled rows to the row buckets): same tokens
     assert r["padded"] == expected and r["padded_steps"] > 0 and r["padded_prefills"] > 0
-    # one stage: decode steps were planned while the previous one ran (its tokens fed on the device)
+    # one stage: decode steps were planned while the previous one ran (its tokens fed on the device),
+    # and refills launched before the pending decode's tokens were read (theirs fed on the device too)
     assert (r["padded_ahead"] > 0) == (pp == 1)
+    assert (r["refills_ahead"] > 0) == (pp == 1)
     assert r["bucketed_sampled"] == r["sampled"]
     assert r["diff"] < 1e-5
     assert r["alone"] == r["sampled"][8:10]  # prompt 4's two samples, same seed, alone

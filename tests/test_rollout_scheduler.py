@@ -14,6 +14,7 @@ from megarl.rollout.pages import OutOfPages, PagePool, pages_for
 from megarl.rollout.scheduler import Scheduler, Sequence
 
 PAGE = 4
+PREFILL_ROWS = 64  # where the fake device's prefill output rows start
 
 
 def _fake_tokens(plan):
@@ -24,9 +25,11 @@ def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=(), pool=No
          ahead=False):
     """Generates with the fake model; (scheduler, pool, plans, finished sequences in order).
 
-    ``ahead``: the engine's overlapped loop — a decode step's tokens are recorded only after
-    the next decode step is planned, whose pending inputs name rows of the previous output;
-    every fed token is checked against the sequence's final tokens at the end.
+    ``ahead``: the engine's overlapped loop — a step's tokens are recorded only after the next
+    step is planned: a decode's pending inputs name rows of the device's outputs (decode rows
+    first, then the last prefill's from ``PREFILL_ROWS``), and a due refill is planned before a
+    pending decode is recorded (never before a pending prefill); every fed token is checked
+    against the sequence's final tokens at the end.
     """
     pool = pool or PagePool(pages)
     sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(stop), prefix_cache)
@@ -34,30 +37,42 @@ def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=(), pool=No
             for i, p in enumerate(prompts) for j in range(n)]
     for i in range(len(prompts)):
         sched.add_group(seqs[i * n:(i + 1) * n])
-    plans, fed, pending, last_out = [], [], None, None
-    while True:
-        if pending is not None and not sched.can_plan_ahead():
-            sched.record(*pending)
-            pending = None
-        if not sched.has_work():
-            break
-        plan = sched.next_step()
+    plans, fed, pending = [], [], None
+    outputs = np.zeros(2 * PREFILL_ROWS, dtype=np.int64)  # the device's: decode rows, then prefill rows
+
+    def launch(plan):  # returns the step's tokens, leaving them in the device's output rows
         plans.append(plan)
         toks = _fake_tokens(plan)
         if plan.decode:  # what the device would feed
             ids = plan.input_ids.copy()
             if plan.src_rows is not None and (plan.src_rows >= 0).any():
-                ids = np.where(plan.src_rows >= 0, last_out[np.maximum(plan.src_rows, 0)], ids)
-            fed += [(s, int(p), int(t)) for s, p, t in zip(plan.seqs, plan.positions, ids)]
-        step = (plan, toks, np.zeros(len(toks), dtype=np.float32))
-        if ahead and plan.decode:
-            sched.advance(plan, on_device=True)
+                ids = np.where(plan.src_rows >= 0, outputs[np.maximum(plan.src_rows, 0)], ids)
+            fed.extend((s, int(p), int(t)) for s, p, t in zip(plan.seqs, plan.positions, ids))
+        base = 0 if plan.decode else PREFILL_ROWS
+        outputs[base:base + len(toks)] = toks
+        return (plan, toks, np.zeros(len(toks), dtype=np.float32)), base
+
+    while True:
+        if pending is not None and not sched.can_plan_ahead():
+            refill = sched.plan_prefill() if ahead and pending[0].decode else None
+            if refill is not None:
+                step, base = launch(refill)
+                sched.advance(refill, on_device=True, row_base=base)
+                sched.record(*pending)
+                pending = step
+                continue
+            sched.record(*pending)
+            pending = None
+        if not sched.has_work():
+            break
+        step, base = launch(sched.next_step())
+        if ahead:
+            sched.advance(step[0], on_device=True, row_base=base)
             if pending is not None:
                 sched.record(*pending)
-            pending, last_out = step, toks
+            pending = step
         else:
             sched.commit(*step)
-            last_out = toks
     if pending is not None:
         sched.record(*pending)
     for seq, pos, tok in fed:
@@ -122,6 +137,7 @@ def test_planning_ahead_gives_the_same_responses(max_seqs, pages):
     runs = [_run(prompts, n=2, max_new=7, pages=pages, max_seqs=max_seqs, stop=stops, ahead=a) for a in (False, True)]
     (_, pool_a, _, sync), (sched_b, pool_b, plans_b, ahead) = runs
     assert any(p.decode and (p.src_rows >= 0).any() for p in plans_b)  # some steps were planned ahead
+    assert any(p.decode and (p.src_rows >= PREFILL_ROWS).any() for p in plans_b)  # fed by a pending prefill
     assert (sched_b.preemptions > 0) == (pages == 7)
     assert [(s.generated, s.finish) for s in ahead] == [(s.generated, s.finish) for s in sync]
     assert {s.finish for s in sync} == {"stop", "length"}

@@ -16,8 +16,10 @@ rows, lengths, seeds, token indices, source rows) and the (B, max_pages) block
 table: each replay fills their pinned host copies (two sets, used in turn) and
 moves each with one asynchronous copy; rows past the real batch read nothing
 (0 keys) and write their K/V to the scratch page. A row whose token is still
-on the device (planned ahead, see ``scheduler.py``) takes it from the previous
-replay's output row ``src_rows`` inside the graph. :meth:`DecodeGraphs.launch`
+on the device (planned ahead, see ``scheduler.py``) takes it inside the graph
+from ``outputs[src_rows]``: one flat buffer holding the last decode replay's
+[tokens; log-probs] and, after them (from ``prefill_rows_base``), the last
+prefill graph's, so a refill planned ahead feeds the next decode as directly. :meth:`DecodeGraphs.launch`
 returns at once; the tokens come back through a pinned buffer and an event, so
 the host plans the next step while this one runs. ``capture=False`` runs the
 very same buffers and padding eagerly (CPU tests of this path). What every graph
@@ -137,7 +139,10 @@ class DecodeGraphs:
         self.table = torch.zeros((b, self.max_pages), dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.sampled = torch.zeros(2, b, device=dev)  # [tokens; log-probs] of the last stage
+        self.outputs = torch.zeros(4 * b, device=dev)  # decode's (2, b) [tokens; log-probs], then prefill's
+        self.sampled = self.outputs[: 2 * b].view(2, b)  # of the last stage
+        self.prefill_sampled = self.outputs[2 * b:].view(2, b)  # PrefillGraphs writes its rows here
+        self.prefill_rows_base = 2 * b  # prefill row r's token is outputs[prefill_rows_base + r]
         stage = engine.stage  # with PP: hidden states in from the previous stage, out to the next
         self.hidden_in = torch.zeros(b, stage.hidden, dtype=stage.dtype, device=dev)
         self.hidden_out = torch.zeros_like(self.hidden_in)
@@ -156,8 +161,8 @@ class DecodeGraphs:
     def _body(self, b: int) -> None:
         """The decode step of this stage on the first ``b`` rows of the static buffers."""
         f = lambda name: self._field(name, b)  # noqa: E731
-        src = f("src_rows")  # tokens still on the device: the previous replay's output rows
-        ids = torch.where(src >= 0, self.sampled[0].index_select(0, src.clamp(min=0)).long(), f("input_ids"))
+        src = f("src_rows")  # tokens still on the device: rows of the step that sampled them
+        ids = torch.where(src >= 0, self.outputs.index_select(0, src.clamp(min=0)).long(), f("input_ids"))
         batch = ForwardBatch(ids, f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
                              self.cu[: b + 1], 1, True, self.engine.max_len)
         engine = self.engine

@@ -118,6 +118,7 @@ class NativeEngine:
         # no module.eval(): the engine reads the weights, never calls a module (the train/eval walk
         # over ~430 modules cost ~2 ms per call on an H200 host)
         steps = {"prefill": 0, "prefill_tokens": 0, "prefill_graph": 0, "decode": 0, "graph": 0, "ahead": 0,
+                 "prefill_ahead": 0,
                  "prefill_s": 0.0, "sync_s": 0.0, "wait_s": 0.0, "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
         with torch.no_grad(), cpu_compat.paused():
             self._loop(sched, rows, steps, ahead=self._can_overlap(longest), feed=feed)
@@ -239,7 +240,9 @@ class NativeEngine:
               feed: "_Feed | None" = None) -> None:
         """Steps until every request is done. With ``ahead``, a decode step is launched before the
         previous one's tokens are read back: the host plans step t + 1 while the device runs t
-        (the tokens it feeds stay on the device), then records t. ``steps`` gets the seconds spent
+        (the tokens it feeds stay on the device), then records t. A prefill through the prefill
+        graphs is launched the same way, ahead of a pending decode (a refill) or of nothing, but
+        never ahead of another prefill (they share output rows). ``steps`` gets the seconds spent
         waiting for the device (``wait_s``) and in synchronous steps (``prefill_s``, ``sync_s``).
         With ``feed`` (``serve``) each step starts by handing out the finished requests and taking
         follow-ups, before the plan-ahead check: a new request waits in the queue, so the pending
@@ -253,37 +256,57 @@ class NativeEngine:
             steps["wait_s"] += clock() - start
             sched.record(pending[0], tokens, logprobs)
 
+        def run_now(plan):  # synchronous: tokens on the host
+            start = clock()
+            sched.commit(plan, *self._step(plan, rows, steps))
+            steps["prefill_s" if not plan.decode else "sync_s"] += clock() - start
+
         loop_start = clock()
         while True:
             if feed is not None:
                 feed.exchange(sched, idle=pending is None and not sched.has_work())
             if pending is not None and not sched.can_plan_ahead():
-                record_pending()
-                pending = None
-                continue  # what it finished goes out (and may be answered) before the next plan
+                refill = sched.plan_prefill() if ahead and pending[0].decode else None
+                if refill is None or not self.prefill_graphs.fits(refill):
+                    record_pending()
+                    pending = None
+                    if refill is not None:
+                        run_now(refill)
+                    continue  # what it finished goes out (and may be answered) before the next plan
+                pending = self._launch_ahead(sched, refill, rows, steps, pending, record_pending)
+                continue
             if not sched.has_work():
                 break
             start = clock()
             plan = sched.next_step()
             steps["plan_s"] += clock() - start
-            if ahead and plan.decode:
-                start = clock()
-                launched = self._launch(plan, rows, steps)
-                steps["launch_s"] += clock() - start
-                sched.advance(plan, on_device=True)
-                if pending is not None:
-                    steps["ahead"] += 1
-                    record_pending()
-                pending = (plan, launched)
+            if ahead and (plan.decode or self.prefill_graphs.fits(plan)):
+                pending = self._launch_ahead(sched, plan, rows, steps, pending, record_pending)
             else:
-                start = clock()
-                sched.commit(plan, *self._step(plan, rows, steps))  # synchronous: tokens on the host
-                steps["prefill_s" if not plan.decode else "sync_s"] += clock() - start
+                run_now(plan)
         if pending is not None:
             record_pending()
         steps["loop_s"] = clock() - loop_start
 
+    def _launch_ahead(self, sched: Scheduler, plan: StepPlan, rows: "_SamplingRows", steps: dict, pending,
+                      record_pending):
+        """Launches ``plan`` (a graph decode or prefill), advances it with its tokens left on the device,
+        then records the step that was pending; returns the new pending (plan, Launched)."""
+        start = time.perf_counter()
+        launched = self._launch(plan, rows, steps)
+        steps["launch_s"] += time.perf_counter() - start
+        sched.advance(plan, on_device=True, row_base=0 if plan.decode else self.graphs.prefill_rows_base)
+        if pending is not None:
+            steps["ahead" if plan.decode else "prefill_ahead"] += 1
+            record_pending()
+        return plan, launched
+
     def _launch(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
+        if not plan.decode:
+            steps["prefill"] += 1
+            steps["prefill_graph"] += 1
+            steps["prefill_tokens"] += len(plan.input_ids)
+            return self.prefill_graphs.launch(plan, rows)
         steps["decode"] += 1
         steps["graph"] += 1
         if plan.copies[0]:
@@ -390,6 +413,8 @@ class NativeEngine:
             "rollout/prefill_tokens": float(steps["prefill_tokens"]),  # computed (shared or cached prefixes not)
             "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
             "rollout/prefill_graph_steps": float(steps["prefill_graph"]),
+            "rollout/planned_ahead_prefills": float(steps["prefill_ahead"]),  # refills launched before a
+            #                                                                   pending decode's tokens came back
             "rollout/preemptions": float(sched.preemptions),
             # wall seconds of this call (timing/: run-dependent, unlike the counters)
             "timing/rollout_prefill": steps["prefill_s"], "timing/rollout_device_wait": steps["wait_s"],

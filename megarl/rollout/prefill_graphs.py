@@ -17,16 +17,19 @@ c >= max(N, S) rows:
 The paged prefill kernel's grid is sized for t queries per sequence (its blocks
 past a sequence's queries exit at once). Prefills over ``MAX_TOKENS`` are
 device-bound and stay eager. The weights, the memory pool and the per-row
-sampling settings are the decode graphs' (:class:`~megarl.rollout.graphs.GraphShared`);
-with PP each stage replays between receiving and sending hidden states, as decode
-does. ``capture=False`` runs the same padded buffers eagerly (CPU tests).
+sampling settings are the decode graphs' (:class:`~megarl.rollout.graphs.GraphShared`),
+and the sampled tokens land in the decode graphs' output buffer, after the decode
+rows, so a decode planned behind a prefill still in flight reads them on the device
+(:meth:`PrefillGraphs.launch`). With PP each stage replays between receiving and
+sending hidden states, as decode does. ``capture=False`` runs the same padded
+buffers eagerly (CPU tests).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from megarl.rollout.graphs import buckets_up_to, host_buffer
+from megarl.rollout.graphs import Launched, buckets_up_to, host_buffer
 from megarl.rollout.stage import ForwardBatch
 
 # Token buckets. Eager prefills of 8k tokens and more run within ~15% of their kernel time on an
@@ -52,7 +55,9 @@ class PrefillGraphs:
             ((len(_TOKEN_FIELDS), t), torch.long), ((len(_ROW_FIELDS), c + 1), torch.long),
             ((c, self.max_pages), torch.int32))]
         self.tokens, self.rows, self.table = (torch.zeros_like(h, device=dev) for h in self.host)
-        self.sampled = torch.zeros(2, c, device=dev)  # [tokens; log-probs] of the last stage
+        self.sampled = decode.prefill_sampled  # (2, c) [tokens; log-probs] of the last stage
+        self.rows_base = decode.prefill_rows_base  # where sampled row r sits in decode.outputs
+        self.out = host_buffer((2 * c,), torch.float32, pin)  # one prefill in flight at a time
         self.copied = torch.cuda.Event() if pin else None  # the host buffers are free again
         stage = engine.stage
         self.hidden_in = torch.zeros(t, stage.hidden, dtype=stage.dtype, device=dev)
@@ -63,23 +68,42 @@ class PrefillGraphs:
                 and plan.block_table.shape[1] <= self.max_pages)
 
     def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and log-probs (S,) of a prefill step, through its bucket's graph."""
+        """Tokens and log-probs (S,) of a prefill step, through its bucket's graph (any PP)."""
         engine, n_tokens, n_sampled = self.engine, len(plan.input_ids), len(plan.sampled)
+        if engine.groups.pp_size == 1:
+            return self.launch(plan, rows).result()
+        self._replay(plan, rows)
+        engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n_tokens])
+        if n_sampled == 0:  # a chunk that completes no prompt (as eager: nothing to share)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        return engine.share(self.sampled[:, :n_sampled] if engine.groups.is_last_stage else None, n_sampled)
+
+    def launch(self, plan, rows) -> Launched:
+        """Starts a prefill step (one stage, no PP) and returns at once; ``.result()`` waits. Until the
+        next prefill replays, sampled row r's token stays at ``decode.outputs[rows_base + r]``."""
+        n = len(plan.sampled)
+        self._replay(plan, rows)
+        out = self.out[: 2 * n].view(2, n)  # contiguous, as the decode graphs' copy out
+        out.copy_(self.sampled[:, :n], non_blocking=True)
+        done = torch.cuda.Event() if self.engine.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        return Launched(out, done)
+
+    def _replay(self, plan, rows) -> None:
+        """Captures the bucket's graph if new, loads the inputs (and with PP the hidden states), replays."""
+        n_tokens = len(plan.input_ids)
         t = next(b for b in TOKEN_BUCKETS if b >= n_tokens)
-        c = next(b for b in self.row_buckets if b >= max(len(plan.seqs), n_sampled))
+        c = next(b for b in self.row_buckets if b >= max(len(plan.seqs), len(plan.sampled)))
         if self.capture and (t, c) not in self.graphs:
             self.graphs[(t, c)] = self._capture(t, c)
         self._load(plan, rows, t, c)
-        if engine.receive_hidden(n_tokens, into=self.hidden_in[:n_tokens]) is not None:
+        if self.engine.receive_hidden(n_tokens, into=self.hidden_in[:n_tokens]) is not None:
             self.hidden_in[n_tokens:t].zero_()
         if self.capture:
             self.graphs[(t, c)].replay()
         else:
             self._body(t, c)
-        engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n_tokens])
-        if n_sampled == 0:  # a chunk that completes no prompt (as eager: nothing to share)
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        return engine.share(self.sampled[:, :n_sampled] if engine.groups.is_last_stage else None, n_sampled)
 
     def _body(self, t: int, c: int) -> None:
         """The prefill of this stage on t padded tokens and c padded rows of the static buffers."""

@@ -23,9 +23,12 @@ sequences at their length limit), :meth:`Scheduler.record` appends the tokens
 and ends sequences at a stop token. Between the two the last token of a
 sequence is *pending*: the next decode plan names its row in the previous
 step's output (``src_rows``) instead of the token. :meth:`can_plan_ahead`
-says when planning ahead is safe (a decode, no admission, no preemption); a
+says when planning a decode ahead is safe (no admission, no preemption); a
 row planned for a sequence whose pending token was a stop is dropped by
-``record``.
+``record``. A refill may be planned ahead of a pending decode too
+(:meth:`plan_prefill`: it feeds waiting prompts, whose tokens are all known);
+its sampled tokens are then pending in its own output rows, which the engine
+places after the decode's (``row_base``).
 
 A sequence is *finished* once its last token is recorded (a stop token, or the
 ``max_new``-th): :meth:`Scheduler.take_finished` hands those out step by step,
@@ -91,6 +94,7 @@ class StepPlan:
     copies: tuple[list[int], list[int]] = ((), ())  # copy-on-write pages (src, dst) before the step
     src_rows: np.ndarray | None = None  # (N,) decode: row of the previous step's output holding the
     #                                     fed token, -1 where input_ids has it (None: all in input_ids)
+    step: int = -1  # set by Scheduler.advance: the how-manieth step advanced
 
 
 class Scheduler:
@@ -107,6 +111,7 @@ class Scheduler:
         self.lens = np.zeros(max_seqs, dtype=np.int64)  # tokens per slot (prompt + generated)
         self.last = np.zeros(max_seqs, dtype=np.int64)
         self.pending = np.full(max_seqs, -1, dtype=np.int64)  # output row of a slot's unrecorded token
+        self.pending_step = np.full(max_seqs, -1, dtype=np.int64)  # the step whose output that row is
         self.prompt_len = np.zeros(max_seqs, dtype=np.int64)
         self.max_new = np.zeros(max_seqs, dtype=np.int64)
         self.free_slots = list(range(max_seqs - 1, -1, -1))
@@ -115,7 +120,7 @@ class Scheduler:
         self.done: list[Sequence] = []
         self.finished: list[Sequence] = []  # done with every token recorded, not yet taken
         self.preemptions = 0
-        self._latest: StepPlan | None = None  # the last plan advanced
+        self.steps_advanced = 0
 
     # -- queue ---------------------------------------------------------------
     def add_group(self, seqs: list[Sequence]) -> None:
@@ -126,6 +131,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def plan_prefill(self) -> StepPlan | None:
+        """A prefill of waiting sequences if one is due and fits now, else None (nothing is preempted)."""
+        return self._plan_prefill() if self.waiting else None
 
     def next_step(self) -> StepPlan:
         while True:
@@ -307,7 +316,8 @@ class Scheduler:
     # -- results -------------------------------------------------------------
     def can_plan_ahead(self) -> bool:
         """True if the next step is a decode of running sequences that needs neither an admission
-        nor a preemption: it can be planned before the pending tokens are recorded."""
+        nor a preemption: it can be planned before the pending tokens are recorded. (A due admission
+        may still be planned ahead of a pending decode: :meth:`plan_prefill`.)"""
         if not self.running or (self.waiting and self._worth_admitting()):
             return False
         return len(self._decode_page_needs()) <= self.pool.free
@@ -317,10 +327,10 @@ class Scheduler:
         self.advance(plan)
         self.record(plan, tokens, logprobs)
 
-    def advance(self, plan: StepPlan, on_device: bool = False) -> None:
+    def advance(self, plan: StepPlan, on_device: bool = False, row_base: int = 0) -> None:
         """The token-independent half of a step: cached tokens, lengths, and sequences that reach
         their length limit with this step's token end now. ``on_device``: the sampled tokens stay
-        in the step's output rows (the next decode reads them there)."""
+        in the step's output rows, ``row_base`` + row (the next decode reads them there)."""
         for seq, start, end in zip(plan.seqs, plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:]):
             seq.cached += int(end - start)
             if not plan.decode:
@@ -329,8 +339,9 @@ class Scheduler:
             self._start_decoding(plan)
         slots = np.array([s.slot for s in plan.sampled], dtype=np.int64)
         self.lens[slots] += 1
-        self.pending[slots] = np.arange(len(slots)) if on_device else -1
-        self._latest = plan
+        self.pending[slots] = row_base + np.arange(len(slots)) if on_device else -1
+        plan.step, self.steps_advanced = self.steps_advanced, self.steps_advanced + 1
+        self.pending_step[slots] = plan.step
         at_limit = self.lens[slots] - self.prompt_len[slots] >= self.max_new[slots]
         for i in np.flatnonzero(at_limit):
             seq = plan.sampled[i]
@@ -339,7 +350,6 @@ class Scheduler:
 
     def record(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray) -> None:
         """The sampled tokens (S,) of an advanced step; a stop token ends its sequence."""
-        latest = plan is self._latest  # else a later advanced step's rows are the pending ones
         for seq, tok, lp in zip(plan.sampled, tokens.tolist(), logprobs.tolist()):
             if seq.finish == "stop":
                 continue  # a row planned ahead past the sequence's stop token
@@ -347,7 +357,7 @@ class Scheduler:
             seq.logprobs.append(lp)
             if seq.slot >= 0 and seq.finish is None:
                 self.last[seq.slot] = tok
-                if latest:
+                if self.pending_step[seq.slot] == plan.step:  # else a later step's row holds it now
                     self.pending[seq.slot] = -1
             if tok in self.stop_ids:
                 if seq.finish is None:
