@@ -48,7 +48,8 @@ from megarl.rollout.pages import PagePool, pages_for, prefix_keys
 # waiting request fits): a prefill step stops every decoding slot for its length, against idle
 # slots while waiting. H200, 1.5B shape, 512 requests of 16-1024 tokens on 128 slots, prefills of
 # <= 2048 tokens through CUDA graphs (benchmarks/RESULTS.md, session 7), useful tokens/s:
-# 1/64 35,805 (185 prefill steps), 1/32 36,921 (96), 1/16 36,714 (50), 1/8 36,128 (26).
+# 1/64 35,805 (185 prefill steps), 1/32 36,921 (96), 1/16 36,714 (50), 1/8 36,128 (26); with refills
+# launched ahead of the pending decode (session 8): 1/64 36,883, 1/32 37,257, 1/16 37,154.
 # (Eager prefills, ~17 ms each whatever their size, had 1/8 best: 1/16 34,794, 1/8 35,734.)
 ADMIT_FRACTION = 1 / 32
 
