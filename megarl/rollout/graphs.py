@@ -19,9 +19,9 @@ moves each with one asynchronous copy; rows past the real batch read nothing
 on the device (planned ahead, see ``scheduler.py``) takes it inside the graph
 from ``outputs[src_rows]``: one flat buffer holding the last decode replay's
 [tokens; log-probs] and, after them (from ``prefill_rows_base``), the last
-prefill graph's, so a refill planned ahead feeds the next decode as directly. :meth:`DecodeGraphs.launch`
-returns at once; the tokens come back through a pinned buffer and an event, so
-the host plans the next step while this one runs. ``capture=False`` runs the
+prefill graph's, so a refill planned ahead feeds the next decode as directly.
+:meth:`DecodeGraphs.launch` returns at once; the tokens come back through a
+pinned buffer and an event, so the host plans the next step while this one runs. ``capture=False`` runs the
 very same buffers and padding eagerly (CPU tests of this path). What every graph
 of an engine shares — the memory pool, the weight pointers, the per-row sampling
 settings — is :class:`GraphShared`, which the prefill graphs

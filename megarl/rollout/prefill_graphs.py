@@ -56,7 +56,6 @@ class PrefillGraphs:
             ((c, self.max_pages), torch.int32))]
         self.tokens, self.rows, self.table = (torch.zeros_like(h, device=dev) for h in self.host)
         self.sampled = decode.prefill_sampled  # (2, c) [tokens; log-probs] of the last stage
-        self.rows_base = decode.prefill_rows_base  # where sampled row r sits in decode.outputs
         self.out = host_buffer((2 * c,), torch.float32, pin)  # one prefill in flight at a time
         self.copied = torch.cuda.Event() if pin else None  # the host buffers are free again
         stage = engine.stage
@@ -80,7 +79,8 @@ class PrefillGraphs:
 
     def launch(self, plan, rows) -> Launched:
         """Starts a prefill step (one stage, no PP) and returns at once; ``.result()`` waits. Until the
-        next prefill replays, sampled row r's token stays at ``decode.outputs[rows_base + r]``."""
+        next prefill replays, sampled row r's token stays at the decode graphs'
+        ``outputs[prefill_rows_base + r]``."""
         n = len(plan.sampled)
         self._replay(plan, rows)
         out = self.out[: 2 * n].view(2, n)  # contiguous, as the decode graphs' copy out

@@ -95,7 +95,7 @@ class StepPlan:
     copies: tuple[list[int], list[int]] = ((), ())  # copy-on-write pages (src, dst) before the step
     src_rows: np.ndarray | None = None  # (N,) decode: row of the previous step's output holding the
     #                                     fed token, -1 where input_ids has it (None: all in input_ids)
-    step: int = -1  # set by Scheduler.advance: the how-manieth step advanced
+    step: int = -1  # set by Scheduler.advance: its number among the steps advanced
 
 
 class Scheduler:
@@ -121,7 +121,7 @@ class Scheduler:
         self.done: list[Sequence] = []
         self.finished: list[Sequence] = []  # done with every token recorded, not yet taken
         self.preemptions = 0
-        self.steps_advanced = 0
+        self._advanced = 0  # steps advanced so far (StepPlan.step)
 
     # -- queue ---------------------------------------------------------------
     def add_group(self, seqs: list[Sequence]) -> None:
@@ -341,7 +341,7 @@ class Scheduler:
         slots = np.array([s.slot for s in plan.sampled], dtype=np.int64)
         self.lens[slots] += 1
         self.pending[slots] = row_base + np.arange(len(slots)) if on_device else -1
-        plan.step, self.steps_advanced = self.steps_advanced, self.steps_advanced + 1
+        plan.step, self._advanced = self._advanced, self._advanced + 1
         self.pending_step[slots] = plan.step
         at_limit = self.lens[slots] - self.prompt_len[slots] >= self.max_new[slots]
         for i in np.flatnonzero(at_limit):
