@@ -245,9 +245,9 @@ class NativeEngine:
         never ahead of another prefill (they share output rows). ``steps`` gets the seconds spent
         waiting for the device (``wait_s``) and in synchronous steps (``prefill_s``, ``sync_s``).
         With ``feed`` (``serve``) each step starts by handing out the finished requests and taking
-        follow-ups, before the plan-ahead check: a new request waits in the queue, so the pending
-        step is recorded before it is admitted, as a refill would be."""
-        pending = None  # (plan, Launched) of a graph decode step not yet recorded
+        follow-ups, before the plan-ahead check: a new request waits in the queue and is admitted
+        like any refill (ahead of a pending decode, or after it is recorded)."""
+        pending = None  # (plan, Launched) of a graph step not yet recorded
         clock = time.perf_counter
 
         def record_pending():
