@@ -8,7 +8,9 @@ in-place change of the weights (what the optimizer does), the already
 captured graphs decode with the new weights — equal to eager again; a
 re-allocated parameter makes ``update_weights`` raise instead of decoding
 stale weights (32 prompts that all decode 48 tokens: every decode batch is a
-bucket size, so graph and eager run the same GEMM shapes). The bf16
+bucket size, so graph and eager run the same GEMM shapes). With 8 slots the same
+prompts run in 4 waves, each refill launched before the last decode's tokens are
+read (its tokens fed to the next decode on the device): equal to eager too. The bf16
 rollout-vs-training log-prob gap is measured (not bitwise: the training forward
 uses other kernels). Skipped without CUDA.
 """
@@ -60,6 +62,14 @@ def _run(rank, ckpt, lora=False):
            "eager": [r.response_ids for r in eager.generate(one_each, greedy)],
            "graph_steps": graphed.stats["rollout/graph_steps"],
            "prefill_graph_steps": graphed.stats["rollout/prefill_graph_steps"]}
+    if not lora:  # 32 prompts of 32 tokens on 8 slots: refills of 256 tokens (a bucket), decode batches of 8
+        slots = lambda graphs: NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0,  # noqa: E731
+                                            EngineOptions(max_batch=8, cuda_graphs=graphs, max_model_len=160))
+        waves = sample_requests([torch.randint(5, 1000, (32,), generator=g).tolist() for _ in range(32)], 1, 0, 48)
+        refilled = slots(True)
+        out["waves_graph"] = [r.response_ids for r in refilled.generate(waves, greedy)]
+        out["waves_eager"] = [r.response_ids for r in slots(False).generate(waves, greedy)]
+        out["refills_ahead"] = refilled.stats["rollout/planned_ahead_prefills"]
     # a padded prefill (19 prompts, ~550 tokens -> the 1,024-token, 24-row graph) against eager: first tokens
     padded = sample_requests([p[:-3] for p in prompts[:19]], 1, 0, 1)
     first = [graphed.generate(padded, greedy), eager.generate(padded, greedy)]
@@ -91,6 +101,7 @@ def test_graphs_equal_eager_and_follow_in_place_weight_updates(tmp_path):
     (r,) = spawn(_run, 1, str(tmp_path))
     assert r["graph_steps"] > 0 and r["prefill_graph_steps"] > 0
     assert r["graph"] == r["eager"]
+    assert r["refills_ahead"] >= 3 and r["waves_graph"] == r["waves_eager"]
     # padded to its bucket the prefill runs other GEMM shapes than eager: bf16 rounding apart, the same
     graph_first, eager_first = r["padded_first"]
     same = sum(g[0] == e[0] for g, e in zip(graph_first, eager_first))
