@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh models     # GPU tests, kernel benchmark, bf16 parity, 7B throughput
 #   bash benchmarks/gpu_suite.sh ppo        # PPO steps on random-weight checkpoints
 #   bash benchmarks/gpu_suite.sh rollout    # engine GPU tests, decode throughput vs generate and the floor
-#   bash benchmarks/gpu_suite.sh ragged     # engine GPU tests, ragged lengths under admission fractions, prefill alone
+#   bash benchmarks/gpu_suite.sh ragged     # engine GPU tests, ragged lengths (4 and 8 waves) under admission fractions, prefill alone
 #   bash benchmarks/gpu_suite.sh rollout-kernels  # paged attention + sampling: GPU tests and benchmarks
 #   bash benchmarks/gpu_suite.sh e2e        # GRPO step, megarl vs TRL (needs TRL wheels in .whl/)
 #   bash benchmarks/gpu_suite.sh issue8     # rollout, then e2e: every issue-8 number in one call
@@ -39,7 +39,8 @@ case "${1:-models}" in
     T=330 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --admit-fractions 0.0625,0.25 --profile 128 --out "$OUT/rollout.json" ;;
   ragged)
     T=150 run gpu_tests python3 -m pytest -q -x -s -m gpu tests/test_rollout_gpu.py
-    T=400 run ragged python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 128 --prompt-len 128 --new-tokens 512 --hf-batches 0 --ragged 128 --admit-fractions 0.015625,0.03125,0.0625 --prefill 1x64,4x128,16x64,16x128,2x1024 --out "$OUT/ragged.json" ;;
+    T=300 run ragged python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 128 --prompt-len 128 --new-tokens 512 --hf-batches 0 --ragged 128 --admit-fractions 0.015625,0.0625 --prefill 1x64,4x128,16x64,16x128,2x1024 --out "$OUT/ragged.json"
+    T=150 run ragged_w8 python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32 --prompt-len 128 --new-tokens 512 --hf-batches 0 --ragged 128 --ragged-waves 8 --out "$OUT/ragged_w8.json" ;;
   rollout-kernels)
     T=300 run kernel_tests python3 -m pytest -q -m gpu tests/test_kernel_paged_attention.py tests/test_kernel_sampling.py
     T=120 run attention python3 benchmarks/bench_attention.py --out "$OUT/attention.json"
