@@ -59,6 +59,17 @@ class Launched:
     def __init__(self, out: torch.Tensor, done):
         self.out, self.done = out, done
 
+    @classmethod
+    def copy_out(cls, sampled: torch.Tensor, host: torch.Tensor, n: int) -> "Launched":
+        """Queues the copy of ``sampled[:, :n]`` into the flat pinned ``host`` buffer, viewed as a
+        contiguous (2, n) destination (a strided one makes torch stage the copy and block)."""
+        out = host[: 2 * n].view(2, n)
+        out.copy_(sampled[:, :n], non_blocking=True)
+        done = torch.cuda.Event() if sampled.is_cuda else None
+        if done is not None:
+            done.record()
+        return cls(out, done)
+
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         if self.done is not None:
             self.done.synchronize()
@@ -197,13 +208,7 @@ class DecodeGraphs:
         """Starts a decode step (one stage, no PP) and returns at once; ``.result()`` waits."""
         n = len(plan.seqs)
         self._replay(self._prepare(plan, rows))
-        # a contiguous (2, n) destination: a strided one makes torch stage the copy and block
-        out = self.staging[self.turn][2][: 2 * n].view(2, n)
-        out.copy_(self.sampled[:, :n], non_blocking=True)
-        done = torch.cuda.Event() if self.engine.device.type == "cuda" else None
-        if done is not None:
-            done.record()
-        return Launched(out, done)
+        return Launched.copy_out(self.sampled, self.staging[self.turn][2], n)
 
     def _prepare(self, plan, rows) -> int:
         """Captures the bucket's graph if new, loads the inputs; returns the bucket size."""

@@ -81,14 +81,8 @@ class PrefillGraphs:
         """Starts a prefill step (one stage, no PP) and returns at once; ``.result()`` waits. Until the
         next prefill replays, sampled row r's token stays at the decode graphs'
         ``outputs[prefill_rows_base + r]``."""
-        n = len(plan.sampled)
         self._replay(plan, rows)
-        out = self.out[: 2 * n].view(2, n)  # contiguous, as the decode graphs' copy out
-        out.copy_(self.sampled[:, :n], non_blocking=True)
-        done = torch.cuda.Event() if self.engine.device.type == "cuda" else None
-        if done is not None:
-            done.record()
-        return Launched(out, done)
+        return Launched.copy_out(self.sampled, self.out, len(plan.sampled))
 
     def _replay(self, plan, rows) -> None:
         """Captures the bucket's graph if new, loads the inputs (and with PP the hidden states), replays."""
