@@ -6,7 +6,8 @@
 One layer: Hq=12, Hkv=2, D=128, bf16, page 16. Decode: B in {32, 128, 512} rows of 640 keys.
 Providers, on one setup: "triton" and "torch" (the gathered fallback) read the paged cache, whose
 pages are shuffled; "dense" is SDPA (enable_gqa) on K/V pre-gathered into contiguous
-(B, Hkv, 640, D) tensors, the baseline a paged kernel competes with. Each provider rotates over
+(B, Hkv, 640, D) tensors, the baseline a paged kernel competes with. The decode step's form,
+"rope_decode" rows: `rope_cache` + paged decode (two launches) against `rope_paged_decode` (one). Each provider rotates over
 enough copies (disjoint pages of one cache, or separate dense tensors) that one pass is > 4x the
 L2. Per row: median eager ms (CUDA events), per-call device ms from a CUDA graph of one pass
 (where capturable), bytes = K + V of live tokens + q + out, achieved TB/s (graph time when there
@@ -29,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import HBM_BYTES_PER_S, L2_DEFEAT_BYTES, eager_ms, graph_ms  # noqa: E402
 
 from megarl.kernels.dispatch import triton_usable  # noqa: E402
-from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode  # noqa: E402
+from megarl.kernels.rope_cache import rope_cache  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -99,6 +101,30 @@ def decode_case(B, ctx, dtype, reps):
            for q, k, v in dense]
     rows.append(_row(case, "dense", fns, nbytes, flops, reps))
     return rows
+
+
+def rope_decode_case(B, ctx, dtype, reps):
+    """The decode step's attention with its RoPE and K/V write: rope_cache + paged decode (two launches)
+    against rope_paged_decode (one), on fused QKV rows whose new key is each row's last (Triton only)."""
+    if "triton" not in _providers():
+        return []
+    kv_bytes = 2 * B * ctx * HKV * D * dtype.itemsize
+    nbytes, flops, g = kv_bytes + 2 * B * HQ * D * dtype.itemsize, 4 * B * HQ * ctx * D, HQ // HKV
+    kc, vc, sets = paged_setup([ctx] * B, _copies(kv_bytes), HQ, HKV, D, dtype)
+    pos = torch.full((B,), ctx - 1, device=DEV)
+    cos, sin = torch.randn(ctx, D, device=DEV, dtype=dtype), torch.randn(ctx, D, device=DEV, dtype=dtype)
+    qkv = torch.randn(B, HKV * (g + 2) * D, device=DEV, dtype=dtype)
+    slots = [s[1].long()[:, (ctx - 1) // PAGE] * PAGE + (ctx - 1) % PAGE for s in sets]
+
+    def two(s, slot):
+        q = rope_cache(qkv, cos, sin, pos, slot, kc, vc, HKV, g)
+        return paged_decode_attention(q, kc, vc, s[1], s[2], SCALE, backend="triton")
+    case = f"rope_decode_B{B}_ctx{ctx}"
+    fused = [lambda s=s, slot=slot: rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, s[1], s[2], SCALE, g)
+             for s, slot in zip(sets, slots)]
+    return [_row(case, "rope+attn", [lambda s=s, slot=slot: two(s, slot) for s, slot in zip(sets, slots)],
+                 nbytes, flops, reps),
+            _row(case, "fused", fused, nbytes, flops, reps)]
 
 
 def prefill_case(N, L, dtype, reps):
@@ -185,6 +211,7 @@ def main():
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--reps", type=int, default=30, help="timed calls per provider")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning sweeps (CUDA)")
+    ap.add_argument("--decode-only", action="store_true", help="decode cases only (no prefill)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -193,8 +220,8 @@ def main():
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu'}  dtype: {dtype}  reps: {reps}")
     rows = []
     for B in batches:
-        rows += decode_case(B, ctx, dtype, reps)
-    for N, L in prefills:
+        rows += decode_case(B, ctx, dtype, reps) + rope_decode_case(B, ctx, dtype, reps)
+    for N, L in [] if args.decode_only else prefills:
         rows += prefill_case(N, L, dtype, reps)
     result = dict(device=torch.cuda.get_device_name() if CUDA else "cpu", small=args.small, torch=torch.__version__,
                   shape=dict(hq=HQ, hkv=HKV, d=D, page=PAGE, dtype=str(dtype)), hbm_bytes_per_s=HBM_BYTES_PER_S,

@@ -7,7 +7,8 @@ j % page_size]; table entries past a sequence's pages are arbitrary valid page i
 reads kv head h // (Hq / Hkv) (SDPA enable_gqa / HF repeat_kv). Softmax in fp32, out in q's dtype.
 
     paged_decode_attention   one query per sequence, split-K flash decoding, CUDA-graph capturable
-                             (`paged_decode.py`)
+                             (`paged_decode.py`); `rope_paged_decode`: the same with the decode
+                             step's RoPE and K/V cache write in its launch
     paged_prefill_attention  packed causal query chunks, flash attention over pages
                              (`paged_prefill.py`)
 
@@ -21,6 +22,8 @@ from megarl.kernels.paged_decode import (
     paged_decode_attention_ref,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
+    rope_paged_decode,
+    rope_paged_decode_ref,
 )
 from megarl.kernels.paged_prefill import (
     paged_prefill_attention,
@@ -32,7 +35,7 @@ from megarl.kernels.paged_prefill import (
 __all__ = [
     "decode_splits",
     "paged_decode_attention", "paged_decode_attention_ref", "paged_decode_attention_torch",
-    "paged_decode_attention_triton",
+    "paged_decode_attention_triton", "rope_paged_decode", "rope_paged_decode_ref",
     "paged_prefill_attention", "paged_prefill_attention_ref", "paged_prefill_attention_torch",
     "paged_prefill_attention_triton",
 ]

@@ -12,10 +12,18 @@ max_pages still spreads over every split, and S comes from shapes alone. It load
 tile once for all G query heads of kvh (one (BLOCK_G, D) x (D, BLOCK_N) tl.dot, G padded to
 BLOCK_G >= 16 rows), keeps the running max m, sum l and acc in fp32 (exp2, scale folded in),
 and writes o = acc / l and lse = m + log2 l (-inf for a split with no keys) to fp32 scratch
-(B, Hq, S, D) and (B, Hq, S). `_decode_merge_kernel`, grid (B * Hq,), merges:
+(B, Hq, S, D) and (B, Hq, S). The last of the S programs of (b, kvh) to finish (an arrival
+counter per (b, kvh), `split_semaphores`, zeroed again by that program) merges them in split
+order, so the result does not depend on which finished last:
     out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s
-(no keys at all -> 0). With S == 1 the first launch writes out directly. Nothing is read back
-on the host and every allocation is sized from shapes: the call is CUDA-graph capturable.
+(no keys at all -> 0). With S == 1 the program writes out directly. One launch; nothing is
+read back on the host and every allocation is sized from shapes: CUDA-graph capturable.
+
+`rope_paged_decode` is the decode step's `rope_cache` + this attention in the same launch:
+each program RoPEs its group's queries from the fused QKV row itself, and the program whose
+tiles hold the row's last key writes this step's key and value into the cache before it
+reads its tiles. (A first version, session 8, kept the new key in registers inside the loop
+and doubled the kernel's registers; this one leaves the loop as it is.)
 
 `check_paged`, `sequence_keys`, `sdpa_fp32` and the `_attend_span` loop are shared with
 `paged_prefill.py`.
@@ -27,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
+from megarl.kernels.rope_cache import rope_cache, rope_rows, rope_tables
 
 LOG2E = math.log2(math.e)
 # Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
@@ -51,10 +60,12 @@ PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32  # unswept: the bound only binds for B * Hkv < 9 on 132 SMs
 MIN_TILES_PER_SPLIT = 2
 CPU_SM_COUNT = 4  # interpreter runs: a stand-in SM count
-MERGE_WARPS = 4  # merge: one (S, D) tile per (row, head); a small launch, unswept
+MIN_SEMAPHORES = 1 << 16  # split counters allocated at first use: B * Hkv up to 65,536 (256 KiB)
 # K + V tiles of all pipeline stages must fit in shared memory (H200: 227 KiB per SM);
 # BLOCK_N shrinks for wide heads (fp32 D=256: 32 keys at 2 stages).
 SMEM_BUDGET = 160 << 10
+_SEMAPHORES: dict = {}  # (device type, index) -> int32 split counters (`split_semaphores`)
+_SEMAPHORES_KEPT: list = []  # outgrown counters: graphs captured on them still replay
 
 
 # ---- shared by decode and prefill ----
@@ -193,18 +204,24 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, sca
 # ---- decode: Triton ----
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr,
-                         sq_b, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, qk_scale, n_splits,
-                         G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         F32_DOT: tl.constexpr):
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, sem_ptr,
+                   cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+                   sq_b, sq_g, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale, n_splits,
+                   G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr,
+                   DIRECT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    h = kvh * G + g  # (BG,) query heads of this kv head
     row_ok = (g < G)[:, None] & (d < HEAD_D)[None, :]  # (BG, BD)
-    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + h[:, None] * sq_h + d[None, :], mask=row_ok, other=0.0)
+    group = q_ptr + b.to(tl.int64) * sq_b + kvh * sq_g  # this kv head's query heads (then, with ROPE, k and v)
     n_keys = tl.load(len_ptr + b)
+    if ROPE:
+        q = _rope_and_write(group, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh, split, n_keys,
+                            n_splits, sq_h, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d, row_ok,
+                            G, HEAD_D, PAGE, BLOCK_N)
+    else:
+        q = tl.load(group + g[:, None] * sq_h + d[None, :], mask=row_ok, other=0.0)  # (BG, BD)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -213,28 +230,63 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr
                              sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, qk_scale, False, PAGE, HEAD_D, BLOCK_D, BLOCK_N,
                              F32_DOT)
     o = acc / tl.maximum(l, 1e-30)[:, None]  # 0 for a split without keys
-    row = b.to(tl.int64) * (G * tl.num_programs(1)) + h  # (BG,) index into (B, Hq)
+    row = b.to(tl.int64) * (G * tl.num_programs(1)) + kvh * G + g  # (BG,) index into (B, Hq)
     if DIRECT:  # one split: no merge
         tl.store(out_ptr + row[:, None] * HEAD_D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
         tl.store(part_ptr + (row * n_splits + split)[:, None] * HEAD_D + d[None, :], o, mask=row_ok)
         lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
         tl.store(lse_ptr + row * n_splits + split, lse, mask=g < G)
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        sem = sem_ptr + b.to(tl.int64) * tl.num_programs(1) + kvh
+        if tl.atomic_add(sem, 1, sem="acq_rel") == n_splits - 1:  # the last split of (b, kvh) to finish
+            tl.store(sem, 0)  # zero again for the next call
+            _merge_splits(part_ptr, lse_ptr, out_ptr, row, g < G, d, n_splits, HEAD_D, BLOCK_G, BLOCK_D, BLOCK_S)
 
 
 @triton.jit
-def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, n_splits, HEAD_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
+def _rope_and_write(group, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh, split, n_keys, n_splits,
+                    sq_h, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d, row_ok,
+                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`rope_cache` of row b's group kvh: returns its RoPE'd queries (BG, BD); the split whose key
+    tiles hold the last key (n_keys - 1) writes this step's key and value into the cache, then
+    reads them back with its tiles (the barrier orders the write before its own loads)."""
+    c, s = rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + b), s_cs, d, HEAD_D)
+    _, q = rope_rows(group + g[:, None] * sq_h, d[None, :], row_ok, c[None, :], s[None, :], HEAD_D)
+    if split == (tl.maximum(n_keys, 1) - 1) // BLOCK_N % n_splits:
+        ok = d < HEAD_D
+        _, k = rope_rows(group + G * sq_h, d, ok, c, s, HEAD_D)
+        v = tl.load(group + (G + 1) * sq_h + d, mask=ok, other=0.0)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        page, off = slot // PAGE, slot % PAGE
+        tl.store(k_ptr + page * sk_p + off * sk_t + kvh * sk_h + d, k, mask=ok)
+        tl.store(v_ptr + page * sv_p + off * sv_t + kvh * sv_h + d, v, mask=ok)
+    tl.debug_barrier()
+    return q
+
+
+@triton.jit
+def _merge_splits(part_ptr, lse_ptr, out_ptr, row, live, d, n_splits, HEAD_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[row] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s, for rows `row` (BG,)
+    where `live`; splits summed in order 0..S-1 whatever order they finished in. Loads bypass L1
+    (other programs wrote the partials)."""
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + row * n_splits + s, mask=s < n_splits, other=float("-inf"))  # (BS,)
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty splits
-    ok = (s < n_splits)[:, None] & (d < HEAD_D)[None, :]
-    o = tl.load(part_ptr + (row * n_splits + s)[:, None] * HEAD_D + d[None, :], mask=ok, other=0.0)  # (BS, BD)
-    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(out_ptr + row * HEAD_D + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_D)
+    lse = tl.load(lse_ptr + row[:, None] * n_splits + s[None, :], mask=live[:, None] & (s < n_splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")  # (BG, BS)
+    top = tl.max(lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # (BG,); a row with no keys anywhere: weights 0
+    ok = live[:, None] & (d < HEAD_D)[None, :]
+    num = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    for i in range(n_splits):
+        w = tl.exp2(tl.load(lse_ptr + row * n_splits + i, mask=live, other=float("-inf"), cache_modifier=".cg") - top)
+        o = tl.load(part_ptr + (row * n_splits + i)[:, None] * HEAD_D + d[None, :], mask=ok, other=0.0,
+                    cache_modifier=".cg")
+        num += w[:, None] * o
+        den += w
+    out = num / tl.maximum(den, 1e-30)[:, None]
+    tl.store(out_ptr + row[:, None] * HEAD_D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,32 +311,62 @@ def decode_splits(batch: int, hkv: int, max_pages: int, page: int, device: torch
     return max(1, min(want, MAX_SPLITS, longest))
 
 
+def split_semaphores(n: int, device: torch.device) -> torch.Tensor:
+    """n zeroed int32 arrival counters on ``device``, shared by every decode call there.
+
+    A call's last split of each (row, kv head) sets its counter back to 0, so they are zero
+    between calls (calls on one device run one after another: one stream). Grown when too
+    small, never freed: a captured CUDA graph keeps the address it saw. Never allocated
+    during a capture (the warm-up runs before it allocate them).
+    """
+    key = (device.type, device.index if device.index is not None or device.type != "cuda"
+           else torch.cuda.current_device())
+    have = _SEMAPHORES.get(key)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"paged decode: {n} split counters needed inside a CUDA-graph capture; "
+                               "run the same call once eagerly before capturing it")
+        _SEMAPHORES_KEPT.append(have)
+        have = _SEMAPHORES[key] = torch.zeros(max(n, MIN_SEMAPHORES), dtype=torch.int32, device=device)
+    return have
+
+
+def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_per_group: int,
+                  num_splits: int | None, max_seqlen_k: int | None, rope=None):
+    """The split-K decode launch (module docstring). q: (B, Hq, D) queries, or with ``rope`` =
+    (cos, sin, positions, slot_mapping) the step's fused QKV rows (B, Hkv * (G + 2) * D), RoPE'd
+    and their K/V written in the kernel (`rope_paged_decode`). Returns (B, Hq, D)."""
+    B, (_, page, hkv, D) = q.shape[0], k_cache.shape
+    G, block_d = q_per_group, max(16, next_pow2(D))
+    out = torch.empty(B, hkv * G, D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    block_n = fit_keys(BLOCK_N, block_d, q.element_size(), NUM_STAGES)
+    max_pages = triton.cdiv(max_seqlen_k, page) if max_seqlen_k else block_table.shape[1]
+    splits = num_splits or decode_splits(B, hkv, max_pages, page, q.device, block_n)
+    part = torch.empty(B, hkv * G, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
+    lse = torch.empty(B, hkv * G, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    sem = split_semaphores(B * hkv, q.device) if splits > 1 else out
+    if rope is None:  # q (B, Hq, D): group kvh's heads start at kvh * G (the RoPE pointers unused)
+        strides, tables, s_cs = (q.stride(0), G * q.stride(1), q.stride(1)), (seq_lens,) * 4, 0
+    else:  # qkv rows: per group G query heads, the key, the value
+        strides, tables, s_cs = (q.stride(0), (G + 2) * D, D), rope, rope[0].stride(0)
+    _decode_kernel[(B, hkv, splits)](
+        q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables,
+        *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        s_cs, float(scale) * LOG2E, splits, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None,
+        DIRECT=splits == 1, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_S=next_pow2(splits), F32_DOT=f32_dot(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
 def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale: float,
                                   num_splits: int | None = None, max_seqlen_k: int | None = None):
     """Split-K Triton decode (module docstring). num_splits overrides `decode_splits` (tests);
     max_seqlen_k (default: the table's width in keys) sizes the split count."""
-    B, Hq, D = q.shape
-    _, page, hkv, _ = k_cache.shape
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    if B == 0:
-        return out
     q, k_cache, v_cache, block_table = unit_last_stride(q, k_cache, v_cache, block_table)
-    G, block_d = Hq // hkv, max(16, next_pow2(D))
-    block_n = fit_keys(BLOCK_N, block_d, q.element_size(), NUM_STAGES)
-    max_pages = triton.cdiv(max_seqlen_k, page) if max_seqlen_k else block_table.shape[1]
-    splits = num_splits or decode_splits(B, hkv, max_pages, page, q.device, block_n)
-    part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
-    lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
-    _decode_split_kernel[(B, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
-        float(scale) * LOG2E, splits, G=G, HEAD_D=D, PAGE=page, DIRECT=splits == 1,
-        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, F32_DOT=f32_dot(q.dtype),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if splits > 1:
-        _decode_merge_kernel[(B * Hq,)](part, lse, out, splits, HEAD_D=D, BLOCK_S=next_pow2(splits),
-                                        BLOCK_D=block_d, num_warps=MERGE_WARPS)
-    return out
+    return launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale, q.shape[1] // k_cache.shape[2],
+                         num_splits, max_seqlen_k)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: float, backend: str = "auto",
@@ -306,3 +388,41 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
     if impl is paged_decode_attention_triton:
         return impl(q, k_cache, v_cache, block_table, seq_lens, scale, max_seqlen_k=max_seqlen_k)
     return impl(q, k_cache, v_cache, block_table, seq_lens, scale)
+
+
+# ---- decode with RoPE and the step's K/V write folded in ----
+
+def rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
+                          scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "ref"):
+    """The spec: `rope_cache`, then `paged_decode_attention` of its queries (``backend`` "ref" or "torch")."""
+    q = rope_cache(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, k_cache.shape[2], q_per_group,
+                   backend="ref" if backend == "ref" else "torch")
+    return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend=backend,
+                                  max_seqlen_k=max_seqlen_k)
+
+
+def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
+                      scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "auto",
+                      num_splits: int | None = None):
+    """One decode step's RoPE, K/V cache write and attention (module docstring).
+
+    qkv (B, Hkv * (G + 2) * D) fused QKV rows with dense rows; cos, sin (S_max, D); positions,
+    slot_mapping (B,) as in `rope_cache`; the caches, block_table, seq_lens (counting this
+    step's key) and max_seqlen_k as in `paged_decode_attention`. Writes the step's K/V into
+    the cache; returns (B, Hkv * G, D) in qkv's dtype.
+    """
+    _, _, hkv, d = k_cache.shape
+    if qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[1] != hkv * (q_per_group + 2) * d:
+        raise ValueError(f"rope_paged_decode: qkv must be dense (B, Hkv * (G + 2) * D) = (B, {hkv * (q_per_group + 2) * d}),"
+                         f" got {tuple(qkv.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or d % 2:
+        raise ValueError("rope_paged_decode: the caches must be contiguous and head_dim even")
+    check_paged(qkv.view(qkv.shape[0], -1, d), k_cache, v_cache, block_table, seq_lens, qkv.shape[0],
+                "rope_paged_decode")
+    impl = choose(backend, qkv, cos, k_cache, block_table, seq_lens)
+    if impl != "triton":
+        return rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
+                                     scale, q_per_group, max_seqlen_k, backend=impl)
+    block_table, = unit_last_stride(block_table)
+    return launch_decode(qkv, k_cache, v_cache, block_table, seq_lens, scale, q_per_group, num_splits,
+                         max_seqlen_k, rope=(cos, sin, positions, slot_mapping))

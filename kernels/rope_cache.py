@@ -40,6 +40,26 @@ def rope_cache_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, gro
 
 
 @triton.jit
+def rope_tables(cos_ptr, sin_ptr, pos, stride_cs, d, D: tl.constexpr):
+    """cos, sin rows of position ``pos`` at columns d, in fp32 (0 past D)."""
+    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d < D, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d < D, other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def rope_rows(ptrs, d, ok, c, s, D: tl.constexpr):
+    """Head vectors x at ``ptrs + d`` and the spec's RoPE of them (products and sum rounded to x's dtype)."""
+    x = tl.load(ptrs + d, mask=ok, other=0.0)
+    half = D // 2
+    xr = tl.load(ptrs + tl.where(d < half, d + half, d - half), mask=ok, other=0.0).to(tl.float32)
+    xr = tl.where(d < half, -xr, xr)
+    a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)  # t * cos, rounded
+    b = (xr * s).to(x.dtype).to(tl.float32)  # rotate_half(t) * sin, rounded
+    return x, (a + b).to(x.dtype)
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
                        stride_qkv, stride_cs, G: tl.constexpr, D: tl.constexpr,
                        G2: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -49,18 +69,8 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
     heads = tl.arange(0, G2)[:, None]  # (G2, 1): G query heads, the key, the value
     d = tl.arange(0, BLOCK_D)[None, :]  # (1, BD)
     ok = (heads < G + 2) & (d < D)
-    base = qkv_ptr + t * stride_qkv + (j * (G + 2) + heads) * D
-    x = tl.load(base + d, mask=ok, other=0.0)
-    half = D // 2
-    partner = tl.where(d < half, d + half, d - half)
-    xr = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
-    xr = tl.where(d < half, -xr, xr)
-    pos = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d < D, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d < D, other=0.0).to(tl.float32)
-    a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)  # t * cos, rounded
-    b = (xr * s).to(x.dtype).to(tl.float32)  # rotate_half(t) * sin, rounded
-    rot = (a + b).to(x.dtype)
+    c, s = rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cs, d, D)
+    x, rot = rope_rows(qkv_ptr + t * stride_qkv + (j * (G + 2) + heads) * D, d, ok, c, s, D)
     tl.store(q_ptr + t * ng * G * D + (j * G + heads) * D + d, rot, mask=ok & (heads < G))
     slot = tl.load(slot_ptr + t).to(tl.int64)
     row = slot * ng * D + j * D + d

@@ -13,7 +13,8 @@ modules are built for [s, b, h] training batches with their own static KV
 cache, and each call walks ~15 modules per layer in Python. Here one decode
 step is a fixed sequence of tensor ops on fixed-shape inputs, which is what a
 CUDA graph captures, and the elementwise work between the GEMMs is fused
-(``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write, SiLU-mul;
+(``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write — inside the
+decode attention's launch on decode steps —, SiLU-mul;
 on CPU the same calls run their torch specs). Local-spec names (``input_layernorm.weight``) and TE's
 fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
 training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from megarl.kernels.paged_attention import paged_prefill_attention, rope_paged_decode
 from megarl.kernels.rms_norm import add_rms_norm
 from megarl.kernels.rope_cache import rope_cache
 from megarl.kernels.swiglu import silu_mul
@@ -188,12 +189,12 @@ class StageForward:
             heads = qkv.view(t, self.kv_heads, g + 2, self.head_dim)
             heads[:, :, :g] = F.rms_norm(heads[:, :, :g], (self.head_dim,), lw.q_norm, self.eps)
             heads[:, :, g] = F.rms_norm(heads[:, :, g], (self.head_dim,), lw.k_norm, self.eps)
-        q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
-                       self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
-        if batch.decode:
-            o = paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale,
-                                       max_seqlen_k=batch.max_seqlen_k)
+        if batch.decode:  # RoPE, this step's K/V into the cache and the attention in one kernel
+            o = rope_paged_decode(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
+                                  batch.block_table, batch.seq_lens, self.scale, g, max_seqlen_k=batch.max_seqlen_k)
         else:
+            q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
+                           self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
             o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
                                         batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
         return self._all_reduce(self._linear(o.reshape(t, -1), lw, "proj", lw.proj))

@@ -1,0 +1,149 @@
+"""megarl.kernels.paged_decode.rope_paged_decode: a decode step's RoPE, K/V cache write and attention
+in one launch, against its spec (`rope_cache`, then paged decode attention).
+
+Each case: a NaN-filled paged cache holding every row's earlier keys (`paged`, shuffled pages), one
+fused QKV row per sequence, position = seq_len - 1 and the row's new slot = the cache slot of that
+last key, poisoned to NaN first, so a tile read before the write turns the output into NaN. Checked:
+the output (per-dtype tolerance) and both caches afterwards (the step's slots hold the spec's K/V,
+every other slot is untouched). Splits forced to 1, 2, 3, 7: the new key's 64-key tile belongs to
+different splits, and short rows leave most splits empty. One padded row (0 keys) writes to the
+scratch page and gives zeros. Under the interpreter the fused queries are rope_cache's bit for bit,
+so the output equals the two-launch Triton path exactly; on the GPU (compiled dots) within
+tolerance, and a CUDA-graph replay equals an eager call exactly. Not covered on CPU: the GPU's
+memory ordering between the write and the tile loads, and between the splits and the merging one
+(the `gpu` tests run those).
+"""
+import torch
+
+from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET first)
+
+import pytest  # noqa: E402
+
+from megarl.kernels.paged_decode import (  # noqa: E402
+    paged_decode_attention_triton,
+    rope_paged_decode,
+    split_semaphores,
+)
+from megarl.kernels.rope_cache import rope_cache  # noqa: E402
+from test_kernel_paged_attention import TOL, check, paged, poisoned_empty, queries  # noqa: E402
+
+LENS = [1, 0, 7, 16, 64, 65, 131, 53]  # one key (the new one), a padded row, page and tile edges
+
+
+def rope_tables(n: int, d: int, dtype):
+    freqs = torch.outer(torch.arange(float(n)), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    freqs = torch.cat([freqs, freqs], -1).to(DEVICE)
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
+def decode_step(lens, page, hkv, g, d, dtype, seed=0):
+    """(qkv, cos, sin, positions, slots, k_cache, v_cache, block_table, seq_lens) of one decode step."""
+    kc, vc, table, sl = paged(lens, page, hkv, d, dtype, seed=seed)
+    pos = (sl.long() - 1).clamp(min=0)
+    slot = table.long().gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+    slot = torch.where(sl > 0, slot, 0)  # the padded row: scratch page 0
+    kc.view(-1, hkv, d)[slot] = float("nan")
+    vc.view(-1, hkv, d)[slot] = float("nan")
+    qkv = queries((len(lens), hkv * (g + 2) * d), dtype, seed=seed + 1)
+    return (qkv, *rope_tables(max(lens) + 1, d, dtype), pos, slot, kc, vc, table, sl)
+
+
+def run(step, backend, splits=None):
+    """The step on fresh copies of its caches: (out, k_cache, v_cache)."""
+    qkv, cos, sin, pos, slot, kc, vc, table, sl = step
+    kc, vc = kc.clone(), vc.clone()
+    g = qkv.shape[1] // (kc.shape[2] * kc.shape[3]) - 2
+    with poisoned_empty():
+        out = rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, table, sl, 0.125, g, backend=backend,
+                                num_splits=splits)
+    return out, kc, vc
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 1, 2, 3, 7])
+@pytest.mark.parametrize("page,hkv,g", [(16, 2, 6), (8, 1, 1)])
+def test_matches_spec(backend, dtype, splits, page, hkv, g):
+    step = decode_step(LENS, page, hkv, g, 64, dtype, seed=splits or 0)
+    want, kc_want, vc_want = run(step, "ref")
+    got, kc, vc = run(step, backend, splits)
+    check(got, want, dtype)
+    assert (got[LENS.index(0)] == 0).all()
+    for cache, ref in ((kc, kc_want), (vc, vc_want)):
+        torch.testing.assert_close(cache[1:], ref[1:], equal_nan=True, **TOL[dtype])  # page 0: scratch
+        written = cache.view(-1, hkv, 64)[step[4][step[8] > 0]]
+        assert not written.isnan().any()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_equals_two_launches(dtype, splits):
+    """Bitwise under the interpreter: the same queries, the same tiles, the same merge."""
+    qkv, cos, sin, pos, slot, kc, vc, table, sl = step = decode_step(LENS, 16, 2, 6, 64, dtype, seed=3)
+    got, kc_got, vc_got = run(step, "triton", splits)
+    q = rope_cache(qkv, cos, sin, pos, slot, kc, vc, 2, 6, backend="triton")
+    want = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, num_splits=splits)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        check(got, want, dtype)
+    assert torch.equal(kc_got.nan_to_num(), kc.nan_to_num()) and torch.equal(vc_got.nan_to_num(), vc.nan_to_num())
+
+
+@needs_triton
+def test_split_counters_return_to_zero():
+    """Each (row, kv head)'s last split zeroes its arrival counter: the next call starts from 0."""
+    step = decode_step(LENS, 16, 2, 6, 64, torch.float32)
+    first, _, _ = run(step, "triton", 5)
+    assert not split_semaphores(len(LENS) * 2, torch.device(DEVICE))[: len(LENS) * 2].any()
+    again, _, _ = run(step, "triton", 5)
+    assert torch.equal(first, again)
+
+
+def test_errors():
+    qkv, cos, sin, pos, slot, kc, vc, table, sl = decode_step([5, 9], 8, 2, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="qkv must be dense"):
+        rope_paged_decode(qkv[:, :-64], cos, sin, pos, slot, kc, vc, table, sl, 0.1, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        rope_paged_decode(qkv, cos, sin, pos, slot, kc.transpose(0, 1).contiguous().transpose(0, 1), vc, table, sl,
+                          0.1, 2)
+
+
+def test_torch_path_is_the_two_ops():
+    """backend="torch": rope_cache's spec, then the vectorized paged decode: the spec's caches exactly, its output
+    within fp32 rounding."""
+    step = decode_step(LENS, 16, 2, 6, 64, torch.float32, seed=5)
+    (ref, kr, vr), (tor, kt, vt) = run(step, "ref"), run(step, "torch")
+    check(tor, ref, torch.float32)
+    assert torch.equal(kr.nan_to_num(), kt.nan_to_num()) and torch.equal(vr.nan_to_num(), vt.nan_to_num())
+
+
+# ---- GPU: full-size shapes, CUDA graphs ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [3, 128, 512])  # several splits / two / one
+def test_gpu_graph_equals_eager(batch):
+    """bf16, the 1.5B layer (12 query heads, 2 kv heads, D 128, page 16): the captured call replayed
+    equals an eager call bitwise (caches included) and the spec within bf16 tolerance."""
+    lens = torch.randint(1, 900, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    step = decode_step(lens, 16, 2, 6, 128, torch.bfloat16, seed=batch)
+    qkv, cos, sin, pos, slot, kc0, vc0, table, sl = step
+    kc, vc = kc0.clone(), vc0.clone()
+    call = lambda: rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, table, sl, 0.088, 6)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    kc.copy_(kc0), vc.copy_(vc0)
+    graph.replay()
+    replayed, kc_r, vc_r = out.clone(), kc.clone(), vc.clone()
+    kc.copy_(kc0), vc.copy_(vc0)
+    assert torch.equal(call(), replayed)
+    assert torch.equal(kc.nan_to_num(), kc_r.nan_to_num()) and torch.equal(vc.nan_to_num(), vc_r.nan_to_num())
+    want, _, _ = run(step, "torch")
+    check(replayed, want, torch.bfloat16)
