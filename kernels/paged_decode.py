@@ -252,10 +252,10 @@ def _rope_and_write(group, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b,
     tiles hold the last key (n_keys - 1) writes this step's key and value into the cache, then
     reads them back with its tiles (the barrier orders the write before its own loads)."""
     c, s = rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + b), s_cs, d, HEAD_D)
-    _, q = rope_rows(group + g[:, None] * sq_h, d[None, :], row_ok, c[None, :], s[None, :], HEAD_D)
+    q_in, q = rope_rows(group + g[:, None] * sq_h, d[None, :], row_ok, c[None, :], s[None, :], HEAD_D)
     if split == (tl.maximum(n_keys, 1) - 1) // BLOCK_N % n_splits:
         ok = d < HEAD_D
-        _, k = rope_rows(group + G * sq_h, d, ok, c, s, HEAD_D)
+        k_in, k = rope_rows(group + G * sq_h, d, ok, c, s, HEAD_D)
         v = tl.load(group + (G + 1) * sq_h + d, mask=ok, other=0.0)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         page, off = slot // PAGE, slot % PAGE
