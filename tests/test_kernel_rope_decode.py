@@ -130,7 +130,7 @@ def test_gpu_graph_equals_eager(batch):
     step = decode_step(lens, 16, 2, 6, 128, torch.bfloat16, seed=batch)
     qkv, cos, sin, pos, slot, kc0, vc0, table, sl = step
     kc, vc = kc0.clone(), vc0.clone()
-    call = lambda: rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, table, sl, 0.088, 6)  # noqa: E731
+    call = lambda: rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, table, sl, 0.125, 6)  # run()'s scale  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
