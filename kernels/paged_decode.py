@@ -22,8 +22,8 @@ read back on the host and every allocation is sized from shapes: CUDA-graph capt
 `rope_paged_decode` is the decode step's `rope_cache` + this attention in the same launch:
 each program RoPEs its group's queries from the fused QKV row itself, and the program whose
 tiles hold the row's last key writes this step's key and value into the cache before it
-reads its tiles. (A first version, session 8, kept the new key in registers inside the loop
-and doubled the kernel's registers; this one leaves the loop as it is.)
+reads its tiles. The key-tile loop is the plain kernel's: an earlier fusion that kept the new
+key in registers inside the loop doubled the kernel's registers and lost (benchmarks/RESULTS.md).
 
 `check_paged`, `sequence_keys`, `sdpa_fp32` and the `_attend_span` loop are shared with
 `paged_prefill.py`.
