@@ -317,10 +317,9 @@ def split_semaphores(n: int, device: torch.device) -> torch.Tensor:
     A call's last split of each (row, kv head) sets its counter back to 0, so they are zero
     between calls (calls on one device run one after another: one stream). Grown when too
     small, never freed: a captured CUDA graph keeps the address it saw. Never allocated
-    during a capture (the warm-up runs before it allocate them).
+    during a capture: the eager warm-up before one allocates them.
     """
-    key = (device.type, device.index if device.index is not None or device.type != "cuda"
-           else torch.cuda.current_device())
+    key = (device.type, device.index)  # a tensor's CUDA device always has its index
     have = _SEMAPHORES.get(key)
     if have is None or have.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
