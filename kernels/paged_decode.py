@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
-from megarl.kernels.rope_cache import rope_cache, rope_rows, rope_tables
+from megarl.kernels.rope_cache import check_rope_inputs, rope_cache_ref, rope_rows, rope_tables
 
 LOG2E = math.log2(math.e)
 # Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
@@ -393,9 +393,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
 
 def rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
                           scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "ref"):
-    """The spec: `rope_cache`, then `paged_decode_attention` of its queries (``backend`` "ref" or "torch")."""
-    q = rope_cache(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, k_cache.shape[2], q_per_group,
-                   backend="ref" if backend == "ref" else "torch")
+    """The spec: `rope_cache`'s, then `paged_decode_attention` of its queries (``backend`` "ref" or "torch")."""
+    q = rope_cache_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, k_cache.shape[2], q_per_group)
     return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend=backend,
                                   max_seqlen_k=max_seqlen_k)
 
@@ -411,11 +410,10 @@ def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, 
     the cache; returns (B, Hkv * G, D) in qkv's dtype.
     """
     _, _, hkv, d = k_cache.shape
-    if qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[1] != hkv * (q_per_group + 2) * d:
-        raise ValueError(f"rope_paged_decode: qkv must be dense (B, Hkv * (G + 2) * D) = (B, {hkv * (q_per_group + 2) * d}),"
+    if qkv.dim() != 2 or qkv.shape[1] != hkv * (q_per_group + 2) * d:
+        raise ValueError(f"rope_paged_decode: qkv must be (B, Hkv * (G + 2) * D) = (B, {hkv * (q_per_group + 2) * d}),"
                          f" got {tuple(qkv.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or d % 2:
-        raise ValueError("rope_paged_decode: the caches must be contiguous and head_dim even")
+    check_rope_inputs(qkv, k_cache, v_cache, "rope_paged_decode")
     check_paged(qkv.view(qkv.shape[0], -1, d), k_cache, v_cache, block_table, seq_lens, qkv.shape[0],
                 "rope_paged_decode")
     impl = choose(backend, qkv, cos, k_cache, block_table, seq_lens)

@@ -88,13 +88,18 @@ def rope_cache_triton(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, 
     return q
 
 
+def check_rope_inputs(qkv, k_cache, v_cache, op: str) -> None:
+    """What the RoPE + cache-write kernels need: contiguous caches, dense qkv rows, an even head_dim."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(-1) == 1):
+        raise ValueError(f"{op}: the caches must be contiguous and qkv rows dense")
+    if k_cache.shape[-1] % 2:
+        raise ValueError(f"{op}: head_dim {k_cache.shape[-1]} must be even")
+
+
 def rope_cache(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, groups: int, q_per_group: int,
                backend: str = "auto"):
     """RoPE'd queries (T, ng * G, D); the step's keys and values written into the cache."""
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.stride(-1) == 1):
-        raise ValueError("rope_cache: the caches must be contiguous and qkv rows dense")
-    if k_cache.shape[-1] % 2:
-        raise ValueError(f"rope_cache: head_dim {k_cache.shape[-1]} must be even")
+    check_rope_inputs(qkv, k_cache, v_cache, "rope_cache")
     backend = choose(backend, qkv, cos, k_cache)
     fn = rope_cache_triton if backend == "triton" else rope_cache_ref  # the spec is already vectorized
     return fn(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, groups, q_per_group)
