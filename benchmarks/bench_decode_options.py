@@ -9,6 +9,9 @@
 - gemm: the step's linears (QKV + bias, output projection, fc1, fc2, logits) at M in {32, 128, 512}
   under cuBLAS and cuBLASLt (``torch.backends.cuda.preferred_blas_library``), with and without bf16
   reduced-precision reductions; weights rotate over copies that defeat the L2.
+- splitk: the output projection and fc2 with their add + RMSNorm, and QKV (+ bias) alone, at M in
+  {32, 64, 128, 256, 512}: F.linear (cuBLAS, its own split-K reduction where it picks one) against
+  ``split_k_linear``'s S fp32 partials summed inside the norm kernel, S over the divisors of K.
 - sampling: the fused sampler (plain, temperature 1, V = 151,936, bf16 logits) against its byte floor.
 Prints one line per measurement and writes them all to --out.
 """
@@ -24,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import graph_ms  # noqa: E402
 
 from megarl.kernels import paged_decode as PD  # noqa: E402
+from megarl.kernels.rms_norm import add_rms_norm  # noqa: E402
 from megarl.kernels.sampling import sample_tokens  # noqa: E402
+from megarl.rollout.split_linear import split_k_linear  # noqa: E402
 
 DEV = "cuda"
 HQ, HKV, D, PAGE = 12, 2, 128, 16
@@ -89,6 +94,36 @@ def gemm_rows():
     return rows
 
 
+def splitk_rows():
+    h = 1536
+    shapes = {"proj": (h, 1536, (2, 3, 4, 6)), "fc2": (h, 8960, (2, 4, 5, 7)), "qkv": (2048, h, (2, 3, 4, 6))}
+    rows = []
+    for name, (n, k, splits) in shapes.items():
+        copies = max(1, min(28, -(-(256 << 20) // (n * k * 2))))
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if name == "qkv" else None
+        norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
+        for m in (32, 64, 128, 256, 512):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+
+            def plain(w):
+                out = F.linear(x, w, bias)
+                return out if bias is not None else add_rms_norm(out, res, norm_w, 1e-6)
+
+            def split(w, s):
+                parts = split_k_linear(x, w, s)
+                return parts if bias is not None else add_rms_norm(parts, res, norm_w, 1e-6)
+
+            base = graph_ms([lambda w=w: plain(w) for w in ws]) * 1e3
+            for s in (1,) + splits:
+                us = graph_ms([lambda w=w, s=s: split(w, s) for w in ws]) * 1e3
+                row = dict(op=name, M=m, splits=s, us=us, cublas_us=base, floor_us=n * k * 2 / 4.24e12 * 1e6)
+                print(row, flush=True)
+                rows.append(row)
+    return rows
+
+
 def sampling_rows():
     rows = []
     V = 151936
@@ -113,7 +148,7 @@ def main():
     a = ap.parse_args()
     out = {}
     for part in a.parts.split(","):
-        out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
+        out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows, "splitk": splitk_rows,
 }[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -6,7 +6,10 @@ works too):
     s = residual + x                          rounded to the activation dtype
     y = (s_f32 * rsqrt(mean(s_f32^2) + eps) * w_f32)   rounded to the activation dtype
 returns (y, s): the normed input of the next sublayer and the new residual
-stream. ``residual=None`` normalizes x alone (s = x). In fp32 these are exactly
+stream. ``residual=None`` normalizes x alone (s = x). x may also be the S
+fp32 partial sums (S, T, h) of a split-K linear (`megarl.rollout.split_linear`):
+they are summed in order 0..S-1 in fp32 and rounded to the residual's dtype,
+which is what the linear's own output would hold, before the add. In fp32 these are exactly
 the numbers of ``s = residual + x; F.rms_norm(s, (h,), w, eps)``; in bf16 they
 round once where torch's composite rounds ``s * rsqrt(...)`` before the weight.
 
@@ -21,25 +24,41 @@ import torch.nn.functional as F
 from megarl.kernels.dispatch import choose, next_pow2, tl, triton
 
 
+def sum_parts_ref(parts, dtype):
+    """(S, T, h) fp32 partial sums -> (T, h) in dtype: added in order 0..S-1 in fp32, rounded once."""
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    return acc.to(dtype)
+
+
 def add_rms_norm_ref(x, residual, weight, eps: float):
-    """The spec: (T, h), (T, h) | None, (h,) -> (y, s), both x.dtype."""
+    """The spec: (T, h) or (S, T, h) parts, (T, h) | None, (h,) -> (y, s), both residual's (or x's) dtype."""
+    if x.dim() == 3:
+        x = sum_parts_ref(x, residual.dtype)
     s = x if residual is None else residual + x
     y = (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return y, s
 
 
 def add_rms_norm_torch(x, residual, weight, eps: float):
+    if x.dim() == 3:
+        x = sum_parts_ref(x, residual.dtype)
     s = x if residual is None else residual + x
     return F.rms_norm(s, (s.shape[-1],), weight, eps), s
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, stride_r, stride_y, stride_s,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, stride_part, stride_r, stride_y,
+                         stride_s, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < h
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if PARTS > 0:  # fp32 partial sums of a split-K linear: summed in order, rounded as its output
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + p * stride_part + row * stride_x + cols, mask=ok, other=0.0)
+        x = x.to(s_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
         s = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # rounded as torch's add
@@ -53,22 +72,29 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, st
 
 
 def add_rms_norm_triton(x, residual, weight, eps: float):
-    t, h = x.shape
-    y = torch.empty_like(x)
-    s = torch.empty_like(x) if residual is not None else x
+    parts = x.shape[0] if x.dim() == 3 else 0
+    t, h = x.shape[-2:]
+    like = x if residual is None else residual
+    y = torch.empty_like(like)
+    s = torch.empty_like(like) if residual is not None else x
     if t:
         r = residual if residual is not None else x
         block = next_pow2(h)
-        _add_rms_norm_kernel[(t,)](x, r, weight, y, s, h, eps, x.stride(0), r.stride(0), y.stride(0), s.stride(0),
-                                   HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                   num_warps=max(1, min(16, block // 256)))
+        _add_rms_norm_kernel[(t,)](x, r, weight, y, s, h, eps, x.stride(-2), x.stride(0) if parts else 0,
+                                   r.stride(0), y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
+                                   PARTS=parts, BLOCK=block, num_warps=max(1, min(16, block // 256)))
     return y, s
 
 
 def add_rms_norm(x, residual, weight, eps: float, backend: str = "auto"):
-    """(y, s) = (RMSNorm(residual + x), residual + x); see the module docstring."""
+    """(y, s) = (RMSNorm(residual + x), residual + x); see the module docstring.
+
+    x: (T, h), or (S, T, h) fp32 partial sums of one linear's output (then a residual is needed)."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("add_rms_norm: rows must be contiguous in the last dim")
+    if x.dim() == 3 and (residual is None or x.dtype != torch.float32 or x.shape[1:] != residual.shape):
+        raise ValueError(f"add_rms_norm: partial sums (S, T, h) must be fp32 beside a (T, h) residual; got x "
+                         f"{tuple(x.shape)} {x.dtype}, residual {None if residual is None else tuple(residual.shape)}")
     tensors = (x, weight) if residual is None else (x, residual, weight)
     impl = {"triton": add_rms_norm_triton, "torch": add_rms_norm_torch, "ref": add_rms_norm_ref}
     return impl[choose(backend, *tensors)](x, residual, weight, eps)

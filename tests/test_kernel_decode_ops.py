@@ -18,7 +18,7 @@ from kernel_backends import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INT
 import pytest  # noqa: E402
 
 from megarl.kernels import interpret_mode  # noqa: E402
-from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref  # noqa: E402
+from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, sum_parts_ref  # noqa: E402
 from megarl.kernels.rope_cache import rope_cache, rope_cache_ref  # noqa: E402
 from megarl.kernels.swiglu import silu_mul, silu_mul_ref, swiglu  # noqa: E402
 
@@ -46,6 +46,31 @@ def test_add_rms_norm(dtype, rows, with_residual):
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
     y_t, _ = add_rms_norm(x, r, w, 1e-6, backend="torch")  # torch's own rms_norm is the spec
     torch.testing.assert_close(y_t, y_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_add_rms_norm_sums_split_k_partials(dtype, parts):
+    """x as (S, T, h) fp32 partials: summed in order, rounded to the residual's dtype, then the plain op."""
+    x = _rand(parts, 7, 100, dtype=torch.float32, seed=6) * 3
+    r = _rand(7, 100, dtype=dtype, seed=7)
+    w = _rand(100, dtype=torch.float32, seed=8) + 1.0
+    summed = sum_parts_ref(x, dtype)
+    assert torch.equal(sum_parts_ref(x, torch.float32), x.sum(0) if parts == 1 else (x[0] + x[1]) + x[2])
+    y, s = add_rms_norm(x, r, w, 1e-6, backend="triton")
+    y_one, s_one = add_rms_norm(summed, r, w, 1e-6, backend="triton")
+    assert y.dtype == s.dtype == dtype
+    if dtype == torch.float32 or not interpret_mode():  # the interpreter truncates fp32 -> bf16
+        assert torch.equal(y, y_one) and torch.equal(s, s_one)
+    y_ref, s_ref = add_rms_norm_ref(x, r, w, 1e-6)
+    torch.testing.assert_close(s, s_ref, **TOL[dtype])
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    y_t, s_t = add_rms_norm(x, r, w, 1e-6, backend="torch")
+    assert torch.equal(s_t, s_ref)
+    torch.testing.assert_close(y_t, y_ref, **TOL[dtype])
+    for bad, res in ((x.to(dtype) if dtype != torch.float32 else x[:, :3], r), (x, None)):
+        with pytest.raises(ValueError, match="partial sums"):
+            add_rms_norm(bad, res, w, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -238,3 +238,40 @@ def test_prefix_cache_reuses_a_conversations_pages(ckpt_and_hf):
     model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     for prompt, got in zip(warm["turn2_prompts"], warm["turn2"]):  # turn-1 responses may hold the pad id,
         assert got == _greedy_no_stop(model, prompt)  # which generate() would mask: plain forwards instead
+
+
+def _split_k(rank, ckpt, eos):
+    """Decode with the split-K projections forced on (CUDA's default; off on CPU), partials counted."""
+    from megarl.rollout import split_linear, stage
+    from megarl.rollout.engine import SamplingParams, sample_requests
+    from megarl.trainer.rollout import to_sample_batch
+
+    calls = []
+
+    def counted(x, weight, parts):
+        calls.append((x.shape[0], parts))
+        return split_linear.split_k_linear(x, weight, parts)
+
+    stage.split_k_linear = counted
+    actor, groups = worker_actor(ckpt)
+    engine = _engine(actor, groups, eos, pages=64, max_batch=5)
+    assert not engine.stage.split_k  # CPU
+    engine.stage.split_k = True
+    greedy = engine.generate(sample_requests(PROMPTS, 1, 0, MAX_NEW), SamplingParams(temperature=0.0))
+    sampled = engine.generate(sample_requests(PROMPTS, 2, 100, MAX_NEW), SamplingParams(temperature=0.7, top_k=20))
+    batch = to_sample_batch(sampled, 0, "cpu")
+    train = actor.logprobs(batch, micro_batch_size=4, temperature=0.7)["logprobs"]
+    diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
+    return {"greedy": [r.response_ids for r in greedy], "diff": float(diff), "calls": calls,
+            "layers": len(engine.stage.layers)}
+
+
+def test_split_k_decode_keeps_greedy_tokens_and_training_logprobs(ckpt_and_hf):
+    """proj and fc2 as split-K partials summed in the next norm (every layer's proj, all but the last
+    layer's fc2, decode steps only): greedy still equals transformers, log-probs the training forward."""
+    ckpt, eos, expected = ckpt_and_hf
+    (r,) = spawn(_split_k, 1, ckpt, eos)
+    assert r["greedy"] == expected
+    assert r["diff"] < 1e-5
+    assert r["calls"] and all(parts > 1 and rows <= 5 for rows, parts in r["calls"])  # decode rows only
+    assert len(r["calls"]) % (2 * r["layers"] - 1) == 0  # per decode step: every proj, every fc2 but the last

@@ -15,7 +15,9 @@ step is a fixed sequence of tensor ops on fixed-shape inputs, which is what a
 CUDA graph captures, and the elementwise work between the GEMMs is fused
 (``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write — inside the
 decode attention's launch on decode steps —, SiLU-mul;
-on CPU the same calls run their torch specs). Local-spec names (``input_layernorm.weight``) and TE's
+on CPU the same calls run their torch specs). On CUDA decode steps at TP1 the
+output projection and fc2 run split-K into fp32 partials that the next add +
+RMSNorm sums (``split_linear.py``): one launch fewer per linear. Local-spec names (``input_layernorm.weight``) and TE's
 fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
 training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
@@ -32,6 +34,7 @@ from megarl.kernels.paged_attention import paged_prefill_attention, rope_paged_d
 from megarl.kernels.rms_norm import add_rms_norm
 from megarl.kernels.rope_cache import rope_cache
 from megarl.kernels.swiglu import silu_mul
+from megarl.rollout.split_linear import split_k_linear, split_parts
 
 
 @dataclass
@@ -131,6 +134,9 @@ class StageForward:
         self.final_norm = module.decoder.final_layernorm.weight if self.last else None
         self.head = self._head_weight(module) if self.last else None
         self.cos, self.sin = self._rope_tables(module)  # (S_max, hn) in the model dtype
+        # decode steps' proj / fc2 as split-K partials into the next norm (CUDA only: bf16 -> fp32 bmm;
+        # not under TP, whose all-reduce wants the summed output). CPU tests switch it on.
+        self.split_k = self.tp is None and bool(self.layers) and self.layers[0].fc2.is_cuda
 
     @staticmethod
     def _head_weight(module) -> torch.Tensor:
@@ -173,10 +179,11 @@ class StageForward:
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
         for i, lw in enumerate(self.layers):
+            last = i + 1 == len(self.layers)
             attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i))
             h, residual = add_rms_norm(attn, residual, lw.mlp_norm, self.eps)
-            mlp = self._mlp(h, lw)
-            if i + 1 < len(self.layers):
+            mlp = self._mlp(h, lw, split=batch.decode and not last)  # the last layer's output is summed here
+            if not last:
                 h, residual = add_rms_norm(mlp, residual, self.layers[i + 1].attn_norm, self.eps)
             else:
                 residual = residual + mlp
@@ -197,10 +204,18 @@ class StageForward:
                            self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
             o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
                                         batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
-        return self._all_reduce(self._linear(o.reshape(t, -1), lw, "proj", lw.proj))
+        return self._row_parallel(o.reshape(t, -1), lw, "proj", lw.proj, split=batch.decode)
 
-    def _mlp(self, h, lw: LayerWeights):
-        return self._all_reduce(self._linear(silu_mul(self._linear(h, lw, "fc1", lw.fc1)), lw, "fc2", lw.fc2))
+    def _mlp(self, h, lw: LayerWeights, split: bool):
+        return self._row_parallel(silu_mul(self._linear(h, lw, "fc1", lw.fc1)), lw, "fc2", lw.fc2, split)
+
+    def _row_parallel(self, x, lw: LayerWeights, name: str, weight, split: bool):
+        """A row-parallel linear for the next add + RMSNorm: (T, h) all-reduced over TP, or with
+        ``split`` (and `split_k`, no adapter on it) its (S, T, h) fp32 split-K partials."""
+        parts = split_parts(name, x.shape[0], x.shape[1]) if split and self.split_k and name not in lw.lora else 1
+        if parts > 1:
+            return split_k_linear(x, weight, parts)
+        return self._all_reduce(self._linear(x, lw, name, weight))
 
     @staticmethod
     def _linear(x, lw: LayerWeights, name: str, weight, bias=None):
