@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
-from megarl.kernels.rope_cache import check_rope_inputs, rope_cache_ref, rope_rows, rope_tables
+from megarl.kernels.rms_norm import sum_parts_ref
+from megarl.kernels.rope_cache import check_rope_inputs, qkv_values, rope_cache_ref, rope_rows, rope_tables
 
 LOG2E = math.log2(math.e)
 # Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
@@ -205,10 +206,10 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, sca
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, sem_ptr,
-                   cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                   sq_b, sq_g, sq_h, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale, n_splits,
+                   cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr,
+                   sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale, n_splits,
                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr,
-                   DIRECT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
@@ -217,9 +218,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_
     group = q_ptr + b.to(tl.int64) * sq_b + kvh * sq_g  # this kv head's query heads (then, with ROPE, k and v)
     n_keys = tl.load(len_ptr + b)
     if ROPE:
-        q = _rope_and_write(group, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh, split, n_keys,
-                            n_splits, sq_h, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d, row_ok,
-                            G, HEAD_D, PAGE, BLOCK_N)
+        q = _rope_and_write(group, bias_ptr + kvh * sq_g, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh,
+                            split, n_keys, n_splits, sq_h, sq_part, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d,
+                            row_ok, G, HEAD_D, PAGE, BLOCK_N, QKV_PARTS, HAS_BIAS)
     else:
         q = tl.load(group + g[:, None] * sq_h + d[None, :], mask=row_ok, other=0.0)  # (BG, BD)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
@@ -245,18 +246,24 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_
 
 
 @triton.jit
-def _rope_and_write(group, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh, split, n_keys, n_splits,
-                    sq_h, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d, row_ok,
-                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rope_and_write(group, bias, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh, split, n_keys, n_splits,
+                    sq_h, sq_part, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d, row_ok,
+                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """`rope_cache` of row b's group kvh: returns its RoPE'd queries (BG, BD); the split whose key
     tiles hold the last key (n_keys - 1) writes this step's key and value into the cache, then
-    reads them back with its tiles (the barrier orders the write before its own loads)."""
+    reads them back with its tiles (the barrier orders the write before its own loads). The
+    group's values come through `qkv_values` (split-K partials summed, bias added) at ``group``
+    and, for the bias, the same column offsets from ``bias``."""
+    dt = k_ptr.dtype.element_ty
     c, s = rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + b), s_cs, d, HEAD_D)
-    q_in, q = rope_rows(group + g[:, None] * sq_h, d[None, :], row_ok, c[None, :], s[None, :], HEAD_D)
+    heads = g[:, None] * sq_h
+    q_in, q = rope_rows(group + heads, bias + heads, d[None, :], row_ok, c[None, :], s[None, :], sq_part, dt, HEAD_D,
+                        PARTS, HAS_BIAS)
     if split == (tl.maximum(n_keys, 1) - 1) // BLOCK_N % n_splits:
         ok = d < HEAD_D
-        k_in, k = rope_rows(group + G * sq_h, d, ok, c, s, HEAD_D)
-        v = tl.load(group + (G + 1) * sq_h + d, mask=ok, other=0.0)
+        k_in, k = rope_rows(group + G * sq_h, bias + G * sq_h, d, ok, c, s, sq_part, dt, HEAD_D, PARTS, HAS_BIAS)
+        v = qkv_values(group + (G + 1) * sq_h + d, bias + (G + 1) * sq_h + d, ok, sq_part, dt, PARTS, HAS_BIAS)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         page, off = slot // PAGE, slot % PAGE
         tl.store(k_ptr + page * sk_p + off * sk_t + kvh * sk_h + d, k, mask=ok)
@@ -333,29 +340,34 @@ def split_semaphores(n: int, device: torch.device) -> torch.Tensor:
 def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_per_group: int,
                   num_splits: int | None, max_seqlen_k: int | None, rope=None):
     """The split-K decode launch (module docstring). q: (B, Hq, D) queries, or with ``rope`` =
-    (cos, sin, positions, slot_mapping) the step's fused QKV rows (B, Hkv * (G + 2) * D), RoPE'd
-    and their K/V written in the kernel (`rope_paged_decode`). Returns (B, Hq, D)."""
-    B, (_, page, hkv, D) = q.shape[0], k_cache.shape
+    (cos, sin, positions, slot_mapping, bias | None) the step's fused QKV rows (B, Hkv * (G + 2) * D)
+    or their (S, B, Hkv * (G + 2) * D) fp32 split-K partials, RoPE'd and their K/V written in the
+    kernel (`rope_paged_decode`). Returns (B, Hq, D) in the cache's dtype."""
+    qkv_parts = q.shape[0] if q.dim() == 3 and rope is not None else 0
+    B, (_, page, hkv, D) = q.shape[1 if qkv_parts else 0], k_cache.shape
     G, block_d = q_per_group, max(16, next_pow2(D))
-    out = torch.empty(B, hkv * G, D, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, hkv * G, D, dtype=k_cache.dtype, device=q.device)
     if B == 0:
         return out
-    block_n = fit_keys(BLOCK_N, block_d, q.element_size(), NUM_STAGES)
+    block_n = fit_keys(BLOCK_N, block_d, k_cache.element_size(), NUM_STAGES)
     max_pages = triton.cdiv(max_seqlen_k, page) if max_seqlen_k else block_table.shape[1]
     splits = num_splits or decode_splits(B, hkv, max_pages, page, q.device, block_n)
     part = torch.empty(B, hkv * G, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(B, hkv * G, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     sem = split_semaphores(B * hkv, q.device) if splits > 1 else out
     if rope is None:  # q (B, Hq, D): group kvh's heads start at kvh * G (the RoPE pointers unused)
-        strides, tables, s_cs = (q.stride(0), G * q.stride(1), q.stride(1)), (seq_lens,) * 4, 0
+        strides, tables, s_cs = (q.stride(0), G * q.stride(1), q.stride(1), 0), (seq_lens,) * 5, 0
     else:  # qkv rows: per group G query heads, the key, the value
-        strides, tables, s_cs = (q.stride(0), (G + 2) * D, D), rope, rope[0].stride(0)
+        *tables, bias = rope
+        tables = (*tables, q if bias is None else bias)
+        strides = (q.stride(-2), (G + 2) * D, D, q.stride(0) if qkv_parts else 0)
+        s_cs = rope[0].stride(0)
     _decode_kernel[(B, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables,
         *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         s_cs, float(scale) * LOG2E, splits, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None,
-        DIRECT=splits == 1, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n,
-        BLOCK_S=next_pow2(splits), F32_DOT=f32_dot(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None, DIRECT=splits == 1, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_S=next_pow2(splits), F32_DOT=f32_dot(k_cache.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
@@ -391,9 +403,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
 
 # ---- decode with RoPE and the step's K/V write folded in ----
 
+def qkv_rows_ref(qkv, bias, dtype):
+    """Fused QKV rows (B, W) from the kernel's inputs: rows or (S, B, W) fp32 split-K partials
+    (summed in order, rounded to dtype), then + bias (rounded again, as megatron's linear)."""
+    rows = sum_parts_ref(qkv, dtype) if qkv.dim() == 3 else qkv
+    return rows if bias is None else rows + bias
+
+
 def rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
-                          scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "ref"):
-    """The spec: `rope_cache`'s, then `paged_decode_attention` of its queries (``backend`` "ref" or "torch")."""
+                          scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "ref",
+                          bias=None):
+    """The spec: `qkv_rows_ref`, `rope_cache`'s, then `paged_decode_attention` of its queries
+    (``backend`` "ref" or "torch")."""
+    qkv = qkv_rows_ref(qkv, bias, k_cache.dtype)
     q = rope_cache_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, k_cache.shape[2], q_per_group)
     return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend=backend,
                                   max_seqlen_k=max_seqlen_k)
@@ -401,25 +423,31 @@ def rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cac
 
 def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
                       scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "auto",
-                      num_splits: int | None = None):
+                      num_splits: int | None = None, bias=None):
     """One decode step's RoPE, K/V cache write and attention (module docstring).
 
-    qkv (B, Hkv * (G + 2) * D) fused QKV rows with dense rows; cos, sin (S_max, D); positions,
-    slot_mapping (B,) as in `rope_cache`; the caches, block_table, seq_lens (counting this
-    step's key) and max_seqlen_k as in `paged_decode_attention`. Writes the step's K/V into
-    the cache; returns (B, Hkv * G, D) in qkv's dtype.
+    qkv (B, Hkv * (G + 2) * D) fused QKV rows with dense rows, or (S, B, Hkv * (G + 2) * D) fp32
+    split-K partials of them (`megarl.rollout.split_linear`); bias (Hkv * (G + 2) * D,) or None,
+    added to the rows (`qkv_rows_ref`); cos, sin (S_max, D); positions, slot_mapping (B,) as in
+    `rope_cache`; the caches, block_table, seq_lens (counting this step's key) and max_seqlen_k as
+    in `paged_decode_attention`. Writes the step's K/V into the cache; returns (B, Hkv * G, D) in
+    the cache's dtype.
     """
     _, _, hkv, d = k_cache.shape
-    if qkv.dim() != 2 or qkv.shape[1] != hkv * (q_per_group + 2) * d:
-        raise ValueError(f"rope_paged_decode: qkv must be (B, Hkv * (G + 2) * D) = (B, {hkv * (q_per_group + 2) * d}),"
-                         f" got {tuple(qkv.shape)}")
+    width = hkv * (q_per_group + 2) * d
+    if qkv.dim() not in (2, 3) or qkv.shape[-1] != width or (qkv.dim() == 3 and qkv.dtype != torch.float32):
+        raise ValueError(f"rope_paged_decode: qkv must be (B, Hkv * (G + 2) * D) = (B, {width}) rows or (S, B, {width})"
+                         f" fp32 partials, got {tuple(qkv.shape)} {qkv.dtype}")
+    if bias is not None and tuple(bias.shape) != (width,):
+        raise ValueError(f"rope_paged_decode: bias must be ({width},), got {tuple(bias.shape)}")
     check_rope_inputs(qkv, k_cache, v_cache, "rope_paged_decode")
-    check_paged(qkv.view(qkv.shape[0], -1, d), k_cache, v_cache, block_table, seq_lens, qkv.shape[0],
-                "rope_paged_decode")
+    b = qkv.shape[-2]  # the row checks see partials as rows of the cache's dtype (a meta tensor: no launch)
+    rows = qkv if qkv.dim() == 2 else torch.empty(qkv.shape[1:], dtype=k_cache.dtype, device="meta")
+    check_paged(rows.view(b, -1, d), k_cache, v_cache, block_table, seq_lens, b, "rope_paged_decode")
     impl = choose(backend, qkv, cos, k_cache, block_table, seq_lens)
     if impl != "triton":
         return rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
-                                     scale, q_per_group, max_seqlen_k, backend=impl)
+                                     scale, q_per_group, max_seqlen_k, backend=impl, bias=bias)
     block_table, = unit_last_stride(block_table)
     return launch_decode(qkv, k_cache, v_cache, block_table, seq_lens, scale, q_per_group, num_splits,
-                         max_seqlen_k, rope=(cos, sin, positions, slot_mapping))
+                         max_seqlen_k, rope=(cos, sin, positions, slot_mapping, bias))

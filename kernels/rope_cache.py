@@ -48,15 +48,33 @@ def rope_tables(cos_ptr, sin_ptr, pos, stride_cs, d, D: tl.constexpr):
 
 
 @triton.jit
-def rope_rows(ptrs, d, ok, c, s, D: tl.constexpr):
-    """Head vectors x at ``ptrs + d`` and the spec's RoPE of them (products and sum rounded to x's dtype)."""
-    x = tl.load(ptrs + d, mask=ok, other=0.0)
+def qkv_values(ptrs, bias_ptrs, ok, part_stride, dtype: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Fused-QKV values at ``ptrs``: the row's own (PARTS 0), or the sum of PARTS fp32 split-K
+    partials ``part_stride`` apart in order, rounded to dtype; then + bias, rounded again
+    (megatron's column-parallel linear: the matmul's output, then ``output + bias``)."""
+    x = tl.load(ptrs, mask=ok, other=0.0)
+    if PARTS > 0:
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(ptrs + p * part_stride, mask=ok, other=0.0)
+    x = x.to(dtype)
+    if HAS_BIAS:
+        x = (x.to(tl.float32) + tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+    return x
+
+
+@triton.jit
+def rope_rows(ptrs, bias_ptrs, d, ok, c, s, part_stride, dtype: tl.constexpr, D: tl.constexpr,
+              PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Head vectors x at ``ptrs + d`` (`qkv_values`) and the spec's RoPE of them (products and sum
+    rounded to dtype)."""
+    x = qkv_values(ptrs + d, bias_ptrs + d, ok, part_stride, dtype, PARTS, HAS_BIAS)
     half = D // 2
-    xr = tl.load(ptrs + tl.where(d < half, d + half, d - half), mask=ok, other=0.0).to(tl.float32)
+    rd = tl.where(d < half, d + half, d - half)
+    xr = qkv_values(ptrs + rd, bias_ptrs + rd, ok, part_stride, dtype, PARTS, HAS_BIAS).to(tl.float32)
     xr = tl.where(d < half, -xr, xr)
-    a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)  # t * cos, rounded
-    b = (xr * s).to(x.dtype).to(tl.float32)  # rotate_half(t) * sin, rounded
-    return x, (a + b).to(x.dtype)
+    a = (x.to(tl.float32) * c).to(dtype).to(tl.float32)  # t * cos, rounded
+    b = (xr * s).to(dtype).to(tl.float32)  # rotate_half(t) * sin, rounded
+    return x, (a + b).to(dtype)
 
 
 @triton.jit
@@ -70,7 +88,8 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
     d = tl.arange(0, BLOCK_D)[None, :]  # (1, BD)
     ok = (heads < G + 2) & (d < D)
     c, s = rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cs, d, D)
-    x, rot = rope_rows(qkv_ptr + t * stride_qkv + (j * (G + 2) + heads) * D, d, ok, c, s, D)
+    row = qkv_ptr + t * stride_qkv + (j * (G + 2) + heads) * D
+    x, rot = rope_rows(row, row, d, ok, c, s, 0, q_ptr.dtype.element_ty, D, 0, False)
     tl.store(q_ptr + t * ng * G * D + (j * G + heads) * D + d, rot, mask=ok & (heads < G))
     slot = tl.load(slot_ptr + t).to(tl.int64)
     row = slot * ng * D + j * D + d

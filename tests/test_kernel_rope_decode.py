@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 
 from megarl.kernels.paged_decode import (  # noqa: E402
     paged_decode_attention_triton,
+    qkv_rows_ref,
     rope_paged_decode,
     split_semaphores,
 )
@@ -48,14 +49,14 @@ def decode_step(lens, page, hkv, g, d, dtype, seed=0):
     return (qkv, *rope_tables(max(lens) + 1, d, dtype), pos, slot, kc, vc, table, sl)
 
 
-def run(step, backend, splits=None):
+def run(step, backend, splits=None, bias=None):
     """The step on fresh copies of its caches: (out, k_cache, v_cache)."""
     qkv, cos, sin, pos, slot, kc, vc, table, sl = step
     kc, vc = kc.clone(), vc.clone()
-    g = qkv.shape[1] // (kc.shape[2] * kc.shape[3]) - 2
+    g = qkv.shape[-1] // (kc.shape[2] * kc.shape[3]) - 2
     with poisoned_empty():
         out = rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, table, sl, 0.125, g, backend=backend,
-                                num_splits=splits)
+                                num_splits=splits, bias=bias)
     return out, kc, vc
 
 
@@ -89,6 +90,33 @@ def test_equals_two_launches(dtype, splits):
     else:
         check(got, want, dtype)
     assert torch.equal(kc_got.nan_to_num(), kc.nan_to_num()) and torch.equal(vc_got.nan_to_num(), vc.nan_to_num())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_partials_and_bias(backend, dtype):
+    """qkv as (3, B, W) fp32 split-K partials plus a bias: the rows they sum to (`qkv_rows_ref`) in the
+    plain call. fp32 bitwise; bf16 on the GPU bitwise, in the interpreter (which truncates fp32 -> bf16
+    where torch rounds) within tolerance."""
+    step = decode_step(LENS, 16, 2, 6, 64, dtype, seed=4)
+    parts = torch.stack([queries(step[0].shape, torch.float32, seed=s) for s in (7, 8, 9)])
+    bias = queries(step[0].shape[1:], dtype, seed=10)
+    rows = qkv_rows_ref(parts, bias, dtype)
+    assert torch.equal(rows, ((parts[0] + parts[1]) + parts[2]).to(dtype) + bias)
+    want, kc_want, vc_want = run((rows, *step[1:]), backend, 3)
+    got, kc, vc = run((parts, *step[1:]), backend, 3, bias=bias)
+    if dtype == torch.float32 or backend == "torch" or DEVICE == "cuda":
+        assert torch.equal(got, want)
+        assert torch.equal(kc.nan_to_num(), kc_want.nan_to_num()) and torch.equal(vc.nan_to_num(), vc_want.nan_to_num())
+    else:  # three truncations (the sum, + bias, the RoPE products) against torch's roundings
+        loose = dict(rtol=5e-2, atol=1e-1)
+        assert got.dtype == dtype and not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), **loose)
+        torch.testing.assert_close(kc.float(), kc_want.float(), equal_nan=True, **loose)
+    with pytest.raises(ValueError, match="fp32 partials"):
+        rope_paged_decode(parts.to(torch.float16), *step[1:], 0.1, 6)
+    with pytest.raises(ValueError, match="bias must be"):
+        rope_paged_decode(parts, *step[1:], 0.1, 6, bias=bias[:-1])
 
 
 @needs_triton

@@ -266,12 +266,24 @@ def _split_k(rank, ckpt, eos):
             "layers": len(engine.stage.layers)}
 
 
+def test_split_k_with_qkv_bias_keeps_greedy_tokens_and_training_logprobs(tmp_path):
+    """Qwen2 (QKV bias, added by the attention kernel to the summed partials): greedy equals
+    transformers, the sampled tokens' log-probs the training forward."""
+    model = make_tiny_checkpoint(str(tmp_path), "Qwen2ForCausalLM", seed=2, vocab_size=57, eos_token_id=3)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    expected = [_greedy_no_stop(model, p) for p in PROMPTS]
+    (r,) = spawn(_split_k, 1, str(tmp_path), 3)
+    assert r["greedy"] == [e[: e.index(3) + 1] if 3 in e else e for e in expected]
+    assert r["diff"] < 1e-5 and r["calls"]
+
+
 def test_split_k_decode_keeps_greedy_tokens_and_training_logprobs(ckpt_and_hf):
-    """proj and fc2 as split-K partials summed in the next norm (every layer's proj, all but the last
-    layer's fc2, decode steps only): greedy still equals transformers, log-probs the training forward."""
+    """qkv, proj and fc2 as split-K partials summed in the next kernel (every layer's qkv and proj, all
+    but the last layer's fc2, decode steps only): greedy still equals transformers, log-probs the
+    training forward."""
     ckpt, eos, expected = ckpt_and_hf
     (r,) = spawn(_split_k, 1, ckpt, eos)
     assert r["greedy"] == expected
     assert r["diff"] < 1e-5
     assert r["calls"] and all(parts > 1 and rows <= 5 for rows, parts in r["calls"])  # decode rows only
-    assert len(r["calls"]) % (2 * r["layers"] - 1) == 0  # per decode step: every proj, every fc2 but the last
+    assert len(r["calls"]) % (3 * r["layers"] - 1) == 0  # per decode step: every qkv and proj, every fc2 but the last

@@ -54,6 +54,7 @@ def test_split_choice():
     assert [split_parts("proj", m, 1536) for m in (1, 128, 160, 256, 320)] == [3, 3, 2, 2, 1]
     assert split_parts("proj", 32, 64) == 2  # 3 does not divide 64: the next smaller that does
     assert split_parts("fc2", 128, 20) == 1  # no split into slices of a multiple of 8
-    assert split_parts("qkv", 32, 1536) == 1  # only the row-parallel linears feed a norm
+    assert [split_parts("qkv", m, 1536) for m in (32, 64, 96, 128, 160)] == [4, 4, 3, 3, 1]
+    assert split_parts("logits", 32, 1536) == 1  # no table: never split
     for table in SPLITS.values():  # an eager batch and its padded graph choose the same S
         assert all(limit in BUCKETS for limit, _ in table)

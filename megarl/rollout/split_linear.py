@@ -3,8 +3,9 @@
 At decode batch sizes a linear's M is small (32..512 rows), so cuBLAS gets few output tiles
 and splits K itself: one more launch (its reduction) per linear. Here the S partial products
 come out of one strided batched GEMM as fp32, (S, T, N), and the kernel that reads the
-linear's output anyway (the residual add + RMSNorm, `megarl.kernels.rms_norm`) sums them in
-order and rounds once: what the linear's own bf16 output would hold, one launch fewer.
+linear's output anyway (the residual add + RMSNorm, `megarl.kernels.rms_norm`; for QKV the
+decode attention, `megarl.kernels.paged_decode`) sums them in order and rounds once: what the
+linear's own bf16 output would hold, one launch fewer.
 
 Reference: ``F.linear(x, weight)`` == ``sum_parts_ref(split_k_linear(x, weight, S), dtype)``
 up to fp32 summation order (tests/test_split_linear.py). On CPU the same split runs in fp32
@@ -35,9 +36,11 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.T
 #                       256 21.7 -> 16.7 (4)           512 31.0 -> 24.6 (2)
 #   proj (1536 x 1536): M=32 7.2 -> 6.6 (3)   64 7.3 -> 6.7 (3)   128 7.6 -> 7.0 (3)   256 8.0 -> 7.8 (2)
 #                       512 9.5 -> 9.8 at S 2 (1 kept)
+#   qkv (2048 x 1536, the GEMM alone; its bias and sum go to the attention kernel): M=32 5.7 -> 4.5 (4)
+#                       64 5.8 -> 4.7 (4)   128 6.1 -> 5.0 (3)   256 6.1 -> 6.1 (1 kept)   512 8.0 -> 8.6 at 2
 # Other shapes are unmeasured and take the same S (rounded down to a divisor of K). Every limit is a
 # decode-graph bucket (graphs.BUCKETS), so an eager batch and its padded graph pick the same S.
-SPLITS = {"fc2": ((64, 2), (256, 4), (512, 2)), "proj": ((128, 3), (256, 2))}
+SPLITS = {"fc2": ((64, 2), (256, 4), (512, 2)), "proj": ((128, 3), (256, 2)), "qkv": ((64, 4), (128, 3))}
 ALIGN = 8  # K slice lengths a multiple of 8 elements: 16-byte aligned bf16 rows for cuBLAS
 
 

@@ -16,8 +16,10 @@ CUDA graph captures, and the elementwise work between the GEMMs is fused
 (``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write — inside the
 decode attention's launch on decode steps —, SiLU-mul;
 on CPU the same calls run their torch specs). On CUDA decode steps at TP1 the
-output projection and fc2 run split-K into fp32 partials that the next add +
-RMSNorm sums (``split_linear.py``): one launch fewer per linear. Local-spec names (``input_layernorm.weight``) and TE's
+QKV projection, the output projection and fc2 run split-K into fp32 partials
+that the next kernel sums (the decode attention, the add + RMSNorm;
+``split_linear.py``): no reduction launch of cuBLAS's own. The QKV bias is then
+added as megatron adds it (to the rounded matmul output). Local-spec names (``input_layernorm.weight``) and TE's
 fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
 training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
@@ -134,8 +136,8 @@ class StageForward:
         self.final_norm = module.decoder.final_layernorm.weight if self.last else None
         self.head = self._head_weight(module) if self.last else None
         self.cos, self.sin = self._rope_tables(module)  # (S_max, hn) in the model dtype
-        # decode steps' proj / fc2 as split-K partials into the next norm (CUDA only: bf16 -> fp32 bmm;
-        # not under TP, whose all-reduce wants the summed output). CPU tests switch it on.
+        # decode steps' QKV / proj / fc2 as split-K partials into the next kernel (CUDA only: bf16 -> fp32
+        # bmm; not under TP, whose all-reduces want the summed outputs). CPU tests switch it on.
         self.split_k = self.tp is None and bool(self.layers) and self.layers[0].fc2.is_cuda
 
     @staticmethod
@@ -191,14 +193,19 @@ class StageForward:
 
     def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache):
         t, g = h.shape[0], self.heads // self.kv_heads
-        qkv = self._linear(h, lw, "qkv", lw.qkv, lw.qkv_bias)  # (T, ng * (g + 2) * hn)
+        parts = self._parts(h, lw, "qkv", batch.decode and lw.q_norm is None)
+        if parts > 1:  # (S, T, ng * (g + 2) * hn) partials; the attention kernel sums them, adds the bias
+            qkv, bias = split_k_linear(h, lw.qkv, parts), lw.qkv_bias
+        else:
+            qkv, bias = self._linear(h, lw, "qkv", lw.qkv, lw.qkv_bias), None  # (T, ng * (g + 2) * hn)
         if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of queries and keys before RoPE, in place
             heads = qkv.view(t, self.kv_heads, g + 2, self.head_dim)
             heads[:, :, :g] = F.rms_norm(heads[:, :, :g], (self.head_dim,), lw.q_norm, self.eps)
             heads[:, :, g] = F.rms_norm(heads[:, :, g], (self.head_dim,), lw.k_norm, self.eps)
         if batch.decode:  # RoPE, this step's K/V into the cache and the attention in one kernel
             o = rope_paged_decode(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
-                                  batch.block_table, batch.seq_lens, self.scale, g, max_seqlen_k=batch.max_seqlen_k)
+                                  batch.block_table, batch.seq_lens, self.scale, g, max_seqlen_k=batch.max_seqlen_k,
+                                  bias=bias)
         else:
             q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
                            self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
@@ -209,10 +216,15 @@ class StageForward:
     def _mlp(self, h, lw: LayerWeights, split: bool):
         return self._row_parallel(silu_mul(self._linear(h, lw, "fc1", lw.fc1)), lw, "fc2", lw.fc2, split)
 
+    def _parts(self, x, lw: LayerWeights, name: str, split: bool) -> int:
+        """Split-K slices for linear ``name`` on input x (1: the plain linear): only where asked,
+        with `split_k` on and no adapter on that linear."""
+        return split_parts(name, x.shape[0], x.shape[1]) if split and self.split_k and name not in lw.lora else 1
+
     def _row_parallel(self, x, lw: LayerWeights, name: str, weight, split: bool):
         """A row-parallel linear for the next add + RMSNorm: (T, h) all-reduced over TP, or with
-        ``split`` (and `split_k`, no adapter on it) its (S, T, h) fp32 split-K partials."""
-        parts = split_parts(name, x.shape[0], x.shape[1]) if split and self.split_k and name not in lw.lora else 1
+        ``split`` (`_parts`) its (S, T, h) fp32 split-K partials."""
+        parts = self._parts(x, lw, name, split)
         if parts > 1:
             return split_k_linear(x, weight, parts)
         return self._all_reduce(self._linear(x, lw, name, weight))
