@@ -209,8 +209,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_
                    cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr,
                    sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale, n_splits,
                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr,
-                   QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
+                   QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -366,8 +366,9 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
         q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables,
         *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         s_cs, float(scale) * LOG2E, splits, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None,
-        QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None, DIRECT=splits == 1, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n,
-        BLOCK_S=next_pow2(splits), F32_DOT=f32_dot(k_cache.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None, DIRECT=splits == 1,
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_pow2(splits),
+        F32_DOT=f32_dot(k_cache.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 

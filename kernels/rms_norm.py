@@ -8,8 +8,8 @@ works too):
 returns (y, s): the normed input of the next sublayer and the new residual
 stream. ``residual=None`` normalizes x alone (s = x). x may also be the S
 fp32 partial sums (S, T, h) of a split-K linear (`megarl.rollout.split_linear`):
-they are summed in order 0..S-1 in fp32 and rounded to the residual's dtype,
-which is what the linear's own output would hold, before the add. In fp32 these are exactly
+they are summed in order 0..S-1 in fp32 and rounded to the residual's dtype
+(what the linear's own output would hold) before the add. In fp32 these are exactly
 the numbers of ``s = residual + x; F.rms_norm(s, (h,), w, eps)``; in bf16 they
 round once where torch's composite rounds ``s * rsqrt(...)`` before the weight.
 

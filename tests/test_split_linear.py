@@ -50,7 +50,8 @@ def test_bf16_partials_match_cublas_to_one_rounding():
 
 
 def test_split_choice():
-    assert [split_parts("fc2", m, 8960) for m in (1, 32, 64, 96, 128, 256, 320, 512, 640)] == [2, 2, 2, 4, 4, 4, 2, 2, 1]
+    fc2 = [split_parts("fc2", m, 8960) for m in (1, 32, 64, 96, 128, 256, 320, 512, 640)]
+    assert fc2 == [2, 2, 2, 4, 4, 4, 2, 2, 1]
     assert [split_parts("proj", m, 1536) for m in (1, 128, 160, 256, 320)] == [3, 3, 2, 2, 1]
     assert split_parts("proj", 32, 64) == 2  # 3 does not divide 64: the next smaller that does
     assert split_parts("fc2", 128, 20) == 1  # no split into slices of a multiple of 8

@@ -1,7 +1,7 @@
 """Split-K linears whose reduction runs in the next kernel (the decode step on CUDA).
 
-At decode batch sizes a linear's M is small (32..512 rows), so cuBLAS gets few output tiles
-and splits K itself: one more launch (its reduction) per linear. Here the S partial products
+At decode batch sizes a linear's M is small (32..512 rows), so cuBLAS gets few output tiles:
+it leaves SMs idle or splits K itself, with one more launch for its reduction. Here the S partial products
 come out of one strided batched GEMM as fp32, (S, T, N), and the kernel that reads the
 linear's output anyway (the residual add + RMSNorm, `megarl.kernels.rms_norm`; for QKV the
 decode attention, `megarl.kernels.paged_decode`) sums them in order and rounds once: what the
