@@ -148,8 +148,8 @@ def main():
     a = ap.parse_args()
     out = {}
     for part in a.parts.split(","):
-        out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows, "splitk": splitk_rows,
-}[part]()
+        out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
+                     "splitk": splitk_rows}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 

@@ -19,8 +19,10 @@ on CPU the same calls run their torch specs). On CUDA decode steps at TP1 the
 QKV projection, the output projection and fc2 run split-K into fp32 partials
 that the next kernel sums (the decode attention, the add + RMSNorm;
 ``split_linear.py``): no reduction launch of cuBLAS's own. The QKV bias is then
-added as megatron adds it (to the rounded matmul output). Local-spec names (``input_layernorm.weight``) and TE's
-fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
+added as megatron adds it, to the rounded matmul output; elsewhere (prefill, an
+unsplit decode) ``F.linear`` adds it before its one rounding, as before: the two
+differ by one bf16 rounding of the bias add. Local-spec names
+(``input_layernorm.weight``) and TE's fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
 training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
 from __future__ import annotations
