@@ -38,6 +38,7 @@ setup(
         "sglang": ["sglang==0.5.23"],  # the release megarl/rollout/sglang.py is written against
         "mpi": ["mpi4py", "mpich"],
         "wandb": ["wandb"],  # trainer.wandb.enable=true
-        "dev": ["pytest", "triton", "wandb"],  # wandb: the offline-mode logging test
+        # wandb: the offline-mode logging test; pytest-xdist: the suite on 2 workers (half the time on 2 cores)
+        "dev": ["pytest", "pytest-xdist", "triton", "wandb"],
     },
 )
