@@ -92,6 +92,31 @@ def test_equals_two_launches(dtype, splits):
     assert torch.equal(kc_got.nan_to_num(), kc.nan_to_num()) and torch.equal(vc_got.nan_to_num(), vc.nan_to_num())
 
 
+def check_same_step(got_step, want_step, backend, dtype):
+    """(out, k_cache, v_cache) of two calls: fp32, the torch backend and the GPU bitwise; bf16 in the
+    interpreter within tolerance (it truncates fp32 -> bf16 where torch rounds)."""
+    (got, kc, vc), (want, kc_want, vc_want) = got_step, want_step
+    if dtype == torch.float32 or backend == "torch" or DEVICE == "cuda":
+        assert torch.equal(got, want)
+        for cache, ref in ((kc, kc_want), (vc, vc_want)):
+            assert torch.equal(cache.nan_to_num(), ref.nan_to_num())
+    else:  # truncations (the sum, + bias, the RoPE products) against torch's roundings
+        loose = dict(rtol=5e-2, atol=1e-1)
+        assert got.dtype == dtype and not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), **loose)
+        torch.testing.assert_close(kc.float(), kc_want.float(), equal_nan=True, **loose)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_rows_and_bias(backend, dtype):
+    """Plain (B, W) QKV rows plus a bias (an unsplit decode step): the kernel's bias add, after the
+    matmul's rounding as megatron adds it, equals the rows with the bias added first."""
+    step = decode_step(LENS, 16, 2, 6, 64, dtype, seed=4)
+    bias = queries(step[0].shape[1:], dtype, seed=10)
+    check_same_step(run(step, backend, 3, bias=bias), run((step[0] + bias, *step[1:]), backend, 3), backend, dtype)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_k_partials_and_bias(backend, dtype):
@@ -103,17 +128,7 @@ def test_split_k_partials_and_bias(backend, dtype):
     bias = queries(step[0].shape[1:], dtype, seed=10)
     rows = qkv_rows_ref(parts, bias, dtype)
     assert torch.equal(rows, ((parts[0] + parts[1]) + parts[2]).to(dtype) + bias)
-    want, kc_want, vc_want = run((rows, *step[1:]), backend, 3)
-    got, kc, vc = run((parts, *step[1:]), backend, 3, bias=bias)
-    if dtype == torch.float32 or backend == "torch" or DEVICE == "cuda":
-        assert torch.equal(got, want)
-        for cache, ref in ((kc, kc_want), (vc, vc_want)):
-            assert torch.equal(cache.nan_to_num(), ref.nan_to_num())
-    else:  # three truncations (the sum, + bias, the RoPE products) against torch's roundings
-        loose = dict(rtol=5e-2, atol=1e-1)
-        assert got.dtype == dtype and not got.isnan().any()
-        torch.testing.assert_close(got.float(), want.float(), **loose)
-        torch.testing.assert_close(kc.float(), kc_want.float(), equal_nan=True, **loose)
+    check_same_step(run((parts, *step[1:]), backend, 3, bias=bias), run((rows, *step[1:]), backend, 3), backend, dtype)
     with pytest.raises(ValueError, match="fp32 partials"):
         rope_paged_decode(parts.to(torch.float16), *step[1:], 0.1, 6)
     with pytest.raises(ValueError, match="bias must be"):

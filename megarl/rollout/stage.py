@@ -18,10 +18,10 @@ decode attention's launch on decode steps —, SiLU-mul;
 on CPU the same calls run their torch specs). On CUDA decode steps at TP1 the
 QKV projection, the output projection and fc2 run split-K into fp32 partials
 that the next kernel sums (the decode attention, the add + RMSNorm;
-``split_linear.py``): no reduction launch of cuBLAS's own. The QKV bias is then
-added as megatron adds it, to the rounded matmul output; elsewhere (prefill, an
-unsplit decode) ``F.linear`` adds it before its one rounding, as before: the two
-differ by one bf16 rounding of the bias add. Local-spec names
+``split_linear.py``): no reduction launch of cuBLAS's own. The QKV bias is
+added on every path as megatron's local-spec linear adds it, to the rounded
+matmul output (the decode attention kernel adds it on decode steps; prefill and
+Qwen3's q/k-norm add it after ``F.linear``). Local-spec names
 (``input_layernorm.weight``) and TE's fused ones (``linear_qkv.layer_norm_weight``) are both read. Tested against
 training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
@@ -195,11 +195,13 @@ class StageForward:
 
     def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache):
         t, g = h.shape[0], self.heads // self.kv_heads
-        parts = self._parts(h, lw, "qkv", batch.decode and lw.q_norm is None)
+        kernel_bias = batch.decode and lw.q_norm is None and "qkv" not in lw.lora  # the decode kernel adds it
+        parts = self._parts(h, lw, "qkv", kernel_bias)
         if parts > 1:  # (S, T, ng * (g + 2) * hn) partials; the attention kernel sums them, adds the bias
-            qkv, bias = split_k_linear(h, lw.qkv, parts), lw.qkv_bias
-        else:
-            qkv, bias = self._linear(h, lw, "qkv", lw.qkv, lw.qkv_bias), None  # (T, ng * (g + 2) * hn)
+            qkv = split_k_linear(h, lw.qkv, parts)
+        else:  # (T, ng * (g + 2) * hn)
+            qkv = self._linear(h, lw, "qkv", lw.qkv, None if kernel_bias else lw.qkv_bias)
+        bias = lw.qkv_bias if kernel_bias else None
         if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of queries and keys before RoPE, in place
             heads = qkv.view(t, self.kv_heads, g + 2, self.head_dim)
             heads[:, :, :g] = F.rms_norm(heads[:, :, :g], (self.head_dim,), lw.q_norm, self.eps)
@@ -233,7 +235,10 @@ class StageForward:
 
     @staticmethod
     def _linear(x, lw: LayerWeights, name: str, weight, bias=None):
-        out = F.linear(x, weight, bias)
+        """x W^T, then + bias (rounded twice, as megatron's column-parallel linear), then the adapter."""
+        out = F.linear(x, weight)
+        if bias is not None:
+            out = out + bias
         adapter = lw.lora.get(name)
         return out if adapter is None else out + adapter(x)
 
