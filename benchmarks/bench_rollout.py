@@ -87,7 +87,8 @@ def build_model(path: str, args):
 def make_engine(module, info, groups, args, max_len: int, max_batch: int):
     from megarl.rollout.native import EngineOptions, NativeEngine
 
-    options = EngineOptions(max_batch=max_batch, cuda_graphs=not args.eager, max_model_len=max_len)
+    options = EngineOptions(max_batch=max_batch, cuda_graphs=not args.eager, max_model_len=max_len,
+                            page_size=args.page_size)
     return NativeEngine(module, groups, info.vocab_size, [], 0, options)
 
 
@@ -306,6 +307,7 @@ def parse() -> argparse.Namespace:
                     help="requests of the ragged runs per slot: the drain tail's share shrinks as it grows")
     ap.add_argument("--admit-fractions", default="", help="comma list: ragged run again per scheduler.ADMIT_FRACTION")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (rollout.page_size)")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
     ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
     ap.add_argument("--work", default="/tmp/megarl_bench")
@@ -340,7 +342,7 @@ def main() -> None:
     rows += hf_rows(path, info, args)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "torch_threads": torch.get_num_threads(), "rows": rows}
+              "page_size": args.page_size, "torch_threads": torch.get_num_threads(), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(table(rows))
