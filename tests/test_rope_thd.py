@@ -34,3 +34,19 @@ def test_installed_by_the_model_builder():
 
     assert rope_utils._apply_rotary_pos_emb_thd is packed_rope
     assert rope_utils._apply_rotary_pos_emb_bshd is padded_rope
+
+
+def test_positions_made_once_per_micro_batch():
+    from megarl.models import rope_thd
+
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    first = rope_thd._packed_positions(cu, 9, False, cu.device)
+    assert first.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
+    assert rope_thd._packed_positions(cu, 9, False, cu.device) is first  # every layer of the micro-batch
+    assert rope_thd._packed_positions(cu, 9, True, cu.device).tolist() == list(range(9))
+    cu[1] = 2  # the same tensor changed in place: made again
+    assert rope_thd._packed_positions(cu, 9, False, cu.device).tolist() == [0, 1, 0, 1, 0, 1, 2, 3, 4]
+    other = torch.tensor([0, 9], dtype=torch.int32)  # another micro-batch
+    assert rope_thd._packed_positions(other, 9, False, other.device).tolist() == list(range(9))
+    assert rope_thd._padded_positions(3, 2, cu.device).tolist() == [0, 0, 1, 1, 2, 2]
+    assert rope_thd._padded_positions(3, 2, cu.device) is rope_thd._padded_positions(3, 2, cu.device)
