@@ -50,3 +50,17 @@ def test_positions_made_once_per_micro_batch():
     assert rope_thd._packed_positions(other, 9, False, other.device).tolist() == list(range(9))
     assert rope_thd._padded_positions(3, 2, cu.device).tolist() == [0, 0, 1, 1, 2, 2]
     assert rope_thd._padded_positions(3, 2, cu.device) is rope_thd._padded_positions(3, 2, cu.device)
+
+
+def test_positions_of_inference_mode_stay_there():
+    from megarl.models import rope_thd
+
+    with torch.inference_mode():
+        inside = rope_thd._padded_positions(4, 1, torch.device("cpu"))
+    outside = rope_thd._padded_positions(4, 1, torch.device("cpu"))
+    # the RoPE kernel saves positions for backward, which an inference tensor cannot be
+    assert inside.is_inference() and not outside.is_inference()
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with torch.inference_mode():
+        packed_inside = rope_thd._packed_positions(cu, 4, False, cu.device)
+    assert packed_inside.is_inference() and not rope_thd._packed_positions(cu, 4, False, cu.device).is_inference()

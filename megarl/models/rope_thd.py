@@ -70,7 +70,7 @@ _PADDED: dict = {}  # key -> positions
 def _packed_positions(cu_seqlens: torch.Tensor, total: int, per_token: bool, dev: torch.device) -> torch.Tensor:
     """(total,) long: each packed token's index in the row if ``per_token`` (freqs already hold
     every token's angle), else its index within its sequence (cu_seqlens (n + 1,))."""
-    key = (cu_seqlens._version, total, per_token, dev)
+    key = (cu_seqlens._version, total, per_token, dev, torch.is_inference_mode_enabled())
     if _PACKED and _PACKED[0] is cu_seqlens and _PACKED[1] == key:
         return _PACKED[2]
     positions = torch.arange(total, device=dev)
@@ -84,7 +84,7 @@ def _packed_positions(cu_seqlens: torch.Tensor, total: int, per_token: bool, dev
 
 def _padded_positions(s: int, b: int, dev: torch.device) -> torch.Tensor:
     """(s * b,) long: the position of each token of padded [s, b] rows, row-major."""
-    key = (s, b, dev)
+    key = (s, b, dev, torch.is_inference_mode_enabled())  # an inference tensor cannot be saved for backward
     if key not in _PADDED:
         _PADDED.clear()
         _PADDED[key] = torch.arange(s, device=dev).repeat_interleave(b)
