@@ -60,35 +60,38 @@ def padded_rope(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool =
     return rope(t.reshape(s * b, h, d), positions, *_tables(freqs, t.dtype)).view(s, b, h, d)
 
 
-# The last positions made (one entry each): every layer's queries and keys of a micro-batch share
+# The last positions made, per layout: every layer's queries and keys of a micro-batch share
 # them. Made per call, a 28-layer 1.5B actor update of 8 packed micro-batches built them 448 times
-# (~2,000 small launches of a host-bound update; H200 profile, 2026-12-02).
-_PACKED: list = []  # [cu_seqlens (held, so its memory cannot be reused), key, positions]
-_PADDED: dict = {}  # key -> positions
+# (~2,000 small launches of a host-bound update; H200 profile, 2026-12-02). Keyed on inference
+# mode too: the RoPE kernel saves positions for backward, which an inference tensor cannot be.
+_POSITIONS: dict = {}  # layout -> (anchor, held so its memory cannot be reused; key; positions)
+
+
+def _remembered(layout: str, anchor, key: tuple, make) -> torch.Tensor:
+    held = _POSITIONS.get(layout)
+    key = (*key, torch.is_inference_mode_enabled())
+    if held is None or held[0] is not anchor or held[1] != key:
+        _POSITIONS[layout] = held = (anchor, key, make())
+    return held[2]
 
 
 def _packed_positions(cu_seqlens: torch.Tensor, total: int, per_token: bool, dev: torch.device) -> torch.Tensor:
     """(total,) long: each packed token's index in the row if ``per_token`` (freqs already hold
     every token's angle), else its index within its sequence (cu_seqlens (n + 1,))."""
-    key = (cu_seqlens._version, total, per_token, dev, torch.is_inference_mode_enabled())
-    if _PACKED and _PACKED[0] is cu_seqlens and _PACKED[1] == key:
-        return _PACKED[2]
-    positions = torch.arange(total, device=dev)
-    if not per_token:  # freqs per position 0..S-1: every sequence starts at 0
-        cu = cu_seqlens.to(dev)
+    def make():
+        positions = torch.arange(total, device=dev)
+        if per_token:
+            return positions
+        cu = cu_seqlens.to(dev)  # freqs per position 0..S-1: every sequence starts at 0
         lengths = (cu[1:] - cu[:-1]).long()
-        positions = positions - torch.repeat_interleave(cu[:-1].long(), lengths, output_size=total)
-    _PACKED[:] = [cu_seqlens, key, positions]
-    return positions
+        return positions - torch.repeat_interleave(cu[:-1].long(), lengths, output_size=total)
+
+    return _remembered("packed", cu_seqlens, (cu_seqlens._version, total, per_token, dev), make)
 
 
 def _padded_positions(s: int, b: int, dev: torch.device) -> torch.Tensor:
     """(s * b,) long: the position of each token of padded [s, b] rows, row-major."""
-    key = (s, b, dev, torch.is_inference_mode_enabled())  # an inference tensor cannot be saved for backward
-    if key not in _PADDED:
-        _PADDED.clear()
-        _PADDED[key] = torch.arange(s, device=dev).repeat_interleave(b)
-    return _PADDED[key]
+    return _remembered("padded", None, (s, b, dev), lambda: torch.arange(s, device=dev).repeat_interleave(b))
 
 
 _TABLES: dict = {}  # the last freqs tensor seen (held, so its memory cannot be reused) -> its tables
