@@ -53,6 +53,11 @@ def _cpu_device_args(args, kwargs):
 
 
 _NO_KWARGS: dict = {}  # read only
+# A mode is off while its handler runs, and torch >= 2.13 sends backward() through the handler:
+# the Python autograd Functions it runs (megatron's linears, recompute) would see no mode. These
+# calls go on with the mode back on, one dispatch hop skipped (torch.overrides' documented pattern).
+_AUTOGRAD_ENTRIES = (torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward)
+_redispatch = getattr(torch.overrides, "redispatch_function", None)
 
 
 class CudaOnCpuMode(TorchFunctionMode):
@@ -67,6 +72,9 @@ class CudaOnCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], int):
             args = (args[0],) + args[2:]  # .to(local_rank) means "to this GPU"
         args, kwargs = _cpu_device_args(args, kwargs)
+        if func in _AUTOGRAD_ENTRIES and _redispatch is not None:
+            with self:
+                return _redispatch(func, types, args, kwargs)
         return func(*args, **kwargs)
 
 

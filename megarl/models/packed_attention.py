@@ -8,7 +8,8 @@ only to its own keys. :func:`packed_attention_ref` runs one SDPA per sequence
 :func:`packed_attention` picks varlen where it applies (CUDA, half precision,
 no dropout, queries and keys with the same boundaries) and the reference
 elsewhere. The varlen signature changed across torch releases (2.9:
-``is_causal``; later: keyword ``window_size``, ``scale``, ``enable_gqa``);
+``is_causal``; later: keyword ``window_size``, ``scale``, ``enable_gqa``; grouped K/V
+heads go in as they are on every one of them);
 :func:`packed_attention_varlen` adapts to the installed one.
 """
 from __future__ import annotations
@@ -73,8 +74,8 @@ def packed_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     kwargs = {}
     if "enable_gqa" in params:
         kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
-    elif k.shape[1] != q.shape[1]:  # older torch: expand the key/value groups
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    # Older torch (2.9-2.11) has no enable_gqa but hands k / v unchanged to flash varlen, which
+    # takes grouped heads (and sums dk / dv over a group): no copy of the K/V groups either way.
     if "scale" in params:
         kwargs["scale"] = scale
     elif not math.isclose(scale, 1.0 / math.sqrt(q.shape[-1])):

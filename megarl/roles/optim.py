@@ -18,6 +18,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.config import OptimConfig
+from megarl.roles import apex_free
 from megarl.distributed import ParallelGroups, device
 
 
@@ -96,6 +97,7 @@ def build_trainable(module, groups: ParallelGroups, optim: OptimConfig, total_st
     """Wraps ``module`` (a megatron-core model on this rank) for training."""
     module.config.calculate_per_token_loss = True  # read by DDP: sum, don't average
     model = wrap_ddp(module, groups, distributed_optimizer)
+    apex_free.fuse_wgrad(module)  # after DDP: needs each weight's main_grad
     dtype = module.config.params_dtype
     config = OptimizerConfig(
         optimizer="adam",
