@@ -3,20 +3,16 @@
 q ``[t, np, hn]``, k/v ``[t, ng, hn]`` hold sequences back to back; sequence
 i occupies rows ``cu_q[i]:cu_q[i+1]`` (keys ``cu_kv[i]:cu_kv[i+1]``) and attends
 only to its own keys. :func:`packed_attention_ref` runs one SDPA per sequence
-(the spec, and the CPU path); :func:`packed_attention_varlen` is one call of
-``torch.nn.attention.varlen.varlen_attn`` (flash varlen, CUDA, fp16/bf16).
-:func:`packed_attention` picks varlen where it applies (CUDA, half precision,
-no dropout, queries and keys with the same boundaries) and the reference
-elsewhere. The varlen signature changed across torch releases (2.9:
-``is_causal``; later: keyword ``window_size``, ``scale``, ``enable_gqa``; grouped K/V
-heads go in as they are on every one of them);
-:func:`packed_attention_varlen` adapts to the installed one.
+(the spec, and the CPU path); :func:`packed_attention_varlen` is flash
+varlen attention (CUDA, fp16/bf16), called through its two aten ops (the ones
+``torch.nn.attention.varlen.varlen_attn`` calls, without its custom-op glue).
+:func:`packed_attention` picks varlen where it applies (CUDA sm80+, half
+precision, no dropout, queries and keys with the same boundaries) and the
+reference elsewhere.
 """
 from __future__ import annotations
 
 import functools
-import inspect
-import math
 from typing import Optional
 
 import torch
@@ -51,41 +47,58 @@ def _sdpa(q, k, v, causal: bool, scale: float, dropout: float):
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-@functools.lru_cache(maxsize=1)
-def _varlen():
-    """(varlen_attn, its parameter names), or None when this torch has none."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
-
-
 def varlen_available(q: torch.Tensor, dropout: float = 0.0) -> bool:
-    """Whether :func:`packed_attention_varlen` runs these queries (flash varlen: CUDA, fp16/bf16)."""
-    return _varlen() is not None and q.is_cuda and q.dtype in _HALF and dropout == 0.0
+    """Whether :func:`packed_attention_varlen` runs these queries (flash: sm80+, fp16/bf16, head dim <= 256)."""
+    hn = q.shape[-1]
+    return (q.is_cuda and q.dtype in _HALF and dropout == 0.0 and hn % 8 == 0 and hn <= 256
+            and _flash_device(q.device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_device(index: Optional[int]) -> bool:
+    return (hasattr(torch.ops.aten, "_flash_attention_forward")
+            and torch.cuda.get_device_capability(index)[0] >= 8)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Flash varlen forward and backward as two aten calls.
+
+    ``torch.nn.attention.varlen.varlen_attn`` wraps the same two ops in a
+    ``torch.library`` custom op whose Python glue took ~0.47 ms of host time
+    per layer and micro-batch beyond the two ops (forward 0.34 ms vs flash's
+    0.07, backward 0.29 vs 0.09; torch 2.11, profile of the 1.5B actor update
+    on the H200, 2026-12-02: ~105 ms of a launch-bound 1.38 s update), and it
+    makes a zero rng-state tensor per call. Grouped K/V heads go in as they are
+    (flash sums dk / dv over a group); dropout is 0, so rng_state is unused.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, causal: bool, scale: float):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_kv, max_q, max_kv, 0.0, causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, rng_state, unused)
+        ctx.args = (max_q, max_kv, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_kv, rng_state, unused = ctx.saved_tensors
+        max_q, max_kv, causal, scale = ctx.args
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu_q, cu_kv, max_q, max_kv, 0.0, causal, rng_state, unused,
+            scale=scale)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def packed_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                             cu_kv: torch.Tensor, max_q: int, max_kv: int, causal: bool,
                             scale: float) -> torch.Tensor:
-    """:func:`packed_attention_ref` as one ``varlen_attn`` call (no dropout)."""
-    fn, params = _varlen()
-    kwargs = {}
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
-    # Older torch (2.9-2.11) has no enable_gqa but hands k / v unchanged to flash varlen, which
-    # takes grouped heads (and sums dk / dv over a group): no copy of the K/V groups either way.
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif not math.isclose(scale, 1.0 / math.sqrt(q.shape[-1])):
-        raise ValueError("this torch's varlen_attn has no scale argument; use the per-sequence SDPA path")
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
-    else:
-        kwargs["is_causal"] = causal
+    """:func:`packed_attention_ref` as one flash varlen call (no dropout; :func:`varlen_available`)."""
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"packed attention: {q.shape[1]} query heads are not groups of {k.shape[1]} K/V heads")
     cu_q, cu_kv = cu_q.to(q.device, torch.int32), cu_kv.to(q.device, torch.int32)
-    return fn(q, k, v, cu_q, cu_kv, max_q, max_kv, **kwargs)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _FlashVarlen.apply(q, k, v, cu_q, cu_kv, int(max_q), int(max_kv), causal, float(scale))
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
