@@ -16,7 +16,8 @@ once) plus the live K/V of the batch, averaged over the steps — over
 slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
 then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
 does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
-one (``of_fixed``); each is timed on its second run. Every CUDA-graph bucket is captured before the
+one (``of_fixed``), beside the most that in-order admission allows for those
+lengths (``fifo_slot_bound``); each is timed on its second run. Every CUDA-graph bucket is captured before the
 timed runs.
 ``--profile B`` takes one decode step at batch B apart: device time of its
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
@@ -31,6 +32,7 @@ benchmarks/make_checkpoint.py.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import subprocess
@@ -165,6 +167,7 @@ def ragged_rows(module, info, groups, args) -> list[dict]:
     for name, limits in cases.items():
         rows.append(_ragged_run(engine, prompts, name, limits, b))
     rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    rows[-1]["fifo_slot_bound"] = fifo_slot_bound(cases["megarl-ragged"], b)
     for fraction in args.admit_fractions:  # the scheduler's admission constant, tried on the ragged case
         default, scheduler.ADMIT_FRACTION = scheduler.ADMIT_FRACTION, fraction
         try:
@@ -174,6 +177,16 @@ def ragged_rows(module, info, groups, args) -> list[dict]:
         rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     engine.release_memory()
     return rows
+
+
+def fifo_slot_bound(limits: list[int], slots: int) -> float:
+    """Useful share of slot-steps when each request, in order, takes the first free slot: sum(limits) over
+    slots x the last finish (decode steps; no prefill cost, no step cheaper at a small batch). ``of_fixed``
+    cannot pass this without knowing lengths up front, which a sampler that stops at EOS does not."""
+    free_at = [0] * slots  # heap: the step each slot frees up
+    for n in limits:
+        heapq.heappush(free_at, heapq.heappop(free_at) + n)
+    return sum(limits) / (slots * max(free_at))
 
 
 def _ragged_run(engine, prompts, name: str, limits: list[int], b: int) -> dict:
@@ -285,12 +298,16 @@ def table(rows: list[dict]) -> str:
     def cell(r, key, fmt, width):
         return f"{r[key]:{width}{fmt}}" if r.get(key) is not None else " " * width
 
-    lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'replay ms':>10} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"]
+    def pct(r, key):
+        return f"{100 * r[key]:7.1f}%" if r.get(key) is not None else " " * 8
+
+    lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'replay ms':>10} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"
+             f" {'% fixed':>8} {'FIFO max':>8}"]
     for r in rows:
-        pct = f"{100 * r['floor_fraction']:7.1f}%" if "floor_fraction" in r else " " * 8
         lines.append(f"{r['provider']:>22} {r['batch']:>5} {cell(r, 'ms_per_step', '.2f', 9)} "
                      f"{cell(r, 'replay_ms', '.2f', 10)} {cell(r, 'tokens_per_s', '.0f', 10)} "
-                     f"{cell(r, 'floor_ms', '.3f', 9)} {pct}")
+                     f"{cell(r, 'floor_ms', '.3f', 9)} {pct(r, 'floor_fraction')} {pct(r, 'of_fixed')} "
+                     f"{pct(r, 'fifo_slot_bound')}".rstrip())
     return "\n".join(lines)
 
 
