@@ -118,6 +118,26 @@ def test_decode_matches_ref(backend, dtype, page, hq, hkv):
     assert (got[0] == 0).all()
 
 
+def test_decode_torch_plan_follows_the_table():
+    """The torch backend keeps the last (block table, lengths) gather plan: every layer of a step passes the
+    same two tensors. An in-place change to either (the next step's), or new tensors, must not reuse it."""
+    from megarl.kernels.paged_decode import paged_decode_attention_torch
+
+    kc, vc, table, sl = paged([5, 20, 33], 8, 2, 16, torch.float32)
+    q = queries((3, 4, 16), torch.float32)
+    for _ in range(2):  # two "layers": the second call reuses the plan
+        check(paged_decode_attention_torch(q, kc, vc, table, sl, 0.25),
+              paged_decode_attention_ref(q, kc, vc, table, sl, 0.25), torch.float32)
+    sl -= torch.tensor([1, 4, 2], dtype=torch.int32, device=sl.device)  # in place: the next step's lengths
+    table[1, :2] = table[1, :2].flip(0)  # in place: pages of row 1 swapped
+    check(paged_decode_attention_torch(q, kc, vc, table, sl, 0.25),
+          paged_decode_attention_ref(q, kc, vc, table, sl, 0.25), torch.float32)
+    short = sl.clone()
+    short[2] = 9  # a new lengths tensor
+    check(paged_decode_attention_torch(q, kc, vc, table, short, 0.25),
+          paged_decode_attention_ref(q, kc, vc, table, short, 0.25), torch.float32)
+
+
 @needs_triton
 @pytest.mark.parametrize("splits", [1, 3, 7])
 def test_decode_splits_merge(splits):
