@@ -18,8 +18,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.config import OptimConfig
-from megarl.roles import apex_free
 from megarl.distributed import ParallelGroups, device
+from megarl.roles import apex_free
 
 
 @dataclass
