@@ -4,7 +4,8 @@
 torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
 on a free port), calls ``fn(rank, *args)`` in each and returns the list of
 return values by rank. A failure on any rank fails the caller with that
-rank's traceback.
+rank's traceback; one start whose port was taken before rank 0 listened on it
+is tried again on another port.
 """
 from __future__ import annotations
 
@@ -36,7 +37,22 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 600):
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the chosen port: something took it after ``free_port`` saw it free."""
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 600, attempts: int = 3):
+    """Results by rank; a start whose rendezvous port was taken in the meantime (a race with other
+    tests' sockets under pytest-xdist) is retried on a new port, up to ``attempts`` times."""
+    for attempt in range(attempts):
+        try:
+            return _spawn_once(fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt + 1 == attempts:
+                raise
+
+
+def _spawn_once(fn, world_size: int, args: tuple, timeout: float):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -51,7 +67,8 @@ def spawn(fn, world_size: int, *args, timeout: float = 600):
         for _ in range(world_size):
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                kind = _PortTaken if "EADDRINUSE" in value else RuntimeError
+                raise kind(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
         for p in procs:
