@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
+from megarl.kernels.memo import remembered
 from megarl.kernels.rms_norm import sum_parts_ref
 from megarl.kernels.rope_cache import check_rope_inputs, qkv_values, rope_cache_ref, rope_rows, rope_tables
 
@@ -201,25 +202,20 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, sca
     return torch.where(seq_lens[:, None, None] > 0, out, 0.0).to(q.dtype)
 
 
-# The last gather plan made: every layer of a decode step passes the same block table and lengths.
-# Made per layer it was ~8 small ops each time (tiny model, B = 32, CPU: ~60 us of a ~1.2 ms layer).
-_PLAN: dict = {}
-
-
 def _gather_plan(block_table, seq_lens, page: int):
     """(B * N,) cache slots of every row's N = max_pages * page positions (dead ones: the row's first
-    slot) and the (B, 1, 1, N) additive mask (0 live, -inf dead; SDPA gives the bits of the bool mask)."""
-    key = (block_table._version, seq_lens._version, page, tuple(block_table.shape))
-    held = _PLAN.get("last")
-    if held is not None and held[0] is block_table and held[1] is seq_lens and held[2] == key:
-        return held[3]
-    pos = torch.arange(block_table.shape[1] * page, device=block_table.device)  # (N,)
-    live = pos < seq_lens[:, None]  # (B, N)
-    slot = block_table.long().repeat_interleave(page, dim=1) * page + pos % page  # (B, N) into (P * page)
-    slot = torch.where(live, slot, slot[:, :1]).view(-1)
-    mask = torch.zeros(live.shape, device=live.device).masked_fill_(~live, float("-inf"))[:, None, None, :]
-    _PLAN["last"] = (block_table, seq_lens, key, (slot, mask))
-    return slot, mask
+    slot) and the (B, 1, 1, N) additive mask (0 live, -inf dead; SDPA gives the bits of the bool mask).
+    Made once per decode step: every layer passes the same block table and lengths (made per layer it
+    was ~8 small ops each time; tiny model, B = 32, CPU: ~60 us of a ~1.2 ms layer)."""
+    def make():
+        pos = torch.arange(block_table.shape[1] * page, device=block_table.device)  # (N,)
+        live = pos < seq_lens[:, None]  # (B, N)
+        slot = block_table.long().repeat_interleave(page, dim=1) * page + pos % page  # (B, N) into (P * page)
+        slot = torch.where(live, slot, slot[:, :1]).view(-1)
+        mask = torch.zeros(live.shape, device=live.device).masked_fill_(~live, float("-inf"))[:, None, None, :]
+        return slot, mask
+
+    return remembered("paged decode plan", (block_table, seq_lens), (page, tuple(block_table.shape)), make)
 
 
 # ---- decode: Triton ----

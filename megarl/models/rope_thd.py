@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from megarl.kernels.memo import remembered
 from megarl.kernels.rope import rope, rope_tables
 
 _MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
@@ -60,19 +61,12 @@ def padded_rope(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool =
     return rope(t.reshape(s * b, h, d), positions, *_tables(freqs, t.dtype)).view(s, b, h, d)
 
 
-# The last positions made, per layout: every layer's queries and keys of a micro-batch share
-# them. Made per call, a 28-layer 1.5B actor update of 8 packed micro-batches built them 448 times
-# (~2,000 small launches of a host-bound update; H200 profile, 2026-12-02). Keyed on inference
-# mode too: the RoPE kernel saves positions for backward, which an inference tensor cannot be.
-_POSITIONS: dict = {}  # layout -> (anchor, held so its memory cannot be reused; key; positions)
-
-
-def _remembered(layout: str, anchor, key: tuple, make) -> torch.Tensor:
-    held = _POSITIONS.get(layout)
-    key = (*key, torch.is_inference_mode_enabled())
-    if held is None or held[0] is not anchor or held[1] != key:
-        _POSITIONS[layout] = held = (anchor, key, make())
-    return held[2]
+# Every layer's queries and keys of a micro-batch share their positions, so they are made once
+# (`remembered`). Made per call, a 28-layer 1.5B actor update of 8 packed micro-batches built them
+# 448 times (~2,000 small launches of a host-bound update; H200 profile, 2026-12-02). Keyed on
+# inference mode too: the RoPE kernel saves positions for backward, which an inference tensor cannot be.
+def _positions(layout: str, anchors: tuple, key: tuple, make) -> torch.Tensor:
+    return remembered(("rope positions", layout), anchors, (*key, torch.is_inference_mode_enabled()), make)
 
 
 def _packed_positions(cu_seqlens: torch.Tensor, total: int, per_token: bool, dev: torch.device) -> torch.Tensor:
@@ -86,23 +80,19 @@ def _packed_positions(cu_seqlens: torch.Tensor, total: int, per_token: bool, dev
         lengths = (cu[1:] - cu[:-1]).long()
         return positions - torch.repeat_interleave(cu[:-1].long(), lengths, output_size=total)
 
-    return _remembered("packed", cu_seqlens, (cu_seqlens._version, total, per_token, dev), make)
+    return _positions("packed", (cu_seqlens,), (total, per_token, dev), make)
 
 
 def _padded_positions(s: int, b: int, dev: torch.device) -> torch.Tensor:
     """(s * b,) long: the position of each token of padded [s, b] rows, row-major."""
-    return _remembered("padded", None, (s, b, dev), lambda: torch.arange(s, device=dev).repeat_interleave(b))
-
-
-_TABLES: dict = {}  # the last freqs tensor seen (held, so its memory cannot be reused) -> its tables
+    return _positions("padded", (), (s, b, dev), lambda: torch.arange(s, device=dev).repeat_interleave(b))
 
 
 def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (S, D) in ``dtype`` of megatron's (S, 1, 1, D) angles, made once per freqs tensor."""
-    held = _TABLES.get(dtype)
-    if held is None or held[0] is not freqs or held[1] != freqs._version:
-        _TABLES[dtype] = (freqs, freqs._version, rope_tables(freqs.view(freqs.shape[0], -1), dtype))
-    return _TABLES[dtype][2]
+    """cos, sin (S, D) in ``dtype`` of megatron's (S, 1, 1, D) angles, made once per freqs tensor
+    (megatron hands every layer the same cached one)."""
+    return remembered(("rope tables", dtype), (freqs,), (),
+                      lambda: rope_tables(freqs.view(freqs.shape[0], -1), dtype))
 
 
 def _fusable(t, freqs, rotary_interleaved: bool, multi_latent_attention: bool, mscale: float) -> bool:
