@@ -12,7 +12,8 @@ checkpoint; ms per token step = wall time / new tokens (prefill included);
 tokens/s = B * new tokens / wall time. The floor of a decode step is the bytes
 it must read once — every weight but the input embedding (tied heads count
 once) plus the live K/V of the batch, averaged over the steps — over
-4.24 TB/s. ``--ragged B`` adds two runs of W x B requests (``--ragged-waves`` W, default 4) on an engine of B
+4.24 TB/s (3.35 on an H100: `bench_kernels.hbm_bytes_per_s`). ``--ragged B``
+adds two runs of W x B requests (``--ragged-waves`` W, default 4) on an engine of B
 slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
 then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
 does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
@@ -43,7 +44,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-HBM_BYTES_PER_S = 4.24e12  # H200, measured device copy
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import HBM_BYTES_PER_S  # noqa: E402
 
 
 def checkpoint(shape: str, work: str, prompt_len: int) -> str:

@@ -59,6 +59,17 @@ NUM_STAGES = 2
 #   15.8 / 13.9 / 13.9 / 13.9 us at B=32;  31.0 / 29.9 / 34.5 / 35.1 at B=128;  86.6 / 86.7 /
 #   86.6 / 99 at B=512.  MIN_TILES_PER_SPLIT 1 = 2; 4 costs 13% at B=32.
 PROGRAMS_PER_SM = 2
+# One split once B * Hkv programs fill the SMs, and then 128-key tiles on 8 warps while there are at
+# most WIDE_ROWS_PER_SM programs per SM (one such program per SM: its two stages take 128 KiB).
+# H200 (2026-12-02), the decode step's form (`rope_paged_decode`, 3 fp32 QKV partials + bias),
+# us per call in a CUDA graph, S / BLOCK_N / warps; B = 128 at 128 / 384 / 640 keys:
+#   2 / 64 / 4 (the rule before)  12.7 / 22.2 / 31.0     1 / 64 / 4   11.1 / 23.5 / 34.4
+#   1 / 128 / 8                   10.9 / 20.5 / 29.5  <- chosen
+# B = 256, 384 keys: 1 / 64 / 4 33.9 (chosen), 1 / 128 / 8 37.4, 2 / 64 / 4 40.7;
+# B = 512, 384 / 640 keys: 1 / 64 / 4 63.9 / 96.9 (chosen), 1 / 128 / 8 68.2 / 100.9.
+WIDE_ROWS_PER_SM = 2
+WIDE_BLOCK_N = 128
+WIDE_NUM_WARPS = 8
 MAX_SPLITS = 32  # unswept: the bound only binds for B * Hkv < 9 on 132 SMs
 MIN_TILES_PER_SPLIT = 2
 CPU_SM_COUNT = 4  # interpreter runs: a stand-in SM count
@@ -329,6 +340,8 @@ def fit_keys(block_n: int, block_d: int, itemsize: int, stages: int) -> int:
 def decode_splits(batch: int, hkv: int, max_pages: int, page: int, device: torch.device,
                   block_n: int | None = None) -> int:
     """Split count S from shapes only (never from seq_lens): fill the SMs at small batch."""
+    if batch * hkv >= _sm_count(device):  # the rows alone fill every SM (WIDE_ROWS_PER_SM evidence above)
+        return 1
     want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(batch * hkv, 1))
     longest = triton.cdiv(triton.cdiv(max_pages * page, block_n or BLOCK_N), MIN_TILES_PER_SPLIT)
     return max(1, min(want, MAX_SPLITS, longest))
@@ -368,6 +381,9 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
     block_n = fit_keys(BLOCK_N, block_d, k_cache.element_size(), NUM_STAGES)
     max_pages = triton.cdiv(max_seqlen_k, page) if max_seqlen_k else block_table.shape[1]
     splits = num_splits or decode_splits(B, hkv, max_pages, page, q.device, block_n)
+    warps = NUM_WARPS
+    if splits == 1 and B * hkv <= WIDE_ROWS_PER_SM * _sm_count(q.device):
+        block_n, warps = fit_keys(WIDE_BLOCK_N, block_d, k_cache.element_size(), NUM_STAGES), WIDE_NUM_WARPS
     part = torch.empty(B, hkv * G, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(B, hkv * G, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     sem = split_semaphores(B * hkv, q.device) if splits > 1 else out
@@ -384,7 +400,7 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
         s_cs, float(scale) * LOG2E, splits, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None,
         QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None, DIRECT=splits == 1,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_pow2(splits),
-        F32_DOT=f32_dot(k_cache.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        F32_DOT=f32_dot(k_cache.dtype), num_warps=warps, num_stages=NUM_STAGES)
     return out
 
 
