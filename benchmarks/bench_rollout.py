@@ -18,8 +18,8 @@ slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
 then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
 does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
 one (``of_fixed``), beside the most that in-order admission allows for those
-lengths (``fifo_slot_bound``); each is timed on its second run. Every CUDA-graph bucket is captured before the
-timed runs.
+lengths (``fifo_slot_bound``); each is timed on its second run (``--ragged-unmixed``: the ragged run again
+with prefill steps that stop the decode). Every CUDA-graph bucket is captured before the timed runs.
 ``--profile B`` takes one decode step at batch B apart: device time of its
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
 and torch.profiler over replays (kernels per step in the JSON, the top kernels
@@ -33,6 +33,7 @@ benchmarks/make_checkpoint.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import os
@@ -170,6 +171,13 @@ def ragged_rows(module, info, groups, args) -> list[dict]:
         rows.append(_ragged_run(engine, prompts, name, limits, b))
     rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     rows[-1]["fifo_slot_bound"] = fifo_slot_bound(cases["megarl-ragged"], b)
+    if args.ragged_unmixed:  # prefill steps that stop the decode (rollout.mixed_prefill=false), for comparison
+        options, engine.options = engine.options, dataclasses.replace(engine.options, mixed_prefill=False)
+        try:
+            rows.append(_ragged_run(engine, prompts, "megarl-ragged-unmixed", cases["megarl-ragged"], b))
+        finally:
+            engine.options = options
+        rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     for fraction in args.admit_fractions:  # the scheduler's admission constant, tried on the ragged case
         default, scheduler.ADMIT_FRACTION = scheduler.ADMIT_FRACTION, fraction
         try:
@@ -324,6 +332,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--ragged", type=int, default=0, help="batch size of the ragged-length run (0: none)")
     ap.add_argument("--ragged-waves", type=int, default=4,
                     help="requests of the ragged runs per slot: the drain tail's share shrinks as it grows")
+    ap.add_argument("--ragged-unmixed", action="store_true",
+                    help="ragged run again with prefill steps that stop the decode (rollout.mixed_prefill=false)")
     ap.add_argument("--admit-fractions", default="", help="comma list: ragged run again per scheduler.ADMIT_FRACTION")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (rollout.page_size)")

@@ -10,7 +10,8 @@ re-allocated parameter makes ``update_weights`` raise instead of decoding
 stale weights (32 prompts that all decode 48 tokens: every decode batch is a
 bucket size, so graph and eager run the same GEMM shapes). With 8 slots the same
 prompts run in 4 waves, each refill launched before the last decode's tokens are
-read (its tokens fed to the next decode on the device): equal to eager too. The bf16
+read (its tokens fed to the next decode on the device): equal to eager too; and refills that
+carry the running sequences' decode rows (mixed steps, their tokens still on the device). The bf16
 rollout-vs-training log-prob gap is measured (not bitwise: the training forward
 uses other kernels). Skipped without CUDA.
 """
@@ -70,7 +71,16 @@ def _run(rank, ckpt, lora=False):
         out["waves_graph"] = [r.response_ids for r in refilled.generate(waves, greedy)]
         out["waves_eager"] = [r.response_ids for r in slots(False).generate(waves, greedy)]
         out["refills_ahead"] = refilled.stats["rollout/planned_ahead_prefills"]
-    # a padded prefill (19 prompts, ~550 tokens -> the 1,024-token, 24-row graph) against eager: first tokens
+        # mixed steps: 4 of 8 slots free at tokens 16 and 32; each refill of 4 prompts of 15 tokens
+        # carries the 4 running rows (64 tokens, 8 rows: a bucket exactly, so eager runs the same GEMMs)
+        prompts_15 = [torch.randint(5, 1000, (15,), generator=g).tolist() for _ in range(8)]
+        mixed = sample_requests([w.prompt for w in waves[:8]] + prompts_15, 1, 0, [16] * 4 + [48] * 4 + [16] * 8)
+        mixed_graph = slots(True)
+        out["mixed_graph"] = [r.response_ids for r in mixed_graph.generate(mixed, greedy)]
+        out["mixed_eager"] = [r.response_ids for r in slots(False).generate(mixed, greedy)]
+        out["mixed_steps"] = mixed_graph.stats["rollout/mixed_steps"]
+        out["mixed_ahead"] = mixed_graph.stats["rollout/planned_ahead_prefills"]
+    # a padded prefill (19 prompts, ~550 tokens -> the 640-token, 24-row graph) against eager: first tokens
     padded = sample_requests([p[:-3] for p in prompts[:19]], 1, 0, 1)
     first = [graphed.generate(padded, greedy), eager.generate(padded, greedy)]
     out["padded_first"] = [[(r.response_ids[0], r.logprobs[0]) for r in side] for side in first]
@@ -102,6 +112,7 @@ def test_graphs_equal_eager_and_follow_in_place_weight_updates(tmp_path):
     assert r["graph_steps"] > 0 and r["prefill_graph_steps"] > 0
     assert r["graph"] == r["eager"]
     assert r["refills_ahead"] >= 3 and r["waves_graph"] == r["waves_eager"]
+    assert r["mixed_steps"] == 2 and r["mixed_ahead"] >= 1 and r["mixed_graph"] == r["mixed_eager"]
     # padded to its bucket the prefill runs other GEMM shapes than eager: bf16 rounding apart, the same
     graph_first, eager_first = r["padded_first"]
     same = sum(g[0] == e[0] for g, e in zip(graph_first, eager_first))

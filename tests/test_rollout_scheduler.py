@@ -22,17 +22,17 @@ def _fake_tokens(plan):
 
 
 def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=(), pool=None, prefix_cache=False,
-         ahead=False):
+         ahead=False, mixed=False):
     """Generates with the fake model; (scheduler, pool, plans, finished sequences in order).
 
     ``ahead``: the engine's overlapped loop — a step's tokens are recorded only after the next
-    step is planned: a decode's pending inputs name rows of the device's outputs (decode rows
-    first, then the last prefill's from ``PREFILL_ROWS``), and a due refill is planned before a
-    pending decode is recorded (never before a pending prefill); every fed token is checked
-    against the sequence's final tokens at the end.
+    step is planned: a step's pending inputs name rows of the device's outputs (decode rows
+    first, then the last prefill's from ``PREFILL_ROWS``; a step reads them before it writes its
+    own), and a due refill is planned before the pending step is recorded; every fed token is
+    checked against the sequence's final tokens at the end.
     """
     pool = pool or PagePool(pages)
-    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(stop), prefix_cache)
+    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(stop), prefix_cache, mixed)
     seqs = [Sequence(i * n + j, i, list(p), seed=7 * i + 20 * j, max_new=max_new)
             for i, p in enumerate(prompts) for j in range(n)]
     for i in range(len(prompts)):
@@ -43,18 +43,18 @@ def _run(prompts, n, max_new, pages, max_seqs=8, max_tokens=64, stop=(), pool=No
     def launch(plan):  # returns the step's tokens, leaving them in the device's output rows
         plans.append(plan)
         toks = _fake_tokens(plan)
-        if plan.decode:  # what the device would feed
-            ids = plan.input_ids.copy()
-            if plan.src_rows is not None and (plan.src_rows >= 0).any():
-                ids = np.where(plan.src_rows >= 0, outputs[np.maximum(plan.src_rows, 0)], ids)
-            fed.extend((s, int(p), int(t)) for s, p, t in zip(plan.seqs, plan.positions, ids))
+        ids = plan.input_ids.copy()  # what the device would feed
+        if plan.src_rows is not None and (plan.src_rows >= 0).any():
+            ids = np.where(plan.src_rows >= 0, outputs[np.maximum(plan.src_rows, 0)], ids)
+        owners = [s for s, q in zip(plan.seqs, np.diff(plan.cu_seqlens_q)) for _ in range(q)]  # (T,)
+        fed.extend((s, int(p), int(t)) for s, p, t in zip(owners, plan.positions, ids))
         base = 0 if plan.decode else PREFILL_ROWS
         outputs[base:base + len(toks)] = toks
         return (plan, toks, np.zeros(len(toks), dtype=np.float32)), base
 
     while True:
         if pending is not None and not sched.can_plan_ahead():
-            refill = sched.plan_prefill() if ahead and pending[0].decode else None
+            refill = sched.plan_prefill() if ahead else None
             if refill is not None:
                 step, base = launch(refill)
                 sched.advance(refill, on_device=True, row_base=base)
@@ -100,10 +100,11 @@ def test_prefix_is_prefilled_once_and_partial_page_copied_on_write():
     assert pool.free == 31  # everything back (page 0 is scratch)
 
 
-def test_small_pool_preempts_and_results_do_not_change():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_small_pool_preempts_and_results_do_not_change(mixed):
     """6 prompts x 2 samples of up to 12 tokens with room for ~3 sequences: preemption, same tokens."""
     prompts = [[7] * (3 + i) for i in range(6)]
-    sched, pool, _, done = _run(prompts, n=2, max_new=12, pages=12, max_seqs=4, max_tokens=8)
+    sched, pool, _, done = _run(prompts, n=2, max_new=12, pages=12, max_seqs=4, max_tokens=8, mixed=mixed)
     big_sched, _, _, big_done = _run(prompts, n=2, max_new=12, pages=200, max_seqs=16)
     assert sched.preemptions > 0 and big_sched.preemptions == 0
     assert [s.generated for s in done] == [s.generated for s in big_done]
@@ -111,10 +112,13 @@ def test_small_pool_preempts_and_results_do_not_change():
     assert pool.free == 11
 
 
-def test_chunked_prefill_respects_the_token_budget():
-    sched, _, plans, done = _run([[3] * 21, [4] * 5], n=1, max_new=2, pages=40, max_tokens=8)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_chunked_prefill_respects_the_token_budget(mixed):
+    """Decode rows of a mixed step count against the budget too."""
+    sched, _, plans, done = _run([[3] * 21, [4] * 5], n=1, max_new=2, pages=40, max_tokens=8, mixed=mixed)
     assert all(len(p.input_ids) <= 8 for p in plans if not p.decode)
-    assert sum(len(p.input_ids) for p in plans if not p.decode) == 26
+    assert sum(len(p.input_ids) - p.decoding for p in plans if not p.decode) == 26
+    assert any(p.decoding for p in plans) == mixed
     assert [len(s.generated) for s in done] == [2, 2]
 
 
@@ -127,17 +131,22 @@ def test_stop_tokens_end_sequences_and_free_slots():
     assert pool.free == 19
 
 
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("max_seqs,pages", [(3, 40), (4, 7)])
-def test_planning_ahead_gives_the_same_responses(max_seqs, pages):
+def test_planning_ahead_gives_the_same_responses(max_seqs, pages, mixed):
     """The overlapped loop (tokens recorded a step late, fed from the device meanwhile) against
     the step-by-step one: stop tokens at varied steps, more requests than slots, and (7 pages) a
-    pool tight enough to preempt; same responses, finish reasons, and every page back."""
+    pool tight enough to preempt; same responses, finish reasons, and every page back. Mixed:
+    refills planned ahead decode the running sequences too, their tokens still pending."""
     prompts = [[1, 2], [3], [4, 5, 6], [7] * 9, [8, 9]]
     stops = [(7 * i + 20 * j + k) % 50 + 10 for i, j, k in ((0, 0, 2), (2, 1, 4), (3, 0, 0))]
-    runs = [_run(prompts, n=2, max_new=7, pages=pages, max_seqs=max_seqs, stop=stops, ahead=a) for a in (False, True)]
+    runs = [_run(prompts, n=2, max_new=7, pages=pages, max_seqs=max_seqs, stop=stops, ahead=a, mixed=mixed and a)
+            for a in (False, True)]
     (_, pool_a, _, sync), (sched_b, pool_b, plans_b, ahead) = runs
     assert any(p.decode and (p.src_rows >= 0).any() for p in plans_b)  # some steps were planned ahead
     assert any(p.decode and (p.src_rows >= PREFILL_ROWS).any() for p in plans_b)  # fed by a pending prefill
+    if mixed:  # a refill's decode rows fed from a pending decode
+        assert any(p.decoding and (p.src_rows[:p.decoding] >= 0).any() for p in plans_b)
     assert (sched_b.preemptions > 0) == (pages == 7)
     assert [(s.generated, s.finish) for s in ahead] == [(s.generated, s.finish) for s in sync]
     assert {s.finish for s in sync} == {"stop", "length"}
@@ -152,15 +161,17 @@ def test_pool_refuses_what_it_does_not_have():
         pool.alloc(1)
 
 
-def test_long_prompt_chunked_beside_decoding_sequences_in_a_tight_pool():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_long_prompt_chunked_beside_decoding_sequences_in_a_tight_pool(mixed):
     """Three short prompts decode while a 40-token prompt is prefilled in 8-token chunks, in a
     pool of 13 pages (the long one alone needs 7 with its response, every sample together ~20).
     Decode runs out of pages while the long prompt is half prefilled: that prompt gives its
     pages back first (and is recomputed later), then decoding sequences are preempted; every
-    response is still its seed's and every page comes back."""
+    response is still its seed's and every page comes back. (Mixed, the decode goes on during the
+    chunks, and one preemption is enough.)"""
     prompts = [[6] * 3, [7] * 5, [8] * 2, [5] * 40]
-    sched, pool, _, done = _run(prompts, n=2, max_new=10, pages=14, max_seqs=4, max_tokens=8)
-    assert sched.preemptions >= 2
+    sched, pool, _, done = _run(prompts, n=2, max_new=10, pages=14, max_seqs=4, max_tokens=8, mixed=mixed)
+    assert sched.preemptions >= (1 if mixed else 2)
     assert all(s.generated == _expected(s, 10) for s in done) and len(done) == 8
     assert pool.free == 13
 
@@ -180,6 +191,26 @@ def test_prefix_cache_reuses_earlier_pages_and_drops_them_on_forget():
     pool.forget()
     sched, _, _ = _run_on(pool, [turn2], max_new=3)
     assert sched.reused_tokens == 0
+
+
+def test_mixed_steps_decode_while_a_long_prompt_is_chunked():
+    """Two short prompts decode while a 40-token prompt is prefilled in chunks of 8 new tokens: every
+    chunk after the first carries a decode row of each running sequence (inside the budget), so the
+    short ones finish steps earlier than when the chunks stop their decode, with the same responses."""
+    prompts = [[6] * 3, [7] * 2, [5] * 40]
+    runs = {m: _run(prompts, n=1, max_new=12, pages=40, max_seqs=4, max_tokens=8, mixed=m) for m in (False, True)}
+    (_, _, plain_plans, plain), (sched, pool, plans, done) = runs[False], runs[True]
+    chunks = [p for p in plans if not p.decode and p.seqs[-1].prompt == prompts[2]]
+    assert [p.decoding for p in chunks] == [0] + [2] * (len(chunks) - 1)  # the first is the 3 prompts at once
+    assert all(len(p.input_ids) <= 8 for p in chunks)
+    assert all(len(p.sampled) >= p.decoding for p in chunks)
+    def finished_at(plans, rid):
+        return max(i for i, p in enumerate(plans) if any(s.rid == rid for s in p.sampled))
+
+    plain_chunks = [p for p in plain_plans if not p.decode]  # each after the first stops the decode for a step
+    assert finished_at(plans, 0) + len(plain_chunks) - 1 == finished_at(plain_plans, 0) == 16
+    assert [s.generated for s in done] == [s.generated for s in plain] == [_expected(s, 12) for s in done]
+    assert pool.free == 39 and not sched.running
 
 
 def _run_on(pool, prompts, max_new):

@@ -12,7 +12,7 @@ def engine_options(cfg: Config) -> EngineOptions:
     return EngineOptions(
         max_batch=r.max_batch, page_size=r.page_size, max_num_batched_tokens=r.max_num_batched_tokens,
         kv_cache_gb=r.kv_cache_gb, kv_cache_fraction=r.kv_cache_fraction, cuda_graphs=r.cuda_graphs,
-        prefix_cache=r.prefix_cache,
+        prefix_cache=r.prefix_cache, mixed_prefill=r.mixed_prefill,
         max_model_len=cfg.data.max_prompt_len + r.max_new_tokens,
     )
 

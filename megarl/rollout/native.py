@@ -4,7 +4,8 @@ Per ``generate`` call: requests (one sample each, with its own seed) go to a
 :class:`~megarl.rollout.scheduler.Scheduler` over a paged KV cache — requests
 whose prompts are identical, wherever they are in the list, as one group whose
 prompt is prefilled once and whose other members fork its pages;
-each step it plans a chunked prefill or a decode, the stage forward
+each step it plans a chunked prefill (which also decodes the running
+sequences: a mixed step, ``rollout.mixed_prefill``) or a decode, the stage forward
 (:mod:`megarl.rollout.stage`) runs it, and the fused sampler
 (``megarl.kernels.sampling``) picks each request's next token from its seed and
 token index alone — so a request's tokens do not depend on the batch it ran
@@ -35,6 +36,7 @@ from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
+from megarl.rollout.prefill_graphs import MAX_TOKENS as PREFILL_GRAPH_TOKENS
 from megarl.rollout.prefill_graphs import PrefillGraphs
 from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
 from megarl.rollout.stage import ForwardBatch, StageForward
@@ -51,6 +53,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: model max
     prefix_cache: bool = False  # keep full K/V pages across generate calls until the weights change
+    mixed_prefill: bool = True  # prefill steps also decode a token of every running sequence
 
 
 class NativeEngine:
@@ -118,7 +121,7 @@ class NativeEngine:
         # no module.eval(): the engine reads the weights, never calls a module (the train/eval walk
         # over ~430 modules cost ~2 ms per call on an H200 host)
         steps = {"prefill": 0, "prefill_tokens": 0, "prefill_graph": 0, "decode": 0, "graph": 0, "ahead": 0,
-                 "prefill_ahead": 0,
+                 "prefill_ahead": 0, "mixed": 0,
                  "prefill_s": 0.0, "sync_s": 0.0, "wait_s": 0.0, "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
         with torch.no_grad(), cpu_compat.paused():
             self._loop(sched, rows, steps, ahead=self._can_overlap(longest), feed=feed)
@@ -162,7 +165,7 @@ class NativeEngine:
         self._ensure_cache(needed, longest, min(o.max_batch, len(seqs)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
         sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens,
-                          max_pages, stops, prefix_cache=o.prefix_cache)
+                          max_pages, stops, prefix_cache=o.prefix_cache, mixed=o.mixed_prefill)
         for group in groups:
             sched.add_group(group)
         return sched
@@ -241,9 +244,11 @@ class NativeEngine:
         """Steps until every request is done. With ``ahead``, a decode step is launched before the
         previous one's tokens are read back: the host plans step t + 1 while the device runs t
         (the tokens it feeds stay on the device), then records t. A prefill through the prefill
-        graphs is launched the same way, ahead of a pending decode (a refill) or of nothing, but
-        never ahead of another prefill (they share output rows). ``steps`` gets the seconds spent
-        waiting for the device (``wait_s``) and in synchronous steps (``prefill_s``, ``sync_s``).
+        graphs is launched the same way, ahead of a pending step (a refill of at most the graphs'
+        tokens, so it always fits them; mixed, its decode rows read the pending tokens on the
+        device, a pending prefill's rows too: a replay reads them before it writes its own) or of
+        nothing. ``steps`` gets the seconds spent waiting for the device (``wait_s``) and in
+        synchronous steps (``prefill_s``, ``sync_s``).
         With ``feed`` (``serve``) each step starts by handing out the finished requests and taking
         follow-ups, before the plan-ahead check: a new request waits in the queue and is admitted
         like any refill (ahead of a pending decode, or after it is recorded)."""
@@ -266,13 +271,12 @@ class NativeEngine:
             if feed is not None:
                 feed.exchange(sched, idle=pending is None and not sched.has_work())
             if pending is not None and not sched.can_plan_ahead():
-                refill = sched.plan_prefill() if ahead and pending[0].decode else None
-                if refill is None or not self.prefill_graphs.fits(refill):
+                refill = sched.plan_prefill(PREFILL_GRAPH_TOKENS) if ahead else None
+                if refill is None:
                     record_pending()
                     pending = None
-                    if refill is not None:
-                        run_now(refill)
                     continue  # what it finished goes out (and may be answered) before the next plan
+                assert self.prefill_graphs.fits(refill)  # its rows may name pending tokens: no eager run
                 pending = self._launch_ahead(sched, refill, rows, steps, pending, record_pending)
                 continue
             if not sched.has_work():
@@ -302,21 +306,24 @@ class NativeEngine:
         return plan, launched
 
     def _launch(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
-        if not plan.decode:
-            steps["prefill"] += 1
-            steps["prefill_graph"] += 1
-            steps["prefill_tokens"] += len(plan.input_ids)
-            return self.prefill_graphs.launch(plan, rows)
-        steps["decode"] += 1
-        steps["graph"] += 1
+        self._count(plan, steps)
         if plan.copies[0]:
             self.cache.copy_pages(*plan.copies)
+        if not plan.decode:
+            steps["prefill_graph"] += 1
+            return self.prefill_graphs.launch(plan, rows)
+        steps["graph"] += 1
         return self.graphs.launch(plan, rows)
 
-    def _step(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
+    @staticmethod
+    def _count(plan: StepPlan, steps: dict) -> None:
         steps["decode" if plan.decode else "prefill"] += 1
         if not plan.decode:
-            steps["prefill_tokens"] += len(plan.input_ids)
+            steps["prefill_tokens"] += len(plan.input_ids) - plan.decoding
+            steps["mixed"] += plan.decoding > 0
+
+    def _step(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
+        self._count(plan, steps)
         if plan.copies[0]:
             self.cache.copy_pages(*plan.copies)
         if plan.decode and self.graphs is not None and self.graphs.fits(plan):
@@ -415,6 +422,7 @@ class NativeEngine:
             "rollout/prefill_graph_steps": float(steps["prefill_graph"]),
             "rollout/planned_ahead_prefills": float(steps["prefill_ahead"]),  # refills launched before a
             #                                                                   pending decode's tokens came back
+            "rollout/mixed_steps": float(steps["mixed"]),  # prefill steps that decoded the running sequences too
             "rollout/preemptions": float(sched.preemptions),
             # wall seconds of this call (timing/: run-dependent, unlike the counters)
             "timing/rollout_prefill": steps["prefill_s"], "timing/rollout_device_wait": steps["wait_s"],

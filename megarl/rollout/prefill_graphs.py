@@ -14,6 +14,10 @@ c >= max(N, S) rows:
 - sequences past N have no queries and no keys;
 - sampled rows past S read token 0, and their tokens are dropped.
 
+A mixed step's decode rows (``StepPlan.decoding``) are one-query sequences with their
+history; where such a row's token is still pending on the device (``src_rows``), the
+graph reads it from the decode graphs' outputs, as a decode replay does.
+
 The paged prefill kernel's grid is sized for t queries per sequence (its blocks
 past a sequence's queries exit at once). Prefills over ``MAX_TOKENS`` are
 device-bound and stay eager. The weights, the memory pool and the per-row
@@ -35,9 +39,11 @@ from megarl.rollout.stage import ForwardBatch
 # Token buckets. Eager prefills of 8k tokens and more run within ~15% of their kernel time on an
 # H200 (1.5B shape: 64 x 128 tokens 42.0 ms wall / 36.4 ms device), those of 1-2k tokens at 2-3x
 # it (16 x 64: 14.3 / 5.0 ms; 16 x 128: 24.0 / 9.1 ms): graphs go up to 2048 tokens.
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# Mixed steps add a decode row per running sequence (128 slots + 4 refills of 128 tokens: 640), so
+# from 128 up a bucket pads by at most a third, as the decode buckets do.
+TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 MAX_TOKENS = TOKEN_BUCKETS[-1]
-_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")  # (t,) each
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "src_rows")  # (t,) each
 _ROW_FIELDS = ("seq_lens", "cu_seqlens_q", "sample_rows", "seeds", "offsets")  # (c,) each, cu (c + 1,)
 
 
@@ -56,7 +62,10 @@ class PrefillGraphs:
             ((c, self.max_pages), torch.int32))]
         self.tokens, self.rows, self.table = (torch.zeros_like(h, device=dev) for h in self.host)
         self.sampled = decode.prefill_sampled  # (2, c) [tokens; log-probs] of the last stage
-        self.out = host_buffer((2 * c,), torch.float32, pin)  # one prefill in flight at a time
+        self.outputs = decode.outputs  # a mixed step's pending tokens: rows of the last decode
+        # tokens of two prefills, in turn: one may be launched while the last is still unrecorded
+        self.out = [host_buffer((2 * c,), torch.float32, pin) for _ in range(2)]
+        self.turn = 0
         self.copied = torch.cuda.Event() if pin else None  # the host buffers are free again
         stage = engine.stage
         self.hidden_in = torch.zeros(t, stage.hidden, dtype=stage.dtype, device=dev)
@@ -80,9 +89,11 @@ class PrefillGraphs:
     def launch(self, plan, rows) -> Launched:
         """Starts a prefill step (one stage, no PP) and returns at once; ``.result()`` waits. Until the
         next prefill replays, sampled row r's token stays at the decode graphs'
-        ``outputs[prefill_rows_base + r]``."""
+        ``outputs[prefill_rows_base + r]`` (the next prefill reads its pending rows there before it
+        writes its own)."""
         self._replay(plan, rows)
-        return Launched.copy_out(self.sampled, self.out, len(plan.sampled))
+        self.turn ^= 1
+        return Launched.copy_out(self.sampled, self.out[self.turn], len(plan.sampled))
 
     def _replay(self, plan, rows) -> None:
         """Captures the bucket's graph if new, loads the inputs (and with PP the hidden states), replays."""
@@ -102,7 +113,9 @@ class PrefillGraphs:
     def _body(self, t: int, c: int) -> None:
         """The prefill of this stage on t padded tokens and c padded rows of the static buffers."""
         engine, tok, row = self.engine, self.tokens[:, :t], self.rows
-        batch = ForwardBatch(tok[0], tok[1], tok[2], self.table[:c], row[0, :c], row[1, : c + 1], t, False,
+        src = tok[3]  # a mixed step's decode rows planned ahead: their tokens are still on the device
+        ids = torch.where(src >= 0, self.outputs.index_select(0, src.clamp(min=0)).long(), tok[0])
+        batch = ForwardBatch(ids, tok[1], tok[2], self.table[:c], row[0, :c], row[1, : c + 1], t, False,
                              engine.max_len)
         x = None if engine.groups.is_first_stage else self.hidden_in[:t]
         out = engine.compute(batch, x, row[2, :c])  # (c, V_padded) logits on the last stage
@@ -125,8 +138,11 @@ class PrefillGraphs:
         tok, row, table = (h.numpy() for h in self.host)
         n_tokens, n_seqs, n_sampled = len(plan.input_ids), len(plan.seqs), len(plan.sampled)
         tok[:, :t] = 0
-        for i, name in enumerate(_TOKEN_FIELDS):
+        for i, name in enumerate(_TOKEN_FIELDS[:3]):
             tok[i, :n_tokens] = getattr(plan, name)
+        tok[3, :t] = -1
+        if plan.src_rows is not None:
+            tok[3, :n_tokens] = plan.src_rows
         row[:, : c + 1] = 0
         row[0, :n_seqs] = plan.seq_lens
         row[1, : n_seqs + 1] = plan.cu_seqlens_q

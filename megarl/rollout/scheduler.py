@@ -7,7 +7,10 @@ A step is either a **prefill** (chunks of waiting sequences, at most
 ``max_tokens`` new tokens; a long prompt takes several steps) or a **decode**
 (one token for every running sequence). Prefill goes first whenever a waiting
 sequence fits: finished sequences free slots and pages, and the freed room is
-refilled at once. Requests of one prompt are one **group** (the engine forms
+refilled at once. With ``mixed`` a prefill step also decodes one token of every
+running sequence (a **mixed** step: those rows come first, one query each, and
+count against ``max_tokens``), so a refill no longer stops the decode for a
+forward of its own. Requests of one prompt are one **group** (the engine forms
 them): the leader is prefilled once and the others fork from it, sharing its
 pages. When a decode step needs more pages than are free, the most recently
 admitted sequences are **preempted**: their pages are released and they wait,
@@ -93,8 +96,9 @@ class StepPlan:
     seeds: np.ndarray  # (S,) int64
     offsets: np.ndarray  # (S,) int64 index of the token being sampled in its response
     copies: tuple[list[int], list[int]] = ((), ())  # copy-on-write pages (src, dst) before the step
-    src_rows: np.ndarray | None = None  # (N,) decode: row of the previous step's output holding the
-    #                                     fed token, -1 where input_ids has it (None: all in input_ids)
+    src_rows: np.ndarray | None = None  # (T,) row of the previous step's output holding the fed token,
+    #                                     -1 where input_ids has it (None: all in input_ids)
+    decoding: int = 0  # a mixed prefill: its first `decoding` seqs are running ones, one token each
     step: int = -1  # set by Scheduler.advance: its number among the steps advanced
 
 
@@ -102,8 +106,8 @@ class Scheduler:
     """Queues, slots and pages for one ``generate`` call."""
 
     def __init__(self, pool: PagePool, page_size: int, max_seqs: int, max_tokens: int,
-                 max_pages: int, stop_ids: set[int], prefix_cache: bool = False):
-        self.pool, self.page_size, self.prefix_cache = pool, page_size, prefix_cache
+                 max_pages: int, stop_ids: set[int], prefix_cache: bool = False, mixed: bool = False):
+        self.pool, self.page_size, self.prefix_cache, self.mixed = pool, page_size, prefix_cache, mixed
         self.reused_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.admit_slots = max(1, int(max_seqs * ADMIT_FRACTION))
@@ -133,9 +137,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def plan_prefill(self) -> StepPlan | None:
-        """A prefill of waiting sequences if one is due and fits now, else None (nothing is preempted)."""
-        return self._plan_prefill() if self.waiting else None
+    def plan_prefill(self, max_tokens: int | None = None) -> StepPlan | None:
+        """A prefill of waiting sequences if one is due and fits now, else None (nothing is preempted);
+        at most ``max_tokens`` new tokens when given (below the scheduler's own budget)."""
+        return self._plan_prefill(max_tokens) if self.waiting else None
 
     def next_step(self) -> StepPlan:
         while True:
@@ -173,10 +178,13 @@ class Scheduler:
                 break
         return len(self.free_slots) >= min(wanted, self.admit_slots)
 
-    def _plan_prefill(self) -> StepPlan | None:
+    def _plan_prefill(self, max_tokens: int | None = None) -> StepPlan | None:
         if not self._worth_admitting():
             return None
-        chunks, budget = [], self.max_tokens
+        budget = min(self.max_tokens, max_tokens or self.max_tokens)
+        decoding = self.mixed and 0 < len(self.running) < budget  # running rows ride along (mixed step)
+        budget -= len(self.running) if decoding else 0
+        chunks = []
         for seq in list(self.waiting):
             if budget == 0 or not self._admit(seq):
                 break
@@ -197,7 +205,12 @@ class Scheduler:
             budget -= take
             if seq.cached + take < tokens:
                 break  # the rest of this prompt goes in the next step
-        return self._prefill_plan(chunks) if chunks else None
+        if not chunks:
+            return None
+        # the prefill left a page per running sequence (reserve above), so this never preempts
+        decoding = decoding and len(self._decode_page_needs()) <= self.pool.free
+        copies = self._pages_for_decode() if decoding else ((), ())
+        return self._prefill_plan(chunks, list(self.running) if decoding else [], copies)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Cached full pages that start ``seq``'s tokens (at least its last token is left to compute)."""
@@ -218,8 +231,11 @@ class Scheduler:
             for page, key in zip(seq.pages, prefix_keys(seq.tokens, self.page_size, full)):
                 self.pool.register(page, key)
 
-    def _prefill_plan(self, chunks) -> StepPlan:
-        ids, pos, cu, sample_rows, sampled = [], [], [0], [], []
+    def _prefill_plan(self, chunks, decoding: list[Sequence], copies) -> StepPlan:
+        """Prompt chunks (seq, start, end), after one decode row of each of ``decoding`` (a mixed step)."""
+        d = len(decoding)
+        dec = np.array([s.slot for s in decoding], dtype=np.int64)  # (D,)
+        ids, pos, cu, sample_rows, sampled = [], [], [d], [], []
         for seq, start, end in chunks:
             tokens = seq.tokens
             ids += tokens[start:end]
@@ -229,18 +245,22 @@ class Scheduler:
                 group = [seq] + seq.forks
                 sample_rows += [cu[-1] - 1] * len(group)
                 sampled += group
-        seqs = [c[0] for c in chunks]
-        positions = np.array(pos, dtype=np.int64)
+        seqs = decoding + [c[0] for c in chunks]
+        positions = np.concatenate([self.lens[dec] - 1, np.array(pos, dtype=np.int64)])
         slots = np.array([s.slot for s in seqs])
-        seq_of_token = np.repeat(slots, np.diff(cu))
-        seq_lens = np.array([c[2] for c in chunks], dtype=np.int32)
+        cu_seqlens = np.concatenate([np.arange(d), cu]).astype(np.int32)
+        seq_of_token = np.repeat(slots, np.diff(cu_seqlens))
+        seq_lens = np.concatenate([self.lens[dec], [c[2] for c in chunks]]).astype(np.int32)
+        offsets = [len(s.generated) for s in sampled]
         return StepPlan(
-            decode=False, seqs=seqs, input_ids=np.array(ids, dtype=np.int64), positions=positions,
-            slot_mapping=self._cache_rows(seq_of_token, positions),
-            block_table=self._tables(slots, seq_lens), seq_lens=seq_lens,
-            cu_seqlens_q=np.array(cu, dtype=np.int32), sample_rows=np.array(sample_rows, dtype=np.int64),
-            sampled=sampled, seeds=np.array([s.seed for s in sampled], dtype=np.int64),
-            offsets=np.array([len(s.generated) for s in sampled], dtype=np.int64),
+            decode=False, seqs=seqs, input_ids=np.concatenate([self.last[dec], np.array(ids, dtype=np.int64)]),
+            positions=positions, slot_mapping=self._cache_rows(seq_of_token, positions),
+            block_table=self._tables(slots, seq_lens), seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
+            sample_rows=np.concatenate([np.arange(d), np.array(sample_rows, dtype=np.int64)]),
+            sampled=decoding + sampled, seeds=np.array([s.seed for s in decoding + sampled], dtype=np.int64),
+            offsets=np.concatenate([self.lens[dec] - self.prompt_len[dec], np.array(offsets, dtype=np.int64)]),
+            copies=copies, src_rows=np.concatenate([self.pending[dec], np.full(len(ids), -1)]) if d else None,
+            decoding=d,
         )
 
     # -- decode --------------------------------------------------------------
@@ -334,10 +354,11 @@ class Scheduler:
         in the step's output rows, ``row_base`` + row (the next decode reads them there)."""
         for seq, start, end in zip(plan.seqs, plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:]):
             seq.cached += int(end - start)
-            if not plan.decode:
-                self._remember(seq)  # full pages now computed, for requests that start the same way
         if not plan.decode:
-            self._start_decoding(plan)
+            prefilled = plan.seqs[plan.decoding:]
+            for seq in prefilled:
+                self._remember(seq)  # full pages now computed, for requests that start the same way
+            self._start_decoding(prefilled)
         slots = np.array([s.slot for s in plan.sampled], dtype=np.int64)
         self.lens[slots] += 1
         self.pending[slots] = row_base + np.arange(len(slots)) if on_device else -1
@@ -381,9 +402,9 @@ class Scheduler:
         self._free_slot(seq)
         self.done.append(seq)
 
-    def _start_decoding(self, plan: StepPlan) -> None:
+    def _start_decoding(self, prefilled: list[Sequence]) -> None:
         """Prefilled sequences (and their forks, sharing the pages) start decoding."""
-        for seq in plan.seqs:
+        for seq in prefilled:
             if seq.cached < len(seq.tokens):
                 continue
             self.waiting.remove(seq)
