@@ -6,8 +6,9 @@ chunk's included, already written) live in the paged cache as in `paged_decode.p
 sit at positions ctx_i + t, ctx_i = seq_lens[i] - q_len_i, t = 0 .. q_len_i - 1, and are causal:
     out[cu_i + t, h] = softmax(scale * K q) V       over keys 0 .. ctx_i + t
 (bottom-right-aligned causal mask), GQA as in decode, softmax in fp32, out in q.dtype.
-Rows past cu_seqlens_q[N] (a CUDA graph's padding) belong to no sequence: zeros in the
-reference and torch versions, left unwritten by the kernel.
+Rows before cu_seqlens_q[0] (a mixed step's decode rows, attended elsewhere) and past
+cu_seqlens_q[N] (a CUDA graph's padding) belong to no sequence: zeros in the reference and torch
+versions, left unwritten by the kernel; so do the rows of a sequence with no queries.
 
 Kernel (flash attention over pages, GQA-aware). Grid (query blocks, N, Hkv). A program takes
 TOK = BLOCK_R // G consecutive queries of sequence i and all G query heads of kv head kvh as
@@ -69,6 +70,11 @@ def paged_prefill_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q
                                   max_seqlen_q=None):
     """Vectorized: every sequence's queries padded to (N, M), its pages gathered, one masked SDPA."""
     N, hkv = block_table.shape[0], k_cache.shape[2]
+    lead = int(cu_seqlens_q[0])  # rows before the first sequence's (a mixed step's decode rows)
+    if lead:
+        out = paged_prefill_attention_torch(q[lead:], k_cache, v_cache, block_table, cu_seqlens_q - lead,
+                                            seq_lens, scale, max_seqlen_q)
+        return torch.cat([out.new_zeros(lead, *q.shape[1:]), out])
     padded_rows = q.shape[0] - int(cu_seqlens_q[-1])  # rows past the last sequence (a graph's padding)
     if padded_rows:
         out = paged_prefill_attention_torch(q[:-padded_rows], k_cache, v_cache, block_table, cu_seqlens_q,
@@ -78,6 +84,11 @@ def paged_prefill_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q
     if T == 0:
         return torch.empty_like(q)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # (N,)
+    if bool((q_lens == 0).any()):  # sequences without queries (a mixed step's decode rows): not gathered
+        keep = q_lens > 0
+        return paged_prefill_attention_torch(q, k_cache, v_cache, block_table[keep],
+                                             torch.cat([cu_seqlens_q[:1], cu_seqlens_q[1:][keep]]), seq_lens[keep],
+                                             scale, max_seqlen_q)
     M = int(max_seqlen_q) if max_seqlen_q is not None else int(q_lens.max())
     row = torch.repeat_interleave(torch.arange(N, device=q.device), q_lens, output_size=T)  # (T,)
     col = torch.arange(T, device=q.device) - cu_seqlens_q[row].long()  # query index within its sequence
@@ -159,7 +170,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
 
     q: (T, Hq, D) packed; k_cache, v_cache: (num_pages, page_size, Hkv, D) as in
     `paged_decode_attention`; block_table: (N, max_pages) int32; cu_seqlens_q: (N+1,) int32,
-    cu_seqlens_q[0] = 0, cu_seqlens_q[N] <= T (rows past it: padding); seq_lens: (N,) int32 keys per sequence including
+    non-decreasing, cu_seqlens_q[N] <= T (rows outside it: no sequence's); seq_lens: (N,) int32 keys per sequence including
     this chunk, seq_lens[i] >= q_len_i. max_seqlen_q: a Python int >= every q_len_i (the Triton
     grid; without it one host sync). Returns (T, Hq, D) in q.dtype.
     """

@@ -210,6 +210,25 @@ def test_prefill_padding_rows_and_sequences(backend):
         assert not got[41:].any()
 
 
+@pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
+def test_prefill_leaves_a_mixed_steps_decode_rows(backend):
+    """A mixed step: 3 one-query sequences with history (decode rows), then 2 prompt chunks. Given
+    no queries (cu_seqlens_q[0] = 3, the mixed step's prefill cu), the chunks' rows equal the call
+    over every row, and the decode rows are left to the decode kernel (zeros in ref / torch)."""
+    lens, q_lens = [40, 17, 9, 12, 30], [1, 1, 1, 12, 20]
+    kc, vc, table, sl = paged(lens, 8, 2, 64, torch.float32)
+    q = queries((sum(q_lens), 4, 64), torch.float32)
+    cu = packed(q_lens)
+    cu_prefill = torch.clamp(cu, min=3)
+    whole = paged_prefill_attention_ref(q, kc, vc, table, cu, sl, 0.125)
+    with poisoned_empty():
+        got = paged_prefill_attention(q, kc, vc, table, cu_prefill, sl, 0.125, backend=backend)
+    check(got[3:], whole[3:], torch.float32)
+    check(paged_decode_attention(q[:3], kc, vc, table[:3], sl[:3], 0.125, backend=backend), whole[:3], torch.float32)
+    if backend != "triton":
+        assert not got[:3].any()
+
+
 @needs_triton
 def test_odd_head_dim():
     """D = 40 (not a power of two) is padded to 64 in registers and masked."""

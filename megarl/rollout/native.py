@@ -39,7 +39,7 @@ from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pa
 from megarl.rollout.prefill_graphs import MAX_TOKENS as PREFILL_GRAPH_TOKENS
 from megarl.rollout.prefill_graphs import PrefillGraphs
 from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
-from megarl.rollout.stage import ForwardBatch, StageForward
+from megarl.rollout.stage import ForwardBatch, StageForward, prefill_cu
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -347,6 +347,7 @@ class NativeEngine:
             put(plan.input_ids, torch.long), put(plan.positions, torch.long), put(plan.slot_mapping, torch.long),
             put(plan.block_table, torch.int32), put(plan.seq_lens, torch.int32),
             put(plan.cu_seqlens_q, torch.int32), int(q_lens.max()), plan.decode, self.max_len,
+            plan.decoding, put(prefill_cu(plan.cu_seqlens_q, plan.decoding), torch.int32) if plan.decoding else None,
         )
 
     def _forward(self, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor | None:

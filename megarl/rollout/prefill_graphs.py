@@ -14,9 +14,11 @@ c >= max(N, S) rows:
 - sequences past N have no queries and no keys;
 - sampled rows past S read token 0, and their tokens are dropped.
 
-A mixed step's decode rows (``StepPlan.decoding``) are one-query sequences with their
-history; where such a row's token is still pending on the device (``src_rows``), the
-graph reads it from the decode graphs' outputs, as a decode replay does.
+A mixed step's decode rows (``StepPlan.decoding``: one-query sequences with their history)
+go through the decode kernel, in a graph keyed by their row bucket too (rows of that bucket
+past the real ones are prompt tokens: the prefill kernel's output is kept there); where
+such a row's token is still pending on the device (``src_rows``), the graph reads it
+from the decode graphs' outputs, as a decode replay does.
 
 The paged prefill kernel's grid is sized for t queries per sequence (its blocks
 past a sequence's queries exit at once). Prefills over ``MAX_TOKENS`` are
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from megarl.rollout.graphs import Launched, buckets_up_to, host_buffer
-from megarl.rollout.stage import ForwardBatch
+from megarl.rollout.stage import ForwardBatch, prefill_cu
 
 # Token buckets. Eager prefills of 8k tokens and more run within ~15% of their kernel time on an
 # H200 (1.5B shape: 64 x 128 tokens 42.0 ms wall / 36.4 ms device), those of 1-2k tokens at 2-3x
@@ -44,7 +46,7 @@ from megarl.rollout.stage import ForwardBatch
 TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 MAX_TOKENS = TOKEN_BUCKETS[-1]
 _TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "src_rows")  # (t,) each
-_ROW_FIELDS = ("seq_lens", "cu_seqlens_q", "sample_rows", "seeds", "offsets")  # (c,) each, cu (c + 1,)
+_ROW_FIELDS = ("seq_lens", "cu_seqlens_q", "sample_rows", "seeds", "offsets", "cu_prefill")  # (c,), cu's (c + 1,)
 
 
 class PrefillGraphs:
@@ -54,7 +56,7 @@ class PrefillGraphs:
         self.engine, self.shared, self.capture = engine, decode.shared, capture
         self.max_rows, self.max_pages = decode.max_batch, decode.max_pages
         self.row_buckets = buckets_up_to(decode.max_batch)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (tokens, rows, decode rows)
         dev, pin = engine.device, engine.device.type == "cuda"
         t, c = MAX_TOKENS, self.max_rows
         self.host = [host_buffer(shape, dtype, pin) for shape, dtype in (
@@ -100,23 +102,26 @@ class PrefillGraphs:
         n_tokens = len(plan.input_ids)
         t = next(b for b in TOKEN_BUCKETS if b >= n_tokens)
         c = next(b for b in self.row_buckets if b >= max(len(plan.seqs), len(plan.sampled)))
-        if self.capture and (t, c) not in self.graphs:
-            self.graphs[(t, c)] = self._capture(t, c)
+        dc = min(next(b for b in self.row_buckets if b >= plan.decoding), t) if plan.decoding else 0
+        key = (t, c, dc)
+        if self.capture and key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
         self._load(plan, rows, t, c)
         if self.engine.receive_hidden(n_tokens, into=self.hidden_in[:n_tokens]) is not None:
             self.hidden_in[n_tokens:t].zero_()
         if self.capture:
-            self.graphs[(t, c)].replay()
+            self.graphs[key].replay()
         else:
-            self._body(t, c)
+            self._body(*key)
 
-    def _body(self, t: int, c: int) -> None:
-        """The prefill of this stage on t padded tokens and c padded rows of the static buffers."""
+    def _body(self, t: int, c: int, dc: int) -> None:
+        """The prefill of this stage on t padded tokens and c padded rows of the static buffers, the
+        first dc of them (>= the step's decode rows) through the decode kernel."""
         engine, tok, row = self.engine, self.tokens[:, :t], self.rows
         src = tok[3]  # a mixed step's decode rows planned ahead: their tokens are still on the device
         ids = torch.where(src >= 0, self.outputs.index_select(0, src.clamp(min=0)).long(), tok[0])
         batch = ForwardBatch(ids, tok[1], tok[2], self.table[:c], row[0, :c], row[1, : c + 1], t, False,
-                             engine.max_len)
+                             engine.max_len, dc, row[5, : c + 1] if dc else None)
         x = None if engine.groups.is_first_stage else self.hidden_in[:t]
         out = engine.compute(batch, x, row[2, :c])  # (c, V_padded) logits on the last stage
         if not engine.groups.is_last_stage:
@@ -126,10 +131,10 @@ class PrefillGraphs:
         self.sampled[0, :c].copy_(tokens)
         self.sampled[1, :c].copy_(logprobs)
 
-    def _capture(self, t: int, c: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, t: int, c: int, dc: int) -> torch.cuda.CUDAGraph:
         for buffer in (self.tokens, self.rows, self.table, self.hidden_in):
             buffer.zero_()  # warm-up writes land in the scratch page
-        return self.shared.capture(lambda: self._body(t, c))
+        return self.shared.capture(lambda: self._body(t, c, dc))
 
     def _load(self, plan, rows, t: int, c: int) -> None:
         """The step's inputs, padded (module docstring), into the static buffers: three copies."""
@@ -147,6 +152,7 @@ class PrefillGraphs:
         row[0, :n_seqs] = plan.seq_lens
         row[1, : n_seqs + 1] = plan.cu_seqlens_q
         row[1, n_seqs + 1: c + 1] = n_tokens  # padded sequences: no queries
+        row[5, : c + 1] = prefill_cu(row[1, : c + 1], plan.decoding)
         row[2, :n_sampled] = plan.sample_rows
         row[3, :n_sampled] = plan.seeds
         row[4, :n_sampled] = plan.offsets

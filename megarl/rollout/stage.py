@@ -6,7 +6,10 @@ runs the Llama-family decoder over a packed batch of new tokens with a paged KV
 cache: embedding (vocab-parallel), per layer RMSNorm -> fused QKV -> (QK norm)
 -> RoPE -> K/V written to the cache -> paged attention -> output projection
 (all-reduced over TP) -> residual -> RMSNorm -> SwiGLU MLP (all-reduced) ->
-residual; final norm and the vocab-parallel head on the last stage.
+residual; final norm and the vocab-parallel head on the last stage. A mixed step
+(a prefill that also decodes the running sequences, ``ForwardBatch.decode_rows``)
+attends its decode rows with the decode kernel and its prompt chunks with the
+prefill kernel.
 
 It is megatron-core's computation, op for op, written as functions: megatron's
 modules are built for [s, b, h] training batches with their own static KV
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.kernels.paged_attention import paged_prefill_attention, rope_paged_decode
+from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode
 from megarl.kernels.rms_norm import add_rms_norm
 from megarl.kernels.rope_cache import rope_cache
 from megarl.kernels.swiglu import silu_mul
@@ -54,6 +57,17 @@ class ForwardBatch:
     max_seqlen_q: int
     decode: bool  # one token per sequence (T == N)
     max_seqlen_k: int  # the engine's longest sequence: fixes the decode split count (graph == eager)
+    # A mixed step (not decode): its first decode_rows rows go through the decode kernel (in a graph a
+    # bucket >= the real count, which is cu_prefill[0]); cu_prefill: cu_seqlens_q with those sequences
+    # given no queries (`prefill_cu`), for the prefill kernel over the rest.
+    decode_rows: int = 0
+    cu_prefill: Optional[torch.Tensor] = None  # (N + 1,) int32
+
+
+def prefill_cu(cu_seqlens_q, decoding: int):
+    """(N + 1,) cu_seqlens_q of a mixed step whose first ``decoding`` sequences are decode rows, with
+    those given no queries: every entry at least ``decoding`` (numpy or torch)."""
+    return cu_seqlens_q.clip(min=decoding)
 
 
 @dataclass
@@ -182,9 +196,10 @@ class StageForward:
         ``x = x + f(x); h = rms_norm(x)``.
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
+        mixed = self._mixed_rows(batch)
         for i, lw in enumerate(self.layers):
             last = i + 1 == len(self.layers)
-            attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i))
+            attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i), mixed)
             h, residual = add_rms_norm(attn, residual, lw.mlp_norm, self.eps)
             mlp = self._mlp(h, lw, split=batch.decode and not last)  # the last layer's output is summed here
             if not last:
@@ -193,7 +208,7 @@ class StageForward:
                 residual = residual + mlp
         return residual
 
-    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache):
+    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None):
         t, g = h.shape[0], self.heads // self.kv_heads
         kernel_bias = batch.decode and lw.q_norm is None and "qkv" not in lw.lora  # the decode kernel adds it
         parts = self._parts(h, lw, "qkv", kernel_bias)
@@ -213,9 +228,35 @@ class StageForward:
         else:
             q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
                            self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
-            o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
-                                        batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
+            o = self._prefill_attention(q, batch, k_cache, v_cache, mixed)
         return self._row_parallel(o.reshape(t, -1), lw, "proj", lw.proj, split=batch.decode)
+
+    def _prefill_attention(self, q, batch: ForwardBatch, k_cache, v_cache, mixed):
+        """(T, np, hn) attention of a prefill; a mixed step's decode rows (``mixed``: their block table,
+        lengths and row mask, from `_mixed_rows`) through the decode kernel: a one-query row in the
+        prefill kernel's tile walks its whole history in small steps (H200: the mixed step cost as much
+        as a prefill and a decode step apart)."""
+        if mixed is None:
+            return paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
+                                           batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
+        table, lens, is_decode = mixed
+        dc = table.shape[0]
+        decoded = paged_decode_attention(q[:dc], k_cache, v_cache, table, lens, self.scale,
+                                         max_seqlen_k=batch.max_seqlen_k)  # (dc, np, hn)
+        o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_prefill, batch.seq_lens,
+                                    self.scale, max_seqlen_q=batch.max_seqlen_q)  # rows < cu_prefill[0] unset
+        o[:dc] = torch.where(is_decode[:, None, None], decoded, o[:dc])  # select: unset rows may be NaN
+        return o
+
+    @staticmethod
+    def _mixed_rows(batch: ForwardBatch):
+        """Per step, once (the CPU decode path remembers its gather plan by these tensors): the decode
+        rows' block table, lengths and (dc,) mask of the real ones; None unless a mixed step."""
+        dc = batch.decode_rows
+        if batch.decode or dc == 0:
+            return None
+        rows = torch.arange(dc, device=batch.seq_lens.device)
+        return batch.block_table[:dc], batch.seq_lens[:dc], rows < batch.cu_prefill[0]
 
     def _mlp(self, h, lw: LayerWeights, split: bool):
         return self._row_parallel(silu_mul(self._linear(h, lw, "fc1", lw.fc1)), lw, "fc2", lw.fc2, split)
