@@ -347,7 +347,8 @@ class NativeEngine:
             put(plan.input_ids, torch.long), put(plan.positions, torch.long), put(plan.slot_mapping, torch.long),
             put(plan.block_table, torch.int32), put(plan.seq_lens, torch.int32),
             put(plan.cu_seqlens_q, torch.int32), int(q_lens.max()), plan.decode, self.max_len,
-            plan.decoding, put(prefill_cu(plan.cu_seqlens_q, plan.decoding), torch.int32) if plan.decoding else None,
+            plan.decoding, plan.decoding,
+            put(prefill_cu(plan.cu_seqlens_q, plan.decoding), torch.int32) if plan.decoding else None,
         )
 
     def _forward(self, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor | None:

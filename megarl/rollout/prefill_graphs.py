@@ -56,7 +56,8 @@ class PrefillGraphs:
         self.engine, self.shared, self.capture = engine, decode.shared, capture
         self.max_rows, self.max_pages = decode.max_batch, decode.max_pages
         self.row_buckets = buckets_up_to(decode.max_batch)
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (tokens, rows, decode rows)
+        self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}  # (tokens, rows, decode rows
+        #                                                                           up to, prefill rows from)
         dev, pin = engine.device, engine.device.type == "cuda"
         t, c = MAX_TOKENS, self.max_rows
         self.host = [host_buffer(shape, dtype, pin) for shape, dtype in (
@@ -102,8 +103,9 @@ class PrefillGraphs:
         n_tokens = len(plan.input_ids)
         t = next(b for b in TOKEN_BUCKETS if b >= n_tokens)
         c = next(b for b in self.row_buckets if b >= max(len(plan.seqs), len(plan.sampled)))
-        dc = min(next(b for b in self.row_buckets if b >= plan.decoding), t) if plan.decoding else 0
-        key = (t, c, dc)
+        d = plan.decoding  # decode rows: the decode kernel over a bucket >= d, the prefill one from a bucket <= d
+        dc = min(next(b for b in self.row_buckets if b >= d), t) if d else 0
+        key = (t, c, dc, max((b for b in self.row_buckets if b <= d), default=0))
         if self.capture and key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         self._load(plan, rows, t, c)
@@ -114,14 +116,15 @@ class PrefillGraphs:
         else:
             self._body(*key)
 
-    def _body(self, t: int, c: int, dc: int) -> None:
+    def _body(self, t: int, c: int, dc: int, start: int) -> None:
         """The prefill of this stage on t padded tokens and c padded rows of the static buffers, the
-        first dc of them (>= the step's decode rows) through the decode kernel."""
+        first dc of them (>= the step's decode rows) through the decode kernel, those from ``start``
+        (<= them) through the prefill kernel."""
         engine, tok, row = self.engine, self.tokens[:, :t], self.rows
         src = tok[3]  # a mixed step's decode rows planned ahead: their tokens are still on the device
         ids = torch.where(src >= 0, self.outputs.index_select(0, src.clamp(min=0)).long(), tok[0])
         batch = ForwardBatch(ids, tok[1], tok[2], self.table[:c], row[0, :c], row[1, : c + 1], t, False,
-                             engine.max_len, dc, row[5, : c + 1] if dc else None)
+                             engine.max_len, dc, start, row[5, : c + 1] if dc else None)
         x = None if engine.groups.is_first_stage else self.hidden_in[:t]
         out = engine.compute(batch, x, row[2, :c])  # (c, V_padded) logits on the last stage
         if not engine.groups.is_last_stage:
@@ -131,10 +134,10 @@ class PrefillGraphs:
         self.sampled[0, :c].copy_(tokens)
         self.sampled[1, :c].copy_(logprobs)
 
-    def _capture(self, t: int, c: int, dc: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, *key: int) -> torch.cuda.CUDAGraph:
         for buffer in (self.tokens, self.rows, self.table, self.hidden_in):
             buffer.zero_()  # warm-up writes land in the scratch page
-        return self.shared.capture(lambda: self._body(t, c, dc))
+        return self.shared.capture(lambda: self._body(*key))
 
     def _load(self, plan, rows, t: int, c: int) -> None:
         """The step's inputs, padded (module docstring), into the static buffers: three copies."""

@@ -58,9 +58,11 @@ class ForwardBatch:
     decode: bool  # one token per sequence (T == N)
     max_seqlen_k: int  # the engine's longest sequence: fixes the decode split count (graph == eager)
     # A mixed step (not decode): its first decode_rows rows go through the decode kernel (in a graph a
-    # bucket >= the real count, which is cu_prefill[0]); cu_prefill: cu_seqlens_q with those sequences
-    # given no queries (`prefill_cu`), for the prefill kernel over the rest.
+    # bucket >= the real count, which is cu_prefill[0]), and the prefill kernel takes the sequences from
+    # prefill_from on (a bucket <= it: the decode ones among them get no queries from cu_prefill, i.e.
+    # cu_seqlens_q through `prefill_cu`; fewer of them, fewer empty programs in its grid).
     decode_rows: int = 0
+    prefill_from: int = 0
     cu_prefill: Optional[torch.Tensor] = None  # (N + 1,) int32
 
 
@@ -233,18 +235,19 @@ class StageForward:
 
     def _prefill_attention(self, q, batch: ForwardBatch, k_cache, v_cache, mixed):
         """(T, np, hn) attention of a prefill; a mixed step's decode rows (``mixed``: their block table,
-        lengths and row mask, from `_mixed_rows`) through the decode kernel: a one-query row in the
-        prefill kernel's tile walks its whole history in small steps (H200: the mixed step cost as much
-        as a prefill and a decode step apart)."""
+        lengths and row mask, from `_mixed_rows`) through the decode kernel, which is built for them
+        (its 128-key tiles on 8 warps at B = 128; the prefill kernel's 128-row tiles would hold 6 live
+        rows), the prefill kernel over the sequences from ``prefill_from``."""
         if mixed is None:
             return paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
                                            batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
         table, lens, is_decode = mixed
-        dc = table.shape[0]
+        dc, start = table.shape[0], batch.prefill_from
         decoded = paged_decode_attention(q[:dc], k_cache, v_cache, table, lens, self.scale,
                                          max_seqlen_k=batch.max_seqlen_k)  # (dc, np, hn)
-        o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_prefill, batch.seq_lens,
-                                    self.scale, max_seqlen_q=batch.max_seqlen_q)  # rows < cu_prefill[0] unset
+        o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table[start:], batch.cu_prefill[start:],
+                                    batch.seq_lens[start:], self.scale,
+                                    max_seqlen_q=batch.max_seqlen_q)  # rows < cu_prefill[0] unset
         o[:dc] = torch.where(is_decode[:, None, None], decoded, o[:dc])  # select: unset rows may be NaN
         return o
 
