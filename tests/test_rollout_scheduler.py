@@ -217,3 +217,16 @@ def _run_on(pool, prompts, max_new):
     """One prompt per group on ``pool``, prefix cache on: (scheduler, plans, finished sequences)."""
     sched, _, plans, done = _run(prompts, 1, max_new, 0, pool=pool, prefix_cache=True)
     return sched, plans, done
+
+
+def test_a_mixed_step_planned_ahead_is_held_to_the_graphs_tokens():
+    """``plan_prefill(mixed_max_tokens)``: a mixed step (running rows + chunk) keeps under the cap, which
+    the engine sets to its prefill graphs' size; a prefill with nothing running keeps the full budget."""
+    sched = Scheduler(PagePool(100), PAGE, 8, 64, pages_for(64, PAGE), set(), mixed=True)
+    sched.add_group([Sequence(0, 0, [3] * 40, 0, 5)])
+    first = sched.plan_prefill(16)
+    assert first.decoding == 0 and len(first.input_ids) == 40
+    sched.commit(first, np.array([11]), np.zeros(1, dtype=np.float32))
+    sched.add_group([Sequence(1, 1, [4] * 40, 1, 5)])
+    mixed = sched.plan_prefill(16)
+    assert mixed.decoding == 1 and len(mixed.input_ids) == 16 and mixed.input_ids[0] == 11

@@ -244,10 +244,10 @@ class NativeEngine:
         """Steps until every request is done. With ``ahead``, a decode step is launched before the
         previous one's tokens are read back: the host plans step t + 1 while the device runs t
         (the tokens it feeds stay on the device), then records t. A prefill through the prefill
-        graphs is launched the same way, ahead of a pending step (a refill of at most the graphs'
-        tokens, so it always fits them; mixed, its decode rows read the pending tokens on the
-        device, a pending prefill's rows too: a replay reads them before it writes its own) or of
-        nothing. ``steps`` gets the seconds spent waiting for the device (``wait_s``) and in
+        graphs is launched the same way, ahead of a pending step (a refill; a mixed one, whose decode
+        rows read the pending tokens on the device, a pending prefill's rows too, is held to the
+        graphs' tokens, so it never runs eagerly) or of nothing; a larger refill runs eagerly once
+        the pending step is recorded. ``steps`` gets the seconds spent waiting for the device (``wait_s``) and in
         synchronous steps (``prefill_s``, ``sync_s``).
         With ``feed`` (``serve``) each step starts by handing out the finished requests and taking
         follow-ups, before the plan-ahead check: a new request waits in the queue and is admitted
@@ -272,11 +272,12 @@ class NativeEngine:
                 feed.exchange(sched, idle=pending is None and not sched.has_work())
             if pending is not None and not sched.can_plan_ahead():
                 refill = sched.plan_prefill(PREFILL_GRAPH_TOKENS) if ahead else None
-                if refill is None:
+                if refill is None or not self.prefill_graphs.fits(refill):  # (never a mixed one: capped)
                     record_pending()
                     pending = None
+                    if refill is not None:
+                        run_now(refill)
                     continue  # what it finished goes out (and may be answered) before the next plan
-                assert self.prefill_graphs.fits(refill)  # its rows may name pending tokens: no eager run
                 pending = self._launch_ahead(sched, refill, rows, steps, pending, record_pending)
                 continue
             if not sched.has_work():

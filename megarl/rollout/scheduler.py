@@ -137,10 +137,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def plan_prefill(self, max_tokens: int | None = None) -> StepPlan | None:
+    def plan_prefill(self, mixed_max_tokens: int | None = None) -> StepPlan | None:
         """A prefill of waiting sequences if one is due and fits now, else None (nothing is preempted);
-        at most ``max_tokens`` new tokens when given (below the scheduler's own budget)."""
-        return self._plan_prefill(max_tokens) if self.waiting else None
+        a mixed one of at most ``mixed_max_tokens`` new tokens when given (below the scheduler's own
+        budget: the engine's prefill graphs, since a mixed step planned ahead of a pending one names
+        pending tokens and cannot run eagerly)."""
+        return self._plan_prefill(mixed_max_tokens) if self.waiting else None
 
     def next_step(self) -> StepPlan:
         while True:
@@ -178,12 +180,12 @@ class Scheduler:
                 break
         return len(self.free_slots) >= min(wanted, self.admit_slots)
 
-    def _plan_prefill(self, max_tokens: int | None = None) -> StepPlan | None:
+    def _plan_prefill(self, mixed_max_tokens: int | None = None) -> StepPlan | None:
         if not self._worth_admitting():
             return None
-        budget = min(self.max_tokens, max_tokens or self.max_tokens)
-        decoding = self.mixed and 0 < len(self.running) < budget  # running rows ride along (mixed step)
-        budget -= len(self.running) if decoding else 0
+        mixed_budget = min(self.max_tokens, mixed_max_tokens or self.max_tokens)
+        decoding = self.mixed and 0 < len(self.running) < mixed_budget  # running rows ride along (mixed step)
+        budget = mixed_budget - len(self.running) if decoding else self.max_tokens
         chunks = []
         for seq in list(self.waiting):
             if budget == 0 or not self._admit(seq):
