@@ -220,13 +220,18 @@ def _run_on(pool, prompts, max_new):
 
 
 def test_a_mixed_step_planned_ahead_is_held_to_the_graphs_tokens():
-    """``plan_prefill(mixed_max_tokens)``: a mixed step (running rows + chunk) keeps under the cap, which
-    the engine sets to its prefill graphs' size; a prefill with nothing running keeps the full budget."""
+    """``plan_prefill(mixed_max_tokens)``: a mixed step (running rows + prompt) keeps under the cap, which
+    the engine sets to its prefill graphs' size; a prefill with nothing running, or one whose prompts
+    would not fit the cap (a wave of refills), is unmixed at the full budget."""
     sched = Scheduler(PagePool(100), PAGE, 8, 64, pages_for(64, PAGE), set(), mixed=True)
     sched.add_group([Sequence(0, 0, [3] * 40, 0, 5)])
     first = sched.plan_prefill(16)
     assert first.decoding == 0 and len(first.input_ids) == 40
     sched.commit(first, np.array([11]), np.zeros(1, dtype=np.float32))
     sched.add_group([Sequence(1, 1, [4] * 40, 1, 5)])
-    mixed = sched.plan_prefill(16)
-    assert mixed.decoding == 1 and len(mixed.input_ids) == 16 and mixed.input_ids[0] == 11
+    mixed = sched.plan_prefill(48)
+    assert mixed.decoding == 1 and len(mixed.input_ids) == 41 and mixed.input_ids[0] == 11
+    sched.commit(mixed, np.array([12, 13]), np.zeros(2, dtype=np.float32))
+    sched.add_group([Sequence(2, 2, [5] * 60, 2, 5)])  # more than the cap: one unmixed step at the budget
+    large = sched.plan_prefill(48)
+    assert large.decoding == 0 and len(large.input_ids) == 60

@@ -180,11 +180,24 @@ class Scheduler:
                 break
         return len(self.free_slots) >= min(wanted, self.admit_slots)
 
+    def _due_tokens(self) -> int:
+        """New tokens of the waiting prompts that the free slots could take now."""
+        slots, tokens = len(self.free_slots), 0
+        for seq in self.waiting:
+            group = 0 if seq.slot >= 0 else 1 + len(seq.forks)
+            if group > slots:
+                break
+            slots -= group
+            tokens += len(seq.tokens) - seq.cached
+        return tokens
+
     def _plan_prefill(self, mixed_max_tokens: int | None = None) -> StepPlan | None:
         if not self._worth_admitting():
             return None
         mixed_budget = min(self.max_tokens, mixed_max_tokens or self.max_tokens)
         decoding = self.mixed and 0 < len(self.running) < mixed_budget  # running rows ride along (mixed step)
+        if decoding and mixed_max_tokens and self._due_tokens() + len(self.running) > mixed_budget:
+            decoding = False  # a large refill (a wave): one prefill at the full budget, not capped mixed chunks
         budget = mixed_budget - len(self.running) if decoding else self.max_tokens
         chunks = []
         for seq in list(self.waiting):
