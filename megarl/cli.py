@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import time
 import types
 import typing
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any, Literal, Union
 import yaml
 
 from megarl.errors import UserInputError
+
+QUIET_EXIT_PAUSE_S = 5.0  # a silent process's wait before its exit 2 (the first one prints meanwhile)
 
 
 class ConfigError(UserInputError):
@@ -199,7 +202,8 @@ def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
     directory) becomes one stderr line and exit 2.
 
     Under a launcher only the first process of each host prints the line; every
-    process exits 2.
+    process exits 2, the others after a pause: a launcher stops the rest once one
+    fails, and under load it stopped the first before it printed (seen in CI).
     """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -214,4 +218,6 @@ def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
     except UserInputError as e:
         if first_on_host():
             print(f"{e.kind}: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_EXIT_PAUSE_S)
         sys.exit(2)
