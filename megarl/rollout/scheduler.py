@@ -41,7 +41,7 @@ for a caller that answers them with new requests while others still decode
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -225,7 +225,7 @@ class Scheduler:
         # the prefill left a page per running sequence (reserve above), so this never preempts
         decoding = decoding and len(self._decode_page_needs()) <= self.pool.free
         copies = self._pages_for_decode() if decoding else ((), ())
-        return self._prefill_plan(chunks, list(self.running) if decoding else [], copies)
+        return self._step_plan(chunks, list(self.running) if decoding else [], copies)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Cached full pages that start ``seq``'s tokens (at least its last token is left to compute)."""
@@ -246,8 +246,9 @@ class Scheduler:
             for page, key in zip(seq.pages, prefix_keys(seq.tokens, self.page_size, full)):
                 self.pool.register(page, key)
 
-    def _prefill_plan(self, chunks, decoding: list[Sequence], copies) -> StepPlan:
-        """Prompt chunks (seq, start, end), after one decode row of each of ``decoding`` (a mixed step)."""
+    def _step_plan(self, chunks, decoding: list[Sequence], copies) -> StepPlan:
+        """Prompt chunks (seq, start, end), after one decode row of each of ``decoding`` (a mixed step):
+        the decode row feeds the last sampled token, whose K/V land at lens - 1."""
         d = len(decoding)
         dec = np.array([s.slot for s in decoding], dtype=np.int64)  # (D,)
         ids, pos, cu, sample_rows, sampled = [], [], [d], [], []
@@ -280,19 +281,8 @@ class Scheduler:
 
     # -- decode --------------------------------------------------------------
     def _plan_decode(self, copies: tuple[list[int], list[int]]) -> StepPlan:
-        seqs = self.running
-        slots = np.array([s.slot for s in seqs])
-        positions = self.lens[slots] - 1  # the last sampled token is fed; its K/V land here
-        seq_lens = self.lens[slots].astype(np.int32)
-        n = len(seqs)
-        return StepPlan(
-            decode=True, seqs=list(seqs), input_ids=self.last[slots], positions=positions,
-            slot_mapping=self._cache_rows(slots, positions), block_table=self._tables(slots, seq_lens),
-            seq_lens=seq_lens, cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
-            sample_rows=np.arange(n, dtype=np.int64), sampled=list(seqs),
-            seeds=np.array([s.seed for s in seqs], dtype=np.int64),
-            offsets=self.lens[slots] - self.prompt_len[slots], copies=copies, src_rows=self.pending[slots],
-        )
+        """One token of every running sequence: a mixed step's decode rows without prompt chunks."""
+        return replace(self._step_plan([], list(self.running), copies), decode=True, decoding=0)
 
     def _pages_for_decode(self) -> tuple[list[int], list[int]]:
         """A page for every sequence whose next token starts one or lands in a shared page."""

@@ -241,12 +241,11 @@ class StageForward:
         if mixed is None:
             return paged_prefill_attention(q, k_cache, v_cache, batch.block_table, batch.cu_seqlens_q,
                                            batch.seq_lens, self.scale, max_seqlen_q=batch.max_seqlen_q)
-        table, lens, is_decode = mixed
-        dc, start = table.shape[0], batch.prefill_from
+        (table, lens, is_decode), prefill = mixed
+        dc = table.shape[0]
         decoded = paged_decode_attention(q[:dc], k_cache, v_cache, table, lens, self.scale,
                                          max_seqlen_k=batch.max_seqlen_k)  # (dc, np, hn)
-        o = paged_prefill_attention(q, k_cache, v_cache, batch.block_table[start:], batch.cu_prefill[start:],
-                                    batch.seq_lens[start:], self.scale,
+        o = paged_prefill_attention(q, k_cache, v_cache, *prefill, self.scale,
                                     max_seqlen_q=batch.max_seqlen_q)  # rows < cu_prefill[0] unset
         o[:dc] = torch.where(is_decode[:, None, None], decoded, o[:dc])  # select: unset rows may be NaN
         return o
@@ -254,12 +253,14 @@ class StageForward:
     @staticmethod
     def _mixed_rows(batch: ForwardBatch):
         """Per step, once (the CPU decode path remembers its gather plan by these tensors): the decode
-        rows' block table, lengths and (dc,) mask of the real ones; None unless a mixed step."""
-        dc = batch.decode_rows
+        rows' block table, lengths and (dc,) mask of the real ones, and the prefill kernel's block
+        table, cu and lengths from ``prefill_from``; None unless a mixed step."""
+        dc, start = batch.decode_rows, batch.prefill_from
         if batch.decode or dc == 0:
             return None
         rows = torch.arange(dc, device=batch.seq_lens.device)
-        return batch.block_table[:dc], batch.seq_lens[:dc], rows < batch.cu_prefill[0]
+        decode = batch.block_table[:dc], batch.seq_lens[:dc], rows < batch.cu_prefill[0]
+        return decode, (batch.block_table[start:], batch.cu_prefill[start:], batch.seq_lens[start:])
 
     def _mlp(self, h, lw: LayerWeights, split: bool):
         return self._row_parallel(silu_mul(self._linear(h, lw, "fc1", lw.fc1)), lw, "fc2", lw.fc2, split)
