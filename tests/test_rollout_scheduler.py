@@ -235,3 +235,19 @@ def test_a_mixed_step_planned_ahead_is_held_to_the_graphs_tokens():
     sched.add_group([Sequence(2, 2, [5] * 60, 2, 5)])  # more than the cap: one unmixed step at the budget
     large = sched.plan_prefill(48)
     assert large.decoding == 0 and len(large.input_ids) == 60
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_waves_of_fixed_length_requests_stay_in_step(ahead):
+    """4 waves of 8 prompts (8 tokens each) on 8 slots, a 32-token budget: a wave takes two unmixed
+    prefills of 4 whole prompts, never a mixed step that cuts the last prompt to make room for the 4
+    running rows (that start a step later would outlive the other sequences and end the run with one
+    decoding alone), so every decode step is full and the run takes waves x (max_new - 1) of them."""
+    prompts = [[3 + i] * 8 for i in range(32)]
+    sched, pool, plans, done = _run(prompts, n=1, max_new=10, pages=80, max_seqs=8, max_tokens=32, ahead=ahead,
+                                    mixed=True)
+    decodes = [p for p in plans if p.decode]
+    assert [len(p.seqs) for p in decodes] == [8] * (4 * 9)
+    assert [len(p.input_ids) for p in plans if not p.decode] == [32] * 8
+    assert [s.generated for s in done] == [_expected(s, 10) for s in done]
+    assert pool.free == 79 and not sched.running  # all but the scratch page

@@ -191,13 +191,24 @@ class Scheduler:
             tokens += len(seq.tokens) - seq.cached
         return tokens
 
+    def _unmixed_refill(self, mixed_budget: int, capped: bool) -> bool:
+        """Should this refill stop the decode? Yes when its due prompts do not fit beside the running rows
+        and either the mixed budget is the prefill graphs' cap (a wave: one prefill at the full budget, not
+        capped chunks) or they are new prompts that fit the full budget alone: mixed, the last one would be
+        cut, and the sequences started a step later stay a step apart to the end of the run (a fixed-length
+        8-wave run then ended with one request decoding alone for its 511 steps: 7% of the run). A prompt
+        already being chunked keeps its mixed chunks."""
+        due = self._due_tokens()
+        whole = due <= self.max_tokens and self.waiting[0].slot < 0
+        return due + len(self.running) > mixed_budget and (capped or whole)
+
     def _plan_prefill(self, mixed_max_tokens: int | None = None) -> StepPlan | None:
         if not self._worth_admitting():
             return None
         mixed_budget = min(self.max_tokens, mixed_max_tokens or self.max_tokens)
         decoding = self.mixed and 0 < len(self.running) < mixed_budget  # running rows ride along (mixed step)
-        if decoding and mixed_max_tokens and self._due_tokens() + len(self.running) > mixed_budget:
-            decoding = False  # a large refill (a wave): one prefill at the full budget, not capped mixed chunks
+        if decoding and self._unmixed_refill(mixed_budget, capped=mixed_max_tokens is not None):
+            decoding = False
         budget = mixed_budget - len(self.running) if decoding else self.max_tokens
         chunks = []
         for seq in list(self.waiting):
