@@ -6,7 +6,9 @@ query's own key included, so no causal mask). Query head h reads kv head h // G,
     out[b, h] = softmax(scale * K_b q[b, h]) V_b        over keys 0 .. seq_lens[b] - 1
 softmax in fp32, out in q.dtype; a row with no keys gives zeros.
 
-Kernel (split-K flash decoding). Grid (B, Hkv, S). Program (b, kvh, s) owns the key tiles
+Kernel (split-K flash decoding). Grid (Hkv, B, S), a row's kv heads side by side; with ``order``
+(a permutation of the rows, e.g. longest first) program b takes row order[b], which changes no
+row's result, only when it starts. Program (b, kvh, s) owns the key tiles
 t = s, s + S, s + 2S, ... (BLOCK_N keys each) of row b: interleaved, so a row much shorter than
 max_pages still spreads over every split, and S comes from shapes alone. It loads each K and V
 tile once for all G query heads of kvh (one (BLOCK_G, D) x (D, BLOCK_N) tl.dot, G padded to
@@ -233,12 +235,14 @@ def _gather_plan(block_table, seq_lens, page: int):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, sem_ptr,
-                   cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr,
+                   cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr, order_ptr,
                    sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale, n_splits,
-                   G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr,
-                   QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_G: tl.constexpr,
+                   ORDERED: tl.constexpr, G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
+                   ROPE: tl.constexpr, QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
-    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kvh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # a row's kv heads launch together
+    if ORDERED:  # program rows in `order` (longest first: the long rows start in the first wave)
+        b = tl.load(order_ptr + b)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     row_ok = (g < G)[:, None] & (d < HEAD_D)[None, :]  # (BG, BD)
@@ -258,7 +262,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_
                              sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, qk_scale, False, PAGE, HEAD_D, BLOCK_D, BLOCK_N,
                              F32_DOT)
     o = acc / tl.maximum(l, 1e-30)[:, None]  # 0 for a split without keys
-    row = b.to(tl.int64) * (G * tl.num_programs(1)) + kvh * G + g  # (BG,) index into (B, Hq)
+    row = b.to(tl.int64) * (G * tl.num_programs(0)) + kvh * G + g  # (BG,) index into (B, Hq)
     if DIRECT:  # one split: no merge
         tl.store(out_ptr + row[:, None] * HEAD_D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
@@ -266,7 +270,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_
         lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
         tl.store(lse_ptr + row * n_splits + split, lse, mask=g < G)
         tl.debug_barrier()  # every thread's partials are written before the release below
-        sem = sem_ptr + b.to(tl.int64) * tl.num_programs(1) + kvh
+        sem = sem_ptr + b.to(tl.int64) * tl.num_programs(0) + kvh
         if tl.atomic_add(sem, 1, sem="acq_rel") == n_splits - 1:  # the last split of (b, kvh) to finish
             tl.store(sem, 0)  # zero again for the next call
             _merge_splits(part_ptr, lse_ptr, out_ptr, row, g < G, d, n_splits, HEAD_D, BLOCK_G, BLOCK_D, BLOCK_S)
@@ -367,11 +371,12 @@ def split_semaphores(n: int, device: torch.device) -> torch.Tensor:
 
 
 def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_per_group: int,
-                  num_splits: int | None, max_seqlen_k: int | None, rope=None):
+                  num_splits: int | None, max_seqlen_k: int | None, rope=None, order=None):
     """The split-K decode launch (module docstring). q: (B, Hq, D) queries, or with ``rope`` =
     (cos, sin, positions, slot_mapping, bias | None) the step's fused QKV rows (B, Hkv * (G + 2) * D)
     or their (S, B, Hkv * (G + 2) * D) fp32 split-K partials, RoPE'd and their K/V written in the
-    kernel (`rope_paged_decode`). Returns (B, Hq, D) in the cache's dtype."""
+    kernel (`rope_paged_decode`). order: None or a (B,) int permutation of the rows, the row each
+    program takes (module docstring). Returns (B, Hq, D) in the cache's dtype."""
     qkv_parts = q.shape[0] if q.dim() == 3 and rope is not None else 0
     B, (_, page, hkv, D) = q.shape[1 if qkv_parts else 0], k_cache.shape
     G, block_d = q_per_group, max(16, next_pow2(D))
@@ -394,10 +399,10 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
         tables = (*tables, q if bias is None else bias)
         strides = (q.stride(-2), (G + 2) * D, D, q.stride(0) if qkv_parts else 0)
         s_cs = rope[0].stride(0)
-    _decode_kernel[(B, hkv, splits)](
+    _decode_kernel[(hkv, B, splits)](
         q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables,
-        *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
-        s_cs, float(scale) * LOG2E, splits, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None,
+        seq_lens if order is None else order, *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        s_cs, float(scale) * LOG2E, splits, ORDERED=order is not None, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None,
         QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None, DIRECT=splits == 1,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_pow2(splits),
         F32_DOT=f32_dot(k_cache.dtype), num_warps=warps, num_stages=NUM_STAGES)
@@ -405,12 +410,12 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale: float,
-                                  num_splits: int | None = None, max_seqlen_k: int | None = None):
+                                  num_splits: int | None = None, max_seqlen_k: int | None = None, order=None):
     """Split-K Triton decode (module docstring). num_splits overrides `decode_splits` (tests);
-    max_seqlen_k (default: the table's width in keys) sizes the split count."""
+    max_seqlen_k (default: the table's width in keys) sizes the split count; order as in `launch_decode`."""
     q, k_cache, v_cache, block_table = unit_last_stride(q, k_cache, v_cache, block_table)
     return launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale, q.shape[1] // k_cache.shape[2],
-                         num_splits, max_seqlen_k)
+                         num_splits, max_seqlen_k, order=order)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: float, backend: str = "auto",
@@ -456,14 +461,14 @@ def rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cac
 
 def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
                       scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "auto",
-                      num_splits: int | None = None, bias=None):
+                      num_splits: int | None = None, bias=None, order=None):
     """One decode step's RoPE, K/V cache write and attention (module docstring).
 
     qkv (B, Hkv * (G + 2) * D) fused QKV rows with dense rows, or (S, B, Hkv * (G + 2) * D) fp32
     split-K partials of them (`megarl.rollout.split_linear`); bias (Hkv * (G + 2) * D,) or None,
     added to the rows (`qkv_rows_ref`); cos, sin (S_max, D); positions, slot_mapping (B,) as in
     `rope_cache`; the caches, block_table, seq_lens (counting this step's key) and max_seqlen_k as
-    in `paged_decode_attention`. Writes the step's K/V into the cache; returns (B, Hkv * G, D) in
+    in `paged_decode_attention`; order as in `launch_decode`. Writes the step's K/V into the cache; returns (B, Hkv * G, D) in
     the cache's dtype.
     """
     _, _, hkv, d = k_cache.shape
@@ -483,4 +488,4 @@ def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, 
                                      scale, q_per_group, max_seqlen_k, backend=impl, bias=bias)
     block_table, = unit_last_stride(block_table)
     return launch_decode(qkv, k_cache, v_cache, block_table, seq_lens, scale, q_per_group, num_splits,
-                         max_seqlen_k, rope=(cos, sin, positions, slot_mapping, bias))
+                         max_seqlen_k, rope=(cos, sin, positions, slot_mapping, bias), order=order)

@@ -150,6 +150,23 @@ def test_decode_splits_merge(splits):
     check(got, paged_decode_attention_ref(q, kc, vc, table, sl, 0.125), torch.float32)
 
 
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_rows_in_any_program_order(splits):
+    """``order`` only says which program takes which row: longest first, or any permutation, gives the
+    unordered launch's output bit for bit (a row's result never depends on where it ran)."""
+    lens = [0, 3, 67, 131, 41, 90]
+    kc, vc, table, sl = paged(lens, 16, 2, 64, torch.float32, seed=5)
+    q = queries((len(lens), 4, 64), torch.float32)
+    plain = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, num_splits=splits)
+    for order in (torch.argsort(sl, descending=True, stable=True), torch.tensor([5, 0, 2, 4, 1, 3])):
+        with poisoned_empty():
+            got = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, num_splits=splits,
+                                                order=order.to(DEVICE))
+        assert torch.equal(got, plain)
+    check(plain, paged_decode_attention_ref(q, kc, vc, table, sl, 0.125), torch.float32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_strided_q_and_all_empty(backend):
     """q a (B, Hq, D) view into a fused qkv buffer; then every row with 0 keys -> all zeros."""
