@@ -238,8 +238,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_
                    cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr, order_ptr,
                    sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale, n_splits,
                    ORDERED: tl.constexpr, G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
-                   ROPE: tl.constexpr, QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
+                   ROPE: tl.constexpr, QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                   F32_DOT: tl.constexpr):
     kvh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # a row's kv heads launch together
     if ORDERED:  # program rows in `order` (longest first: the long rows start in the first wave)
         b = tl.load(order_ptr + b)
@@ -401,9 +402,10 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
         s_cs = rope[0].stride(0)
     _decode_kernel[(hkv, B, splits)](
         q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables,
-        seq_lens if order is None else order, *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
-        s_cs, float(scale) * LOG2E, splits, ORDERED=order is not None, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None,
-        QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None, DIRECT=splits == 1,
+        seq_lens if order is None else order, *strides, *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_table.stride(0), s_cs, float(scale) * LOG2E, splits, ORDERED=order is not None, G=G, HEAD_D=D,
+        PAGE=page, ROPE=rope is not None, QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None,
+        DIRECT=splits == 1,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_pow2(splits),
         F32_DOT=f32_dot(k_cache.dtype), num_warps=warps, num_stages=NUM_STAGES)
     return out
@@ -412,7 +414,8 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
 def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale: float,
                                   num_splits: int | None = None, max_seqlen_k: int | None = None, order=None):
     """Split-K Triton decode (module docstring). num_splits overrides `decode_splits` (tests);
-    max_seqlen_k (default: the table's width in keys) sizes the split count; order as in `launch_decode`."""
+    max_seqlen_k (default: the table's width in keys) sizes the split count; order as in
+    `launch_decode`."""
     q, k_cache, v_cache, block_table = unit_last_stride(q, k_cache, v_cache, block_table)
     return launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale, q.shape[1] // k_cache.shape[2],
                          num_splits, max_seqlen_k, order=order)
@@ -468,8 +471,8 @@ def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, 
     split-K partials of them (`megarl.rollout.split_linear`); bias (Hkv * (G + 2) * D,) or None,
     added to the rows (`qkv_rows_ref`); cos, sin (S_max, D); positions, slot_mapping (B,) as in
     `rope_cache`; the caches, block_table, seq_lens (counting this step's key) and max_seqlen_k as
-    in `paged_decode_attention`; order as in `launch_decode`. Writes the step's K/V into the cache; returns (B, Hkv * G, D) in
-    the cache's dtype.
+    in `paged_decode_attention`; order as in `launch_decode`. Writes the step's K/V into the cache;
+    returns (B, Hkv * G, D) in the cache's dtype.
     """
     _, _, hkv, d = k_cache.shape
     width = hkv * (q_per_group + 2) * d

@@ -30,7 +30,7 @@ training log-probs (fp32, 1e-5) and ``transformers`` greedy decoding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -71,7 +71,6 @@ class ForwardBatch:
     decode_rows: int = 0
     prefill_from: int = 0
     cu_prefill: Optional[torch.Tensor] = None  # (N + 1,) int32
-    decode_order: Optional[torch.Tensor] = None  # (N,) rows longest first, for the decode kernel's programs
 
 
 def prefill_cu(cu_seqlens_q, decoding: int):
@@ -206,12 +205,10 @@ class StageForward:
         ``x = x + f(x); h = rms_norm(x)``.
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
-        mixed = self._mixed_rows(batch)
-        if batch.decode and LONGEST_FIRST and batch.seq_lens.is_cuda:
-            batch = replace(batch, decode_order=torch.argsort(batch.seq_lens, descending=True, stable=True))
+        mixed, order = self._mixed_rows(batch), self._decode_order(batch)
         for i, lw in enumerate(self.layers):
             last = i + 1 == len(self.layers)
-            attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i), mixed)
+            attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i), mixed, order)
             h, residual = add_rms_norm(attn, residual, lw.mlp_norm, self.eps)
             mlp = self._mlp(h, lw, split=batch.decode and not last)  # the last layer's output is summed here
             if not last:
@@ -220,7 +217,7 @@ class StageForward:
                 residual = residual + mlp
         return residual
 
-    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None):
+    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None, order=None):
         t, g = h.shape[0], self.heads // self.kv_heads
         kernel_bias = batch.decode and lw.q_norm is None and "qkv" not in lw.lora  # the decode kernel adds it
         parts = self._parts(h, lw, "qkv", kernel_bias)
@@ -236,7 +233,7 @@ class StageForward:
         if batch.decode:  # RoPE, this step's K/V into the cache and the attention in one kernel
             o = rope_paged_decode(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
                                   batch.block_table, batch.seq_lens, self.scale, g, max_seqlen_k=batch.max_seqlen_k,
-                                  bias=bias, order=batch.decode_order)
+                                  bias=bias, order=order)
         else:
             q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
                            self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
@@ -259,6 +256,14 @@ class StageForward:
                                     max_seqlen_q=batch.max_seqlen_q)  # rows < cu_prefill[0] unset
         o[:dc] = torch.where(is_decode[:, None, None], decoded, o[:dc])  # select: unset rows may be NaN
         return o
+
+    @staticmethod
+    def _decode_order(batch: ForwardBatch):
+        """Per decode step on CUDA, once: (N,) the rows longest first for the decode kernel's programs
+        (`LONGEST_FIRST`); None otherwise (the torch path takes rows as they come)."""
+        if not (batch.decode and LONGEST_FIRST and batch.seq_lens.is_cuda):
+            return None
+        return torch.argsort(batch.seq_lens, descending=True, stable=True)
 
     @staticmethod
     def _mixed_rows(batch: ForwardBatch):
