@@ -174,10 +174,10 @@ def sweeps(reps):
 
         def timed():
             return graph_ms(fns) or eager_ms(fns, reps)
-        result[f"decode_B{B}_tiles"] = sweep("megarl.kernels.paged_decode",
+        result[f"decode_B{B}_tiles"] = sweep("megarl.kernels.decode_plan",
                                              dict(BLOCK_N=[32, 64, 128], NUM_WARPS=[2, 4, 8], NUM_STAGES=[1, 2, 3]),
                                              timed)
-        result[f"decode_B{B}_splits"] = sweep("megarl.kernels.paged_decode",
+        result[f"decode_B{B}_splits"] = sweep("megarl.kernels.decode_plan",
                                               dict(PROGRAMS_PER_SM=[1, 2, 4, 8], MIN_TILES_PER_SPLIT=[1, 2, 4]), timed)
     for N, L in ((16, 128), (16, 1024)):
         kc, vc, sets = paged_setup([L] * N, 1, HQ, HKV, D, dtype)

@@ -4,8 +4,8 @@
 
 - attention: the paged decode kernel at B in {32, 128, 512} and 384 / 640 keys per row, with the
   cache token-major (the engine's (P, page, Hkv, D)) or head-major ((P, Hkv, page, D) storage seen
-  through strides), at the default split count and at 1, 2, 4 splits; fraction of HBM = K + V bytes
-  / time / 4.24 TB/s.
+  through strides), at the default launch and at 1, 2, 4 programs per row (`decode_plan.py`);
+  fraction of HBM = K + V bytes / time / 4.24 TB/s.
 - gemm: the step's linears (QKV + bias, output projection, fc1, fc2, logits) at M in {32, 128, 512}
   under cuBLAS and cuBLASLt (``torch.backends.cuda.preferred_blas_library``), with and without bf16
   reduced-precision reductions; weights rotate over copies that defeat the L2.
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import graph_ms  # noqa: E402
 
 from megarl.kernels import paged_decode as PD  # noqa: E402
+from megarl.kernels.decode_plan import decode_launch  # noqa: E402
 from megarl.kernels.rms_norm import add_rms_norm  # noqa: E402
 from megarl.kernels.sampling import sample_tokens  # noqa: E402
 from megarl.rollout.split_linear import split_k_linear  # noqa: E402
@@ -53,12 +54,13 @@ def attention_rows():
                 perm = (torch.randperm(n_pages - 1, device=DEV) + 1).int().view(copies, B, width)
                 sl = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
                 qs = [torch.randn(B, HQ, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
-                for splits in (None, 1, 2, 4):
-                    fns = [lambda q=q, t=perm[c].contiguous(), s=splits: PD.paged_decode_attention_triton(
-                        q, kc, vc, t, sl, SCALE, num_splits=s, max_seqlen_k=ctx) for c, q in enumerate(qs)]
+                for per_row in (None, 1, 2, 4):
+                    programs = per_row and per_row * B
+                    fns = [lambda q=q, t=perm[c].contiguous(), p=programs: PD.paged_decode_attention_triton(
+                        q, kc, vc, t, sl, SCALE, max_seqlen_k=ctx, programs=p) for c, q in enumerate(qs)]
                     ms = graph_ms(fns)
                     kv = 2 * B * ctx * HKV * D * 2
-                    row = dict(B=B, ctx=ctx, layout=layout, splits=splits or PD.decode_splits(B, HKV, width, PAGE, torch.device(DEV)),
+                    row = dict(B=B, ctx=ctx, layout=layout, programs=programs or decode_launch(B, kc, ctx).programs,
                                us=ms * 1e3, hbm=kv / (ms * 1e-3) / 4.24e12)
                     print(row, flush=True)
                     rows.append(row)

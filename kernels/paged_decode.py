@@ -6,79 +6,42 @@ query's own key included, so no causal mask). Query head h reads kv head h // G,
     out[b, h] = softmax(scale * K_b q[b, h]) V_b        over keys 0 .. seq_lens[b] - 1
 softmax in fp32, out in q.dtype; a row with no keys gives zeros.
 
-Kernel (split-K flash decoding). Grid (Hkv, B, S), a row's kv heads side by side; with ``order``
-(a permutation of the rows, e.g. longest first) program b takes row order[b], which changes no
-row's result, only when it starts. Program (b, kvh, s) owns the key tiles
-t = s, s + S, s + 2S, ... (BLOCK_N keys each) of row b: interleaved, so a row much shorter than
-max_pages still spreads over every split, and S comes from shapes alone. It loads each K and V
-tile once for all G query heads of kvh (one (BLOCK_G, D) x (D, BLOCK_N) tl.dot, G padded to
-BLOCK_G >= 16 rows), keeps the running max m, sum l and acc in fp32 (exp2, scale folded in),
-and writes o = acc / l and lse = m + log2 l (-inf for a split with no keys) to fp32 scratch
-(B, Hq, S, D) and (B, Hq, S). The last of the S programs of (b, kvh) to finish (an arrival
-counter per (b, kvh), `split_semaphores`, zeroed again by that program) merges them in split
-order, so the result does not depend on which finished last:
+Kernel (flash decoding over a work plan). Grid (Hkv, S). `decode_plan.py` cuts every row into
+segments of at most c key tiles (BLOCK_N keys each), largest first, so a ragged batch's long rows
+are read by several programs and no longer finish last; uniform rows stay one segment each.
+Program (kvh, p) reads segment p's tiles once for all G query heads of kvh (one (BLOCK_G, D) x
+(D, BLOCK_N) tl.dot, G padded to BLOCK_G >= 16 rows) and keeps the running max m, sum l and
+acc in fp32 (exp2, scale folded in). A row of one segment is written out directly; a row of
+several writes o = acc / l and lse = m + log2 l per segment to fp32 scratch ((Hkv, S, G, D) and
+(Hkv, S, G)), and the last of them to finish (an arrival counter per (b, kvh),
+`split_semaphores`, zeroed again by that program) merges them in segment order, so the result
+does not depend on which finished last:
     out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s
-(no keys at all -> 0). With S == 1 the program writes out directly. One launch; nothing is
-read back on the host and every allocation is sized from shapes: CUDA-graph capturable.
+One launch after the plan's; nothing is read back on the host and every allocation is sized
+from shapes: CUDA-graph capturable. A decode step makes its plan once for all its layers.
 
 `rope_paged_decode` is the decode step's `rope_cache` + this attention in the same launch:
 each program RoPEs its group's queries from the fused QKV row itself, and the program whose
-tiles hold the row's last key writes this step's key and value into the cache before it
+segment holds the row's last tile writes this step's key and value into the cache before it
 reads its tiles. The key-tile loop is the plain kernel's: an earlier fusion that kept the new
 key in registers inside the loop doubled the kernel's registers and lost (benchmarks/RESULTS.md).
 
 `check_paged`, `sequence_keys`, `sdpa_fp32` and the `_attend_span` loop are shared with
 `paged_prefill.py`.
 """
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from megarl.kernels.decode_plan import DecodePlan, decode_plan
 from megarl.kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
 from megarl.kernels.memo import remembered
 from megarl.kernels.rms_norm import sum_parts_ref
 from megarl.kernels.rope_cache import check_rope_inputs, qkv_values, rope_cache_ref, rope_rows, rope_tables
 
 LOG2E = math.log2(math.e)
-# Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
-# `benchmarks/bench_attention.py`), Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16),
-# 640 keys per row, per call in a CUDA graph, B = 32 / 128 / 512 (HBM floor 5 / 20 / 79 us):
-#   BLOCK_N 64, 4 warps, 2 stages        13.9 / 30.2 / 86.3 us  (36 / 67 / 84% of HBM)  <- chosen
-#   best of 27 (32|64|128 x 2|4|8 x 1|2|3) 13.7 / 29.9 / 86.3
-#   BLOCK_N 32 (any warps, stages)       14.3+ / 31.0+ / 100+;  8 warps 14.0+ / 35+ / 97+
-#   1 stage                              13.7 / 32.1 / 95.6
-# Not kept (within +-5%, none better at B=512): prefetching the next tile's page ids a loop
-# step ahead (13.1 / 29.3 / 87.5), a flat (B*Hkv, S) grid so kv heads of a row run together.
-# Dense baseline, SDPA (FA2) on contiguous K/V: 12.8 / 24.7 / 86.2 us.
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
-# Split count S: aim at PROGRAMS_PER_SM * (SM count) programs, at most MAX_SPLITS, and at
-# least MIN_TILES_PER_SPLIT key tiles of the longest possible row (max_pages * page) per split.
-# Same sweep, PROGRAMS_PER_SM 1 / 2 / 4 / 8 (S at B=32: 3 / 5 / 5 / 5; B=128: 1 / 2 / 3 / 5):
-#   15.8 / 13.9 / 13.9 / 13.9 us at B=32;  31.0 / 29.9 / 34.5 / 35.1 at B=128;  86.6 / 86.7 /
-#   86.6 / 99 at B=512.  MIN_TILES_PER_SPLIT 1 = 2; 4 costs 13% at B=32.
-PROGRAMS_PER_SM = 2
-# One split once B * Hkv programs fill the SMs, and then 128-key tiles on 8 warps while there are at
-# most WIDE_ROWS_PER_SM programs per SM (one such program per SM: its two stages take 128 KiB).
-# H200 (2026-12-02), the decode step's form (`rope_paged_decode`, 3 fp32 QKV partials + bias),
-# us per call in a CUDA graph, S / BLOCK_N / warps; B = 128 at 128 / 384 / 640 keys:
-#   2 / 64 / 4 (the rule before)  12.7 / 22.2 / 31.0     1 / 64 / 4   11.1 / 23.5 / 34.4
-#   1 / 128 / 8                   10.9 / 20.5 / 29.5  <- chosen
-# B = 256, 384 keys: 1 / 64 / 4 33.9 (chosen), 1 / 128 / 8 37.4, 2 / 64 / 4 40.7;
-# B = 512, 384 / 640 keys: 1 / 64 / 4 63.9 / 96.9 (chosen), 1 / 128 / 8 68.2 / 100.9.
-WIDE_ROWS_PER_SM = 2
-WIDE_BLOCK_N = 128
-WIDE_NUM_WARPS = 8
-MAX_SPLITS = 32  # unswept: the bound only binds for B * Hkv < 9 on 132 SMs
-MIN_TILES_PER_SPLIT = 2
-CPU_SM_COUNT = 4  # interpreter runs: a stand-in SM count
 MIN_SEMAPHORES = 1 << 16  # split counters allocated at first use: B * Hkv up to 65,536 (256 KiB)
-# K + V tiles of all pipeline stages must fit in shared memory (H200: 227 KiB per SM);
-# BLOCK_N shrinks for wide heads (fp32 D=256: 32 keys at 2 stages).
-SMEM_BUDGET = 160 << 10
 _SEMAPHORES: dict = {}  # (device type, index) -> int32 split counters (`split_semaphores`)
 _SEMAPHORES_KEPT: list = []  # outgrown counters: graphs captured on them still replay
 
@@ -231,68 +194,78 @@ def _gather_plan(block_table, seq_lens, page: int):
     return remembered("paged decode plan", (block_table, seq_lens), (page, tuple(block_table.shape)), make)
 
 
+
 # ---- decode: Triton ----
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, sem_ptr,
-                   cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr, order_ptr,
-                   sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale, n_splits,
-                   ORDERED: tl.constexpr, G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
-                   ROPE: tl.constexpr, QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                   F32_DOT: tl.constexpr):
-    kvh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # a row's kv heads launch together
-    if ORDERED:  # program rows in `order` (longest first: the long rows start in the first wave)
-        b = tl.load(order_ptr + b)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    row_ok = (g < G)[:, None] & (d < HEAD_D)[None, :]  # (BG, BD)
-    group = q_ptr + b.to(tl.int64) * sq_b + kvh * sq_g  # this kv head's query heads (then, with ROPE, k and v)
-    n_keys = tl.load(len_ptr + b)
-    if ROPE:
-        q = _rope_and_write(group, bias_ptr + kvh * sq_g, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh,
-                            split, n_keys, n_splits, sq_h, sq_part, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d,
-                            row_ok, G, HEAD_D, PAGE, BLOCK_N, QKV_PARTS, HAS_BIAS)
-    else:
-        q = tl.load(group + g[:, None] * sq_h + d[None, :], mask=row_ok, other=0.0)  # (BG, BD)
-    bt_row = bt_ptr + b.to(tl.int64) * sbt
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m, l, acc = _attend_span(q, m, l, acc, m, split * BLOCK_N, n_keys, n_splits * BLOCK_N, bt_row, k_ptr, v_ptr, kvh,
-                             sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, qk_scale, False, PAGE, HEAD_D, BLOCK_D, BLOCK_N,
-                             F32_DOT)
-    o = acc / tl.maximum(l, 1e-30)[:, None]  # 0 for a split without keys
-    row = b.to(tl.int64) * (G * tl.num_programs(0)) + kvh * G + g  # (BG,) index into (B, Hq)
-    if DIRECT:  # one split: no merge
-        tl.store(out_ptr + row[:, None] * HEAD_D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok)
-    else:
-        tl.store(part_ptr + (row * n_splits + split)[:, None] * HEAD_D + d[None, :], o, mask=row_ok)
-        lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
-        tl.store(lse_ptr + row * n_splits + split, lse, mask=g < G)
-        tl.debug_barrier()  # every thread's partials are written before the release below
-        sem = sem_ptr + b.to(tl.int64) * tl.num_programs(0) + kvh
-        if tl.atomic_add(sem, 1, sem="acq_rel") == n_splits - 1:  # the last split of (b, kvh) to finish
-            tl.store(sem, 0)  # zero again for the next call
-            _merge_splits(part_ptr, lse_ptr, out_ptr, row, g < G, d, n_splits, HEAD_D, BLOCK_G, BLOCK_D, BLOCK_S)
+                   cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr, rows_ptr, segs_ptr,
+                   sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale,
+                   G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr,
+                   QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
+    kvh, p = tl.program_id(0), tl.program_id(1)  # a segment's kv heads launch together
+    b = tl.load(segs_ptr + p * 3)  # segment p: tiles [lo, hi) of row b (-1: no segment)
+    if b >= 0:
+        lo, hi = tl.load(segs_ptr + p * 3 + 1), tl.load(segs_ptr + p * 3 + 2)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        row_ok = (g < G)[:, None] & (d < HEAD_D)[None, :]  # (BG, BD)
+        group = q_ptr + b.to(tl.int64) * sq_b + kvh * sq_g  # this kv head's query heads (then, with ROPE, k and v)
+        n_keys = tl.load(len_ptr + b)
+        info = rows_ptr + b * 4  # row b: first full segment, full segments, remainder segment, tiles
+        if ROPE:
+            q = _rope_and_write(group, bias_ptr + kvh * sq_g, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b,
+                                kvh, hi == tl.load(info + 3), sq_h, sq_part, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h,
+                                g, d, row_ok, G, HEAD_D, PAGE, QKV_PARTS, HAS_BIAS)
+        else:
+            q = tl.load(group + g[:, None] * sq_h + d[None, :], mask=row_ok, other=0.0)  # (BG, BD)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m, l, acc = _attend_span(q, m, l, acc, m, lo * BLOCK_N, tl.minimum(n_keys, hi * BLOCK_N), BLOCK_N,
+                                 bt_ptr + b.to(tl.int64) * sbt, k_ptr, v_ptr, kvh, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h,
+                                 qk_scale, False, PAGE, HEAD_D, BLOCK_D, BLOCK_N, F32_DOT)
+        o = acc / tl.maximum(l, 1e-30)[:, None]  # 0 for a row without keys
+        row = b.to(tl.int64) * (G * tl.num_programs(0)) + kvh * G + g  # (BG,) index into (B, Hq)
+        first, n_full, rem = tl.load(info), tl.load(info + 1), tl.load(info + 2)
+        readers = n_full + (rem >= 0).to(tl.int32)
+        if readers == 1:  # the row is one segment
+            tl.store(out_ptr + row[:, None] * HEAD_D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok)
+        else:
+            part = _part_rows(kvh, p, G) + g  # (BG,)
+            tl.store(part_ptr + part[:, None] * HEAD_D + d[None, :], o, mask=row_ok)
+            tl.store(lse_ptr + part, tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf")), mask=g < G)
+            tl.debug_barrier()  # every thread's part is written before the release below
+            sem = sem_ptr + b.to(tl.int64) * tl.num_programs(0) + kvh
+            if tl.atomic_add(sem, 1, sem="acq_rel") == readers - 1:  # the last of the row's segments to finish
+                tl.store(sem, 0)  # zero again for the next call
+                _merge_parts(part_ptr, lse_ptr, out_ptr, row, g, d, kvh, first, n_full, rem, readers, G, HEAD_D,
+                             BLOCK_G, BLOCK_D)
 
 
 @triton.jit
-def _rope_and_write(group, bias, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh, split, n_keys, n_splits,
+def _part_rows(kvh, p, G: tl.constexpr):
+    """First of the G scratch rows (of (Hkv, S, G)) where segment p keeps its part of its row."""
+    return (kvh * tl.num_programs(1) + p).to(tl.int64) * G
+
+
+@triton.jit
+def _rope_and_write(group, bias, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b, kvh, writes,
                     sq_h, sq_part, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, g, d, row_ok,
-                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """`rope_cache` of row b's group kvh: returns its RoPE'd queries (BG, BD); the split whose key
-    tiles hold the last key (n_keys - 1) writes this step's key and value into the cache, then
-    reads them back with its tiles (the barrier orders the write before its own loads). The
-    group's values come through `qkv_values` (split-K partials summed, bias added) at ``group``
-    and, for the bias, the same column offsets from ``bias``."""
+                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, PARTS: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    """`rope_cache` of row b's group kvh: returns its RoPE'd queries (BG, BD); with ``writes`` (this
+    program reads the row's last tile, which holds the last key) this step's key and value go into
+    the cache first, and are read back with the tiles (the barrier orders the write before the
+    program's own loads). The group's values come through `qkv_values` (split-K partials summed,
+    bias added) at ``group`` and, for the bias, the same column offsets from ``bias``."""
     dt = k_ptr.dtype.element_ty
     c, s = rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + b), s_cs, d, HEAD_D)
     heads = g[:, None] * sq_h
     q_in, q = rope_rows(group + heads, bias + heads, d[None, :], row_ok, c[None, :], s[None, :], sq_part, dt, HEAD_D,
                         PARTS, HAS_BIAS)
-    if split == (tl.maximum(n_keys, 1) - 1) // BLOCK_N % n_splits:
+    if writes:
         ok = d < HEAD_D
         k_in, k = rope_rows(group + G * sq_h, bias + G * sq_h, d, ok, c, s, sq_part, dt, HEAD_D, PARTS, HAS_BIAS)
         v = qkv_values(group + (G + 1) * sq_h + d, bias + (G + 1) * sq_h + d, ok, sq_part, dt, PARTS, HAS_BIAS)
@@ -305,59 +278,36 @@ def _rope_and_write(group, bias, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_p
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, out_ptr, row, live, d, n_splits, HEAD_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """out[row] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s, for rows `row` (BG,)
-    where `live`; splits summed in order 0..S-1 whatever order they finished in. Loads bypass L1
-    (other programs wrote the partials)."""
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + row[:, None] * n_splits + s[None, :], mask=live[:, None] & (s < n_splits)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")  # (BG, BS)
-    top = tl.max(lse, 1)
+def _merge_parts(part_ptr, lse_ptr, out_ptr, row, g, d, kvh, first, n_full, rem, readers, G: tl.constexpr,
+                 HEAD_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[row] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s, over the row's
+    segments (its full ones first..first + n_full - 1, then its remainder rem), summed in that order
+    whatever order they finished in. Loads bypass L1 (other programs wrote the parts)."""
+    live = g < G
+    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for k in range(0, readers):
+        part = _part_rows(kvh, tl.where(k < n_full, first + k, rem), G) + g
+        top = tl.maximum(top, tl.load(lse_ptr + part, mask=live, other=float("-inf"), cache_modifier=".cg"))
     top = tl.where(top == float("-inf"), 0.0, top)  # (BG,); a row with no keys anywhere: weights 0
     ok = live[:, None] & (d < HEAD_D)[None, :]
     num = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     den = tl.zeros([BLOCK_G], tl.float32)
-    for i in range(n_splits):
-        w = tl.exp2(tl.load(lse_ptr + row * n_splits + i, mask=live, other=float("-inf"), cache_modifier=".cg") - top)
-        o = tl.load(part_ptr + (row * n_splits + i)[:, None] * HEAD_D + d[None, :], mask=ok, other=0.0,
-                    cache_modifier=".cg")
+    for k in range(0, readers):
+        part = _part_rows(kvh, tl.where(k < n_full, first + k, rem), G) + g
+        w = tl.exp2(tl.load(lse_ptr + part, mask=live, other=float("-inf"), cache_modifier=".cg") - top)
+        o = tl.load(part_ptr + part[:, None] * HEAD_D + d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
         num += w[:, None] * o
         den += w
     out = num / tl.maximum(den, 1e-30)[:, None]
     tl.store(out_ptr + row[:, None] * HEAD_D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_SM_COUNT
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def fit_keys(block_n: int, block_d: int, itemsize: int, stages: int) -> int:
-    """block_n halved (not below 16) until `stages` K and V tiles fit SMEM_BUDGET."""
-    while block_n > 16 and 2 * max(stages, 1) * block_n * block_d * itemsize > SMEM_BUDGET:
-        block_n //= 2
-    return block_n
-
-
-def decode_splits(batch: int, hkv: int, max_pages: int, page: int, device: torch.device,
-                  block_n: int | None = None) -> int:
-    """Split count S from shapes only (never from seq_lens): fill the SMs at small batch."""
-    if batch * hkv >= _sm_count(device):  # the rows alone fill every SM (WIDE_ROWS_PER_SM evidence above)
-        return 1
-    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), max(batch * hkv, 1))
-    longest = triton.cdiv(triton.cdiv(max_pages * page, block_n or BLOCK_N), MIN_TILES_PER_SPLIT)
-    return max(1, min(want, MAX_SPLITS, longest))
-
-
 def split_semaphores(n: int, device: torch.device) -> torch.Tensor:
     """n zeroed int32 arrival counters on ``device``, shared by every decode call there.
 
-    A call's last split of each (row, kv head) sets its counter back to 0, so they are zero
-    between calls (calls on one device run one after another: one stream). Grown when too
-    small, never freed: a captured CUDA graph keeps the address it saw. Never allocated
+    A call's last program of each (row, kv head) read by several sets its counter back to 0, so
+    they are zero between calls (calls on one device run one after another: one stream). Grown
+    when too small, never freed: a captured CUDA graph keeps the address it saw. Never allocated
     during a capture: the eager warm-up before one allocates them.
     """
     key = (device.type, device.index)  # a tensor's CUDA device always has its index
@@ -372,27 +322,25 @@ def split_semaphores(n: int, device: torch.device) -> torch.Tensor:
 
 
 def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_per_group: int,
-                  num_splits: int | None, max_seqlen_k: int | None, rope=None, order=None):
-    """The split-K decode launch (module docstring). q: (B, Hq, D) queries, or with ``rope`` =
+                  max_seqlen_k: int | None, rope=None, plan: DecodePlan | None = None, programs: int | None = None):
+    """The decode launch (module docstring). q: (B, Hq, D) queries, or with ``rope`` =
     (cos, sin, positions, slot_mapping, bias | None) the step's fused QKV rows (B, Hkv * (G + 2) * D)
     or their (S, B, Hkv * (G + 2) * D) fp32 split-K partials, RoPE'd and their K/V written in the
-    kernel (`rope_paged_decode`). order: None or a (B,) int permutation of the rows, the row each
-    program takes (module docstring). Returns (B, Hq, D) in the cache's dtype."""
+    kernel (`rope_paged_decode`). plan: the call's `decode_plan` (made here when None; a decode
+    step makes one for its layers); programs: the plan's target when it is made here (tests). Returns
+    (B, Hq, D) in the cache's dtype."""
     qkv_parts = q.shape[0] if q.dim() == 3 and rope is not None else 0
     B, (_, page, hkv, D) = q.shape[1 if qkv_parts else 0], k_cache.shape
     G, block_d = q_per_group, max(16, next_pow2(D))
     out = torch.empty(B, hkv * G, D, dtype=k_cache.dtype, device=q.device)
     if B == 0:
         return out
-    block_n = fit_keys(BLOCK_N, block_d, k_cache.element_size(), NUM_STAGES)
-    max_pages = triton.cdiv(max_seqlen_k, page) if max_seqlen_k else block_table.shape[1]
-    splits = num_splits or decode_splits(B, hkv, max_pages, page, q.device, block_n)
-    warps = NUM_WARPS
-    if splits == 1 and B * hkv <= WIDE_ROWS_PER_SM * _sm_count(q.device):
-        block_n, warps = fit_keys(WIDE_BLOCK_N, block_d, k_cache.element_size(), NUM_STAGES), WIDE_NUM_WARPS
-    part = torch.empty(B, hkv * G, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
-    lse = torch.empty(B, hkv * G, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
-    sem = split_semaphores(B * hkv, q.device) if splits > 1 else out
+    if plan is None:
+        plan = decode_plan(seq_lens, k_cache, max_seqlen_k or block_table.shape[1] * page, programs)
+    launch = plan.launch
+    part = torch.empty(hkv, launch.segments, G, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(hkv, launch.segments, G, dtype=torch.float32, device=q.device)
+    sem = split_semaphores(B * hkv, q.device)
     if rope is None:  # q (B, Hq, D): group kvh's heads start at kvh * G (the RoPE pointers unused)
         strides, tables, s_cs = (q.stride(0), G * q.stride(1), q.stride(1), 0), (seq_lens,) * 5, 0
     else:  # qkv rows: per group G query heads, the key, the value
@@ -400,37 +348,36 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
         tables = (*tables, q if bias is None else bias)
         strides = (q.stride(-2), (G + 2) * D, D, q.stride(0) if qkv_parts else 0)
         s_cs = rope[0].stride(0)
-    _decode_kernel[(hkv, B, splits)](
-        q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables,
-        seq_lens if order is None else order, *strides, *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_table.stride(0), s_cs, float(scale) * LOG2E, splits, ORDERED=order is not None, G=G, HEAD_D=D,
-        PAGE=page, ROPE=rope is not None, QKV_PARTS=qkv_parts, HAS_BIAS=rope is not None and rope[4] is not None,
-        DIRECT=splits == 1,
-        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_pow2(splits),
-        F32_DOT=f32_dot(k_cache.dtype), num_warps=warps, num_stages=NUM_STAGES)
+    _decode_kernel[(hkv, launch.segments)](
+        q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables, plan.rows,
+        plan.segments, *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), s_cs,
+        float(scale) * LOG2E, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None, QKV_PARTS=qkv_parts,
+        HAS_BIAS=rope is not None and rope[4] is not None, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d,
+        BLOCK_N=launch.block_n, F32_DOT=f32_dot(k_cache.dtype), num_warps=launch.warps, num_stages=launch.stages)
     return out
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale: float,
-                                  num_splits: int | None = None, max_seqlen_k: int | None = None, order=None):
-    """Split-K Triton decode (module docstring). num_splits overrides `decode_splits` (tests);
-    max_seqlen_k (default: the table's width in keys) sizes the split count; order as in
-    `launch_decode`."""
+                                  max_seqlen_k: int | None = None, plan: DecodePlan | None = None,
+                                  programs: int | None = None):
+    """Triton decode (module docstring). max_seqlen_k (default: the table's width in keys) sizes the
+    launch; plan and programs as in `launch_decode`."""
     q, k_cache, v_cache, block_table = unit_last_stride(q, k_cache, v_cache, block_table)
     return launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale, q.shape[1] // k_cache.shape[2],
-                         num_splits, max_seqlen_k, order=order)
+                         max_seqlen_k, plan=plan, programs=programs)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: float, backend: str = "auto",
-                           max_seqlen_k: int | None = None):
+                           max_seqlen_k: int | None = None, plan: DecodePlan | None = None):
     """Attention of one query token per row over its paged KV cache; spec in the module docstring.
 
     q: (B, Hq, D); k_cache, v_cache: (num_pages, page_size, Hkv, D), q's dtype, page_size a
     power of two; block_table: (B, max_pages) int32 page ids (every entry a valid page);
     seq_lens: (B,) int32 keys per row, 0 <= seq_lens <= max_pages * page_size. Returns
     (B, Hq, D) in q.dtype. backend "triton" is CUDA-graph capturable. max_seqlen_k: the
-    longest row the caller ever passes; the Triton split count comes from it (and B) instead of
-    the table's width, so a trimmed table and a padded one give bit-identical rows.
+    longest row the caller ever passes; the Triton launch shape comes from it (and B) instead of
+    the table's width, so a trimmed table and a padded one give bit-identical rows. plan: the
+    Triton path's `decode_plan` of these seq_lens, when the caller made it already.
     """
     if q.dim() != 3:
         raise ValueError(f"paged_decode_attention: q must be (B, Hq, D), got {tuple(q.shape)}")
@@ -438,7 +385,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale: fl
     impl = {"triton": paged_decode_attention_triton, "torch": paged_decode_attention_torch,
             "ref": paged_decode_attention_ref}[choose(backend, q, k_cache, v_cache, block_table, seq_lens)]
     if impl is paged_decode_attention_triton:
-        return impl(q, k_cache, v_cache, block_table, seq_lens, scale, max_seqlen_k=max_seqlen_k)
+        return impl(q, k_cache, v_cache, block_table, seq_lens, scale, max_seqlen_k=max_seqlen_k, plan=plan)
     return impl(q, k_cache, v_cache, block_table, seq_lens, scale)
 
 
@@ -464,14 +411,14 @@ def rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cac
 
 def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
                       scale: float, q_per_group: int, max_seqlen_k: int | None = None, backend: str = "auto",
-                      num_splits: int | None = None, bias=None, order=None):
+                      bias=None, plan: DecodePlan | None = None, programs: int | None = None):
     """One decode step's RoPE, K/V cache write and attention (module docstring).
 
     qkv (B, Hkv * (G + 2) * D) fused QKV rows with dense rows, or (S, B, Hkv * (G + 2) * D) fp32
     split-K partials of them (`megarl.rollout.split_linear`); bias (Hkv * (G + 2) * D,) or None,
     added to the rows (`qkv_rows_ref`); cos, sin (S_max, D); positions, slot_mapping (B,) as in
     `rope_cache`; the caches, block_table, seq_lens (counting this step's key) and max_seqlen_k as
-    in `paged_decode_attention`; order as in `launch_decode`. Writes the step's K/V into the cache;
+    in `paged_decode_attention`; plan and programs as in `launch_decode`. Writes the step's K/V into the cache;
     returns (B, Hkv * G, D) in the cache's dtype.
     """
     _, _, hkv, d = k_cache.shape
@@ -490,5 +437,5 @@ def rope_paged_decode(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, 
         return rope_paged_decode_ref(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, block_table, seq_lens,
                                      scale, q_per_group, max_seqlen_k, backend=impl, bias=bias)
     block_table, = unit_last_stride(block_table)
-    return launch_decode(qkv, k_cache, v_cache, block_table, seq_lens, scale, q_per_group, num_splits,
-                         max_seqlen_k, rope=(cos, sin, positions, slot_mapping, bias), order=order)
+    return launch_decode(qkv, k_cache, v_cache, block_table, seq_lens, scale, q_per_group, max_seqlen_k,
+                         rope=(cos, sin, positions, slot_mapping, bias), plan=plan, programs=programs)

@@ -5,8 +5,8 @@ written, so a read of page 0, of an unused page, of a ragged last page's tail or
 garbage table entry past a row's pages turns the output into NaN. Outputs are poisoned too:
 every `torch.empty*` during the call returns NaN, so an unwritten row fails. Shapes: prime
 seq lens, pages shuffled over the cache, GQA groups 1, 2, 6, page sizes 8 and 16, D 64 on
-CPU (and 40, a non-power of two), 128 on GPU; a decode row with 0 keys; splits forced to
-1, 3 and 7 so the merge sees empty splits. On CPU the Triton path runs in the interpreter
+CPU (and 40, a non-power of two), 128 on GPU; a decode row with 0 keys; 1 to 40 decode programs,
+so rows are cut and merged in many ways. On CPU the Triton path runs in the interpreter
 (env var set before the import). Not covered on CPU: compiled-kernel numerics (tf32, bf16
 tl.dot) and CUDA-graph capture; the `gpu` tests do those.
 """
@@ -19,8 +19,8 @@ from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets 
 
 import pytest  # noqa: E402
 
+from megarl.kernels.decode_plan import decode_launch, decode_plan, decode_plan_ref  # noqa: E402
 from megarl.kernels.paged_attention import (  # noqa: E402
-    decode_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
@@ -139,32 +139,40 @@ def test_decode_torch_plan_follows_the_table():
 
 
 @needs_triton
-@pytest.mark.parametrize("splits", [1, 3, 7])
-def test_decode_splits_merge(splits):
-    """S splits of 64-key tiles, interleaved: with 7 splits most are empty for every row."""
-    lens = [0, 3, 67, 131, 41]
-    kc, vc, table, sl = paged(lens, 16, 1, 64, torch.float32, seed=splits)
-    q = queries((len(lens), 6, 64), torch.float32)
+@pytest.mark.parametrize("programs", [1, 2, 3, 7, 40])
+def test_decode_rows_over_programs(programs):
+    """Rows cut into segments for a target of 1 to 40 programs (15 64-key tiles, a 0-key row counting
+    one): 1 keeps every row whole; 2, 3 and 7 cut the long rows into full segments and remainders
+    merged from two to four parts; 40 leaves most of the B + 40 programs without a segment. The plan
+    equals its spec."""
+    lens = [0, 3, 67, 131, 41, 90, 64, 65]
+    kc, vc, table, sl = paged(lens, 16, 2, 64, torch.float32, seed=programs)
+    q = queries((len(lens), 4, 64), torch.float32)
+    plan = decode_plan(sl, kc, 256, programs)
+    want_rows, want_segments = decode_plan_ref(sl, plan.launch.block_n, programs, plan.launch.segments)
+    assert torch.equal(plan.rows, want_rows) and torch.equal(plan.segments, want_segments)
     with poisoned_empty():
-        got = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, num_splits=splits)
+        got = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, plan=plan)
     check(got, paged_decode_attention_ref(q, kc, vc, table, sl, 0.125), torch.float32)
 
 
-@needs_triton
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_rows_in_any_program_order(splits):
-    """``order`` only says which program takes which row: longest first, or any permutation, gives the
-    unordered launch's output bit for bit (a row's result never depends on where it ran)."""
-    lens = [0, 3, 67, 131, 41, 90]
-    kc, vc, table, sl = paged(lens, 16, 2, 64, torch.float32, seed=5)
-    q = queries((len(lens), 4, 64), torch.float32)
-    plain = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, num_splits=splits)
-    for order in (torch.argsort(sl, descending=True, stable=True), torch.tensor([5, 0, 2, 4, 1, 3])):
-        with poisoned_empty():
-            got = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, num_splits=splits,
-                                                order=order.to(DEVICE))
-        assert torch.equal(got, plain)
-    check(plain, paged_decode_attention_ref(q, kc, vc, table, sl, 0.125), torch.float32)
+def test_decode_plan_ref_by_hand():
+    """Rows of 0, 3, 130 and 200 keys in 64-key tiles: 1, 1, 3, 4 tiles, T = 9. Target 3: c = 3, so
+    row 2 is one full segment (0), row 3 a full one (1) and a remainder of one tile; rows 0, 1 and
+    3's remainder are segments 2, 3, 4 (remainders in row order, after every full segment)."""
+    rows, segments = decode_plan_ref(torch.tensor([0, 3, 130, 200]), 64, 3, 7)
+    assert rows.tolist() == [[0, 0, 2, 1], [0, 0, 3, 1], [0, 1, -1, 3], [1, 1, 4, 4]]
+    assert segments.tolist() == [[2, 0, 3], [3, 0, 3], [0, 0, 1], [1, 0, 1], [3, 3, 4], [-1, 0, 0], [-1, 0, 0]]
+
+
+def test_decode_launch_from_shapes():
+    """The target is per kv head: one program per row once B * Hkv fills the (stand-in) SMs, else enough
+    programs to fill them, at most one per tile pair of the longest possible row; B + target segments."""
+    cache = torch.empty(1, 16, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    sms = 132 if torch.cuda.is_available() else 4
+    assert decode_launch(4096, cache, 640).target == 4096 and decode_launch(4096, cache, 640).segments == 8192
+    assert decode_launch(1, cache, 16).target == 1  # one tile: nothing to spread
+    assert 1 < decode_launch(1, cache, 4096).target <= sms
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -274,14 +282,6 @@ def test_empty_batches_and_sequences(backend):
         check(got, paged_prefill_attention_ref(q, kc, vc, table, packed([5, 0, 44]), n, 0.2), torch.float32)
 
 
-def test_decode_splits_from_shapes():
-    """S needs only shapes: >= 1, <= the 64-key tiles of the longest row / 2, 1 for a large batch."""
-    dev = torch.device(DEVICE)
-    assert decode_splits(4096, 8, 64, 16, dev) == 1
-    assert decode_splits(1, 1, 1, 16, dev) == 1
-    assert 1 < decode_splits(1, 1, 256, 16, dev) <= 32
-
-
 def test_errors():
     kc, vc, table, sl = paged([5, 9], 8, 2, 64, torch.float32)
     q = queries((2, 4, 64), torch.float32)
@@ -329,7 +329,7 @@ def test_gpu_prefill_large(dtype, d, hq, hkv, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [3, 200])  # several splits / one split
+@pytest.mark.parametrize("batch", [3, 200])  # rows over several programs / one program a row
 def test_gpu_decode_cuda_graph(batch):
     """Capture once, then change q, seq_lens and the page table in place: replay == eager."""
     lens = torch.randint(0, 700, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()

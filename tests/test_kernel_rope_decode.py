@@ -5,12 +5,12 @@ Each case: a NaN-filled paged cache holding every row's earlier keys (`paged`, s
 fused QKV row per sequence, position = seq_len - 1 and the row's new slot = the cache slot of that
 last key, poisoned to NaN first, so a tile read before the write turns the output into NaN. Checked:
 the output (per-dtype tolerance) and both caches afterwards (the step's slots hold the spec's K/V,
-every other slot is untouched). Splits forced to 1, 2, 3, 7: the new key's 64-key tile belongs to
-different splits, and short rows leave most splits empty. One padded row (0 keys) writes to the
-scratch page and gives zeros. Under the interpreter the fused queries are rope_cache's bit for bit,
+every other slot is untouched). 1, 2, 3, 7 and 13 programs over the rows' 11 64-key tiles: the new
+key's tile is read by a program that reads other rows' tiles too, rows are cut and merged, and 13
+leaves programs without tiles. One padded row (0 keys) writes to the scratch page and gives zeros. Under the interpreter the fused queries are rope_cache's bit for bit,
 so the output equals the two-launch Triton path exactly; on the GPU (compiled dots) within
 tolerance, and a CUDA-graph replay equals an eager call exactly. Not covered on CPU: the GPU's
-memory ordering between the write and the tile loads, and between the splits and the merging one
+memory ordering between the write and the tile loads, and between a row's programs and the merging one
 (the `gpu` tests run those).
 """
 import torch
@@ -49,25 +49,25 @@ def decode_step(lens, page, hkv, g, d, dtype, seed=0):
     return (qkv, *rope_tables(max(lens) + 1, d, dtype), pos, slot, kc, vc, table, sl)
 
 
-def run(step, backend, splits=None, bias=None):
+def run(step, backend, programs=None, bias=None):
     """The step on fresh copies of its caches: (out, k_cache, v_cache)."""
     qkv, cos, sin, pos, slot, kc, vc, table, sl = step
     kc, vc = kc.clone(), vc.clone()
     g = qkv.shape[-1] // (kc.shape[2] * kc.shape[3]) - 2
     with poisoned_empty():
         out = rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, table, sl, 0.125, g, backend=backend,
-                                num_splits=splits, bias=bias)
+                                programs=programs, bias=bias)
     return out, kc, vc
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [None, 1, 2, 3, 7])
+@pytest.mark.parametrize("programs", [None, 1, 2, 3, 7, 13])
 @pytest.mark.parametrize("page,hkv,g", [(16, 2, 6), (8, 1, 1)])
-def test_matches_spec(backend, dtype, splits, page, hkv, g):
-    step = decode_step(LENS, page, hkv, g, 64, dtype, seed=splits or 0)
+def test_matches_spec(backend, dtype, programs, page, hkv, g):
+    step = decode_step(LENS, page, hkv, g, 64, dtype, seed=programs or 0)
     want, kc_want, vc_want = run(step, "ref")
-    got, kc, vc = run(step, backend, splits)
+    got, kc, vc = run(step, backend, programs)
     check(got, want, dtype)
     assert (got[LENS.index(0)] == 0).all()
     for cache, ref in ((kc, kc_want), (vc, vc_want)):
@@ -78,13 +78,13 @@ def test_matches_spec(backend, dtype, splits, page, hkv, g):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_equals_two_launches(dtype, splits):
+@pytest.mark.parametrize("programs", [1, 3])
+def test_equals_two_launches(dtype, programs):
     """Bitwise under the interpreter: the same queries, the same tiles, the same merge."""
     qkv, cos, sin, pos, slot, kc, vc, table, sl = step = decode_step(LENS, 16, 2, 6, 64, dtype, seed=3)
-    got, kc_got, vc_got = run(step, "triton", splits)
+    got, kc_got, vc_got = run(step, "triton", programs)
     q = rope_cache(qkv, cos, sin, pos, slot, kc, vc, 2, 6, backend="triton")
-    want = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, num_splits=splits)
+    want = paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, programs=programs)
     if DEVICE == "cpu":
         assert torch.equal(got, want)
     else:
@@ -137,7 +137,7 @@ def test_split_k_partials_and_bias(backend, dtype):
 
 @needs_triton
 def test_split_counters_return_to_zero():
-    """Each (row, kv head)'s last split zeroes its arrival counter: the next call starts from 0."""
+    """Each (row, kv head)'s last program zeroes its arrival counter: the next call starts from 0."""
     step = decode_step(LENS, 16, 2, 6, 64, torch.float32)
     first, _, _ = run(step, "triton", 5)
     assert not split_semaphores(len(LENS) * 2, torch.device(DEVICE))[: len(LENS) * 2].any()
@@ -166,7 +166,7 @@ def test_torch_path_is_the_two_ops():
 # ---- GPU: full-size shapes, CUDA graphs ----
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [3, 128, 512])  # several splits / two / one
+@pytest.mark.parametrize("batch", [3, 128, 512])  # rows over several programs / one program a row (wide, narrow tiles)
 def test_gpu_graph_equals_eager(batch):
     """bf16, the 1.5B layer (12 query heads, 2 kv heads, D 128, page 16): the captured call replayed
     equals an eager call bitwise (caches included) and the spec within bf16 tolerance."""

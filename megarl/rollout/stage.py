@@ -37,19 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.kernels.decode_plan import decode_plan
+from megarl.kernels.dispatch import choose
 from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode
 from megarl.kernels.rms_norm import add_rms_norm
 from megarl.kernels.rope_cache import rope_cache
 from megarl.kernels.swiglu import silu_mul
 from megarl.rollout.split_linear import split_k_linear, split_parts
-
-# The decode kernel's programs take rows longest first (one argsort of seq_lens per step), so a ragged
-# batch's long rows start in the first wave of programs. H200, 1.5B shape, B = 128, 28 layers, us per
-# call of the step's attention on ragged contexts (mean 477, max ~1,100) / uniform 469: 33.9 / 23.6
-# in row order, 32.7 / 23.9 longest first; `bench_rollout.py --ragged 128 --ragged-waves 8`: ragged
-# 41.5k -> 42.1k tok/s, fixed 52.8k -> 52.3k (benchmarks/RESULTS.md, session 16).
-LONGEST_FIRST = True
-
 
 @dataclass
 class ForwardBatch:
@@ -205,10 +199,11 @@ class StageForward:
         ``x = x + f(x); h = rms_norm(x)``.
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
-        mixed, order = self._mixed_rows(batch), self._decode_order(batch)
+        mixed = self._mixed_rows(batch)
+        plan = self._decode_plan(batch, mixed, cache.keys(0))
         for i, lw in enumerate(self.layers):
             last = i + 1 == len(self.layers)
-            attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i), mixed, order)
+            attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i), mixed, plan)
             h, residual = add_rms_norm(attn, residual, lw.mlp_norm, self.eps)
             mlp = self._mlp(h, lw, split=batch.decode and not last)  # the last layer's output is summed here
             if not last:
@@ -217,7 +212,7 @@ class StageForward:
                 residual = residual + mlp
         return residual
 
-    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None, order=None):
+    def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None, plan=None):
         t, g = h.shape[0], self.heads // self.kv_heads
         kernel_bias = batch.decode and lw.q_norm is None and "qkv" not in lw.lora  # the decode kernel adds it
         parts = self._parts(h, lw, "qkv", kernel_bias)
@@ -233,14 +228,14 @@ class StageForward:
         if batch.decode:  # RoPE, this step's K/V into the cache and the attention in one kernel
             o = rope_paged_decode(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
                                   batch.block_table, batch.seq_lens, self.scale, g, max_seqlen_k=batch.max_seqlen_k,
-                                  bias=bias, order=order)
+                                  bias=bias, plan=plan)
         else:
             q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
                            self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
-            o = self._prefill_attention(q, batch, k_cache, v_cache, mixed)
+            o = self._prefill_attention(q, batch, k_cache, v_cache, mixed, plan)
         return self._row_parallel(o.reshape(t, -1), lw, "proj", lw.proj, split=batch.decode)
 
-    def _prefill_attention(self, q, batch: ForwardBatch, k_cache, v_cache, mixed):
+    def _prefill_attention(self, q, batch: ForwardBatch, k_cache, v_cache, mixed, plan):
         """(T, np, hn) attention of a prefill; a mixed step's decode rows (``mixed``: their block table,
         lengths and row mask, from `_mixed_rows`) through the decode kernel, which is built for them
         (its 128-key tiles on 8 warps at B = 128; the prefill kernel's 128-row tiles would hold 6 live
@@ -251,19 +246,21 @@ class StageForward:
         (table, lens, is_decode), prefill = mixed
         dc = table.shape[0]
         decoded = paged_decode_attention(q[:dc], k_cache, v_cache, table, lens, self.scale,
-                                         max_seqlen_k=batch.max_seqlen_k)  # (dc, np, hn)
+                                         max_seqlen_k=batch.max_seqlen_k, plan=plan)  # (dc, np, hn)
         o = paged_prefill_attention(q, k_cache, v_cache, *prefill, self.scale,
                                     max_seqlen_q=batch.max_seqlen_q)  # rows < cu_prefill[0] unset
         o[:dc] = torch.where(is_decode[:, None, None], decoded, o[:dc])  # select: unset rows may be NaN
         return o
 
     @staticmethod
-    def _decode_order(batch: ForwardBatch):
-        """Per decode step on CUDA, once: (N,) the rows longest first for the decode kernel's programs
-        (`LONGEST_FIRST`); None otherwise (the torch path takes rows as they come)."""
-        if not (batch.decode and LONGEST_FIRST and batch.seq_lens.is_cuda):
+    def _decode_plan(batch: ForwardBatch, mixed, k_cache):
+        """Per step, once: the decode kernel's work plan (`decode_plan`: which program reads which key
+        tiles, so a ragged batch's long rows spread over several) for the decode rows — a decode step's
+        all, a mixed step's first ones —, shared by every layer; None on the torch path (CPU)."""
+        lens = batch.seq_lens if batch.decode else mixed[0][1] if mixed is not None else None
+        if lens is None or lens.shape[0] == 0 or choose("auto", lens, k_cache) != "triton":
             return None
-        return torch.argsort(batch.seq_lens, descending=True, stable=True)
+        return decode_plan(lens, k_cache, batch.max_seqlen_k)
 
     @staticmethod
     def _mixed_rows(batch: ForwardBatch):

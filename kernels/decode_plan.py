@@ -1,0 +1,194 @@
+"""Which program of the decode attention reads which key tiles: its launch shape and work plan.
+
+A decode step's rows can differ a lot in length (a ragged batch holds rows of 16 and of
+1,000+ keys). One program per row made the step wait for its longest rows: on an H200
+(1.5B shape, B = 128, ragged live contexts of mean 477 keys) the attention took 33.9 us
+where rows of a uniform 469 keys took 23.6 (benchmarks/RESULTS.md, session 16). The plan
+cuts every row into segments of at most c key tiles, c = the mean tiles per target program,
+and orders them largest first: the full segments of every row, then the rows' remainders.
+The GPU's block scheduler hands the next segment to whichever program slot frees first, so
+the long rows no longer finish last. With rows of equal length each row is one segment: the
+one-program-per-row launch. The kernel takes one segment per program and no loop over rows
+(a loop around the tile loop tripled its registers: one program per SM instead of two).
+
+Spec (`decode_plan_ref`). tiles_b = max(1, cdiv(seq_lens[b], BLOCK_N)) (a row without keys still
+gets a tile: its program writes the row's zeros and its K/V to the scratch page); T = sum tiles;
+c = max(1, cdiv(T, target)); row b has q_b = tiles_b // c full segments and, if
+r_b = tiles_b % c > 0, a remainder. Segment numbers: the full segments of rows 0, 1, ... in
+order, then the remainders in row order; there are at most T / c + B <= target + B of them,
+the launch's segment count S (programs past the last segment do nothing).
+    rows (B, 4) int32      first full segment, q_b, the remainder's segment (-1: none), tiles_b
+    segments (S, 3) int32  row (-1: none), first tile, end tile (of the row's tiles)
+A row read by several segments is merged, in segment order, by the last of them to finish.
+Made on the device by one one-program launch (`_plan_kernel`), once per decode step and shared
+by its layers; nothing comes back to the host (graph capturable).
+
+Launch shape (`decode_launch`), from shapes alone (never from seq_lens): the target programs
+(per kv head) are B once B * Hkv programs fill the SMs (128-key tiles on 8 warps while at most
+WIDE_ROWS_PER_SM of them share an SM, else 64-key tiles on 4 warps); fewer rows: PROGRAMS_PER_SM
+* SMs / Hkv, at most MAX_SPLITS per row and a tile pair of the longest possible row
+(max_seqlen_k) per program. S = B + target.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from megarl.kernels.dispatch import next_pow2, tl, triton
+
+# Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
+# `benchmarks/bench_attention.py`), Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16),
+# 640 keys per row, per call in a CUDA graph, B = 32 / 128 / 512 (HBM floor 5 / 20 / 79 us):
+#   BLOCK_N 64, 4 warps, 2 stages        13.9 / 30.2 / 86.3 us  (36 / 67 / 84% of HBM)  <- chosen
+#   best of 27 (32|64|128 x 2|4|8 x 1|2|3) 13.7 / 29.9 / 86.3
+#   BLOCK_N 32 (any warps, stages)       14.3+ / 31.0+ / 100+;  8 warps 14.0+ / 35+ / 97+
+#   1 stage                              13.7 / 32.1 / 95.6
+# Not kept (within +-5%, none better at B=512): prefetching the next tile's page ids a loop
+# step ahead (13.1 / 29.3 / 87.5), a flat (B*Hkv, S) grid so kv heads of a row run together.
+# Dense baseline, SDPA (FA2) on contiguous K/V: 12.8 / 24.7 / 86.2 us.
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+# Programs at small batch: aim at PROGRAMS_PER_SM * (SM count), at most MAX_SPLITS per row, and
+# at least MIN_TILES_PER_SPLIT key tiles of the longest possible row (max_seqlen_k) per program.
+# Same sweep (as splits of each row), PROGRAMS_PER_SM 1 / 2 / 4 / 8 (S at B=32: 3 / 5 / 5 / 5;
+# B=128: 1 / 2 / 3 / 5): 15.8 / 13.9 / 13.9 / 13.9 us at B=32;  31.0 / 29.9 / 34.5 / 35.1 at
+# B=128;  86.6 / 86.7 / 86.6 / 99 at B=512.  MIN_TILES_PER_SPLIT 1 = 2; 4 costs 13% at B=32.
+PROGRAMS_PER_SM = 2
+# One program per row once B * Hkv programs fill the SMs, and then 128-key tiles on 8 warps while
+# there are at most WIDE_ROWS_PER_SM programs per SM (one such program per SM: its two stages take
+# 128 KiB). H200 (2026-12-02), the decode step's form (`rope_paged_decode`, 3 fp32 QKV partials +
+# bias), us per call in a CUDA graph, splits / BLOCK_N / warps; B = 128 at 128 / 384 / 640 keys:
+#   2 / 64 / 4 (the rule before)  12.7 / 22.2 / 31.0     1 / 64 / 4   11.1 / 23.5 / 34.4
+#   1 / 128 / 8                   10.9 / 20.5 / 29.5  <- chosen
+# B = 256, 384 keys: 1 / 64 / 4 33.9 (chosen), 1 / 128 / 8 37.4, 2 / 64 / 4 40.7;
+# B = 512, 384 / 640 keys: 1 / 64 / 4 63.9 / 96.9 (chosen), 1 / 128 / 8 68.2 / 100.9.
+WIDE_ROWS_PER_SM = 2
+WIDE_BLOCK_N = 128
+WIDE_NUM_WARPS = 8
+MAX_SPLITS = 32  # unswept: the bound only binds for B * Hkv < 9 on 132 SMs
+MIN_TILES_PER_SPLIT = 2
+CPU_SM_COUNT = 4  # interpreter runs: a stand-in SM count
+# K + V tiles of all pipeline stages must fit in shared memory (H200: 227 KiB per SM);
+# BLOCK_N shrinks for wide heads (fp32 D=256: 32 keys at 2 stages).
+SMEM_BUDGET = 160 << 10
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode kernel's grid (Hkv, segments) and tile shape."""
+
+    target: int  # programs per kv head the rows' tiles are spread over
+    segments: int  # S = B + target, the grid's second dimension (an upper bound on the segments)
+    block_n: int  # keys per tile
+    warps: int
+    stages: int  # software-pipeline stages of the tile loop
+
+
+@dataclass
+class DecodePlan:
+    """Which tiles each program reads (module docstring), for one call's seq_lens."""
+
+    launch: DecodeLaunch
+    rows: torch.Tensor  # (B, 4) int32: first full segment, full segments, remainder segment (-1: none), tiles
+    segments: torch.Tensor  # (S, 3) int32: row (-1: none), first tile, end tile
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fit_keys(block_n: int, block_d: int, itemsize: int, stages: int) -> int:
+    """block_n halved (not below 16) until `stages` K and V tiles fit SMEM_BUDGET."""
+    while block_n > 16 and 2 * max(stages, 1) * block_n * block_d * itemsize > SMEM_BUDGET:
+        block_n //= 2
+    return block_n
+
+
+def decode_launch(batch: int, k_cache: torch.Tensor, max_seqlen_k: int, programs: int | None = None) -> DecodeLaunch:
+    """The launch shape for ``batch`` rows over ``k_cache`` (P, page, Hkv, D) whose rows never exceed
+    ``max_seqlen_k`` keys (module docstring); ``programs`` overrides the target (tests)."""
+    _, _, hkv, d = k_cache.shape
+    block_d, itemsize, sms = max(16, next_pow2(d)), k_cache.element_size(), sm_count(k_cache.device)
+    block_n, warps = fit_keys(BLOCK_N, block_d, itemsize, NUM_STAGES), NUM_WARPS
+    if batch * hkv >= sms:  # the rows alone fill every SM (WIDE_ROWS_PER_SM evidence above)
+        want = batch
+        if batch * hkv <= WIDE_ROWS_PER_SM * sms:
+            block_n, warps = fit_keys(WIDE_BLOCK_N, block_d, itemsize, NUM_STAGES), WIDE_NUM_WARPS
+    else:
+        pairs = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), block_n), MIN_TILES_PER_SPLIT)
+        want = min(triton.cdiv(PROGRAMS_PER_SM * sms, hkv), batch * MAX_SPLITS, batch * pairs)
+    target = max(1, programs or want)
+    return DecodeLaunch(target, batch + target, block_n, warps, NUM_STAGES)
+
+
+def decode_plan_ref(seq_lens: torch.Tensor, block_n: int, target: int, segments: int):
+    """The spec: (rows (B, 4), segments (S, 3)) int32, for B >= 1 rows."""
+    tiles = torch.clamp((seq_lens.long() + block_n - 1) // block_n, min=1)
+    c = max(1, -(-int(tiles.sum()) // target))
+    full, rem = tiles // c, tiles % c
+    first_full = torch.cumsum(full, 0) - full
+    has_rem = rem > 0
+    rem_seg = torch.where(has_rem, int(full.sum()) + torch.cumsum(has_rem.long(), 0) - has_rem.long(), -1)
+    segs = torch.tensor([[-1, 0, 0]] * segments)
+    for b in range(tiles.shape[0]):
+        for k in range(int(full[b])):
+            segs[first_full[b] + k] = torch.tensor([b, k * c, (k + 1) * c])
+        if has_rem[b]:
+            segs[rem_seg[b]] = torch.tensor([b, full[b] * c, tiles[b]])
+    return torch.stack([first_full, full, rem_seg, tiles], 1).int(), segs.int().to(seq_lens.device)
+
+
+@triton.jit
+def _plan_kernel(len_ptr, rows_ptr, segs_ptr, n_rows, n_segs, target, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """One program, vectorized over the rows: their tiles, c, the full segments' and remainders'
+    numbers (cumsums), then each row writes its segments (a loop over the most full segments of a row)."""
+    i = tl.arange(0, BLOCK_B)
+    ok = i < n_rows
+    lens = tl.load(len_ptr + i, mask=ok, other=0)
+    tiles = tl.where(ok, tl.maximum((lens + BLOCK_N - 1) // BLOCK_N, 1), 0).to(tl.int32)
+    c = tl.maximum((tl.sum(tiles, 0) + target - 1) // target, 1)
+    full = tiles // c
+    has_rem = (tiles - full * c > 0).to(tl.int32)
+    first_full = tl.cumsum(full, 0) - full
+    n_full = tl.sum(full, 0)
+    rem_seg = tl.where(has_rem > 0, n_full + tl.cumsum(has_rem, 0) - has_rem, -1)
+    row = rows_ptr + i * 4
+    tl.store(row, first_full, mask=ok)
+    tl.store(row + 1, full, mask=ok)
+    tl.store(row + 2, rem_seg, mask=ok)
+    tl.store(row + 3, tiles, mask=ok)
+    j = tl.arange(0, BLOCK_S)  # the segments past the last one: none
+    none = (j >= n_full + tl.sum(has_rem, 0)) & (j < n_segs)
+    tl.store(segs_ptr + j * 3, -1, mask=none)
+    tl.store(segs_ptr + j * 3 + 1, 0, mask=none)
+    tl.store(segs_ptr + j * 3 + 2, 0, mask=none)
+    for k in range(0, tl.max(full, 0)):
+        seg = segs_ptr + (first_full + k) * 3
+        mine = ok & (k < full)
+        tl.store(seg, i, mask=mine)
+        tl.store(seg + 1, k * c, mask=mine)
+        tl.store(seg + 2, (k + 1) * c, mask=mine)
+    seg = segs_ptr + rem_seg * 3
+    tl.store(seg, i, mask=has_rem > 0)
+    tl.store(seg + 1, full * c, mask=has_rem > 0)
+    tl.store(seg + 2, tiles, mask=has_rem > 0)
+
+
+def decode_plan(seq_lens: torch.Tensor, k_cache: torch.Tensor, max_seqlen_k: int,
+                programs: int | None = None) -> DecodePlan:
+    """The plan of a decode call over ``seq_lens`` (B,) (B >= 1) rows of ``k_cache`` (one launch);
+    ``programs`` overrides the launch's target (tests)."""
+    batch = seq_lens.shape[0]
+    launch = decode_launch(batch, k_cache, max_seqlen_k, programs)
+    rows = torch.empty(batch, 4, dtype=torch.int32, device=seq_lens.device)
+    segs = torch.empty(launch.segments, 3, dtype=torch.int32, device=seq_lens.device)
+    _plan_kernel[(1,)](seq_lens, rows, segs, batch, launch.segments, launch.target, BLOCK_N=launch.block_n,
+                       BLOCK_B=next_pow2(batch), BLOCK_S=next_pow2(launch.segments), num_warps=4)
+    return DecodePlan(launch, rows, segs)
