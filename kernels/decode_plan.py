@@ -27,7 +27,7 @@ Launch shape (`decode_launch`), from shapes alone (never from seq_lens): the tar
 (per kv head) are B once B * Hkv programs fill the SMs (128-key tiles on 8 warps while at most
 WIDE_ROWS_PER_SM of them share an SM, else 64-key tiles on 4 warps); fewer rows: PROGRAMS_PER_SM
 * SMs / Hkv, at most MAX_SPLITS per row and a tile pair of the longest possible row
-(max_seqlen_k) per program. S = B + target.
+(max_seqlen_k) per program, as a whole number of segments per row. S = B + target.
 """
 from __future__ import annotations
 
@@ -74,6 +74,10 @@ CPU_SM_COUNT = 4  # interpreter runs: a stand-in SM count
 # K + V tiles of all pipeline stages must fit in shared memory (H200: 227 KiB per SM);
 # BLOCK_N shrinks for wide heads (fp32 D=256: 32 keys at 2 stages).
 SMEM_BUDGET = 160 << 10
+# Rows the plan kernel's one compiled variant covers (more: one more compile per power of two). A
+# variant per batch bucket compiled inside the first mixed steps of a run: +0.9 s of a 3.4 s
+# B = 512 benchmark run on an H200 (2026-12-03).
+PLAN_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ def decode_launch(batch: int, k_cache: torch.Tensor, max_seqlen_k: int, programs
             block_n, warps = fit_keys(WIDE_BLOCK_N, block_d, itemsize, NUM_STAGES), WIDE_NUM_WARPS
     else:
         pairs = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), block_n), MIN_TILES_PER_SPLIT)
-        want = min(triton.cdiv(PROGRAMS_PER_SM * sms, hkv), batch * MAX_SPLITS, batch * pairs)
+        want = batch * min(triton.cdiv(PROGRAMS_PER_SM * sms, batch * hkv), MAX_SPLITS, pairs)  # segments a row
     target = max(1, programs or want)
     return DecodeLaunch(target, batch + target, block_n, warps, NUM_STAGES)
 
@@ -144,7 +148,7 @@ def decode_plan_ref(seq_lens: torch.Tensor, block_n: int, target: int, segments:
     return torch.stack([first_full, full, rem_seg, tiles], 1).int(), segs.int().to(seq_lens.device)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_segs", "target"])  # one compiled plan kernel for every batch
 def _plan_kernel(len_ptr, rows_ptr, segs_ptr, n_rows, n_segs, target, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                  BLOCK_S: tl.constexpr):
     """One program, vectorized over the rows: their tiles, c, the full segments' and remainders'
@@ -190,5 +194,6 @@ def decode_plan(seq_lens: torch.Tensor, k_cache: torch.Tensor, max_seqlen_k: int
     rows = torch.empty(batch, 4, dtype=torch.int32, device=seq_lens.device)
     segs = torch.empty(launch.segments, 3, dtype=torch.int32, device=seq_lens.device)
     _plan_kernel[(1,)](seq_lens, rows, segs, batch, launch.segments, launch.target, BLOCK_N=launch.block_n,
-                       BLOCK_B=next_pow2(batch), BLOCK_S=next_pow2(launch.segments), num_warps=4)
+                       BLOCK_B=max(PLAN_ROWS, next_pow2(batch)), BLOCK_S=max(2 * PLAN_ROWS, next_pow2(launch.segments)),
+                       num_warps=4)
     return DecodePlan(launch, rows, segs)
