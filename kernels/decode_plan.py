@@ -58,8 +58,8 @@ NUM_STAGES = 2
 # B=128;  86.6 / 86.7 / 86.6 / 99 at B=512.  MIN_TILES_PER_SPLIT 1 = 2; 4 costs 13% at B=32.
 PROGRAMS_PER_SM = 2
 # One program per row once B * Hkv programs fill the SMs, and then 128-key tiles on 8 warps while
-# there are at most WIDE_ROWS_PER_SM programs per SM (one such program per SM: its two stages take
-# 128 KiB). H200 (2026-12-02), the decode step's form (`rope_paged_decode`, 3 fp32 QKV partials +
+# there are at most WIDE_ROWS_PER_SM programs per SM (such a program takes 72 KiB of shared memory
+# and 80-94 registers a thread: two fit an SM; compiled for sm_90 by Triton 3.6, ptxas -v). H200 (2026-12-02), the decode step's form (`rope_paged_decode`, 3 fp32 QKV partials +
 # bias), us per call in a CUDA graph, splits / BLOCK_N / warps; B = 128 at 128 / 384 / 640 keys:
 #   2 / 64 / 4 (the rule before)  12.7 / 22.2 / 31.0     1 / 64 / 4   11.1 / 23.5 / 34.4
 #   1 / 128 / 8                   10.9 / 20.5 / 29.5  <- chosen
