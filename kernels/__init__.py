@@ -3,7 +3,39 @@
 Call the public functions; `backend="auto"` runs Triton on CUDA and vectorized
 PyTorch on CPU (see `dispatch.py`; "triton" on CPU needs TRITON_INTERPRET=1
 set before this package is imported).
+
+This folder is `megarl.kernels` (setup.py's package_dir). Where the checkout's root is on sys.path
+(`python -m` or `-c` run there, or PYTHONPATH), ``import kernels`` finds it too, and that name
+belongs to the `kernels` distribution (Hugging Face hub kernels) that transformers >= 5.2x
+imports: imported under that name, this package hands the name over to the installed one.
 """
+import sys as _sys
+
+
+def _hand_over_the_name() -> None:
+    """sys.modules["kernels"] becomes the installed `kernels` distribution (looked up on sys.path
+    without the checkout's root); with none installed, the name stays this package's."""
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [p for p in _sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    _sys.modules["kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del _sys.modules["kernels"]
+        raise
+
+
+if __name__ == "kernels":
+    _hand_over_the_name()
+
 from megarl.kernels.bucket import BucketLayout, bucket_layout, pack, pack_ref, unpack, unpack_into, unpack_into_ref
 from megarl.kernels.dispatch import BACKENDS, HAS_TRITON, choose, interpret_mode, triton_usable
 from megarl.kernels.gae import gae, gae_ref, gae_torch
