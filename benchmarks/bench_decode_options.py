@@ -60,7 +60,7 @@ def attention_rows():
                         q, kc, vc, t, sl, SCALE, max_seqlen_k=ctx, programs=p) for c, q in enumerate(qs)]
                     ms = graph_ms(fns)
                     kv = 2 * B * ctx * HKV * D * 2
-                    row = dict(B=B, ctx=ctx, layout=layout, programs=programs or decode_launch(B, kc, ctx).programs,
+                    row = dict(B=B, ctx=ctx, layout=layout, programs=programs or decode_launch(B, kc, ctx).target,
                                us=ms * 1e3, hbm=kv / (ms * 1e-3) / 4.24e12)
                     print(row, flush=True)
                     rows.append(row)

@@ -21,6 +21,7 @@ BACKENDS = ("auto", "triton", "torch", "ref")
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     HAS_TRITON = True
 except ImportError:  # CPU installs without triton: torch/ref only; kernels stay undefined stubs
@@ -35,7 +36,7 @@ except ImportError:  # CPU installs without triton: torch/ref only; kernels stay
         def jit(fn=None, **_):
             return fn if fn is not None else (lambda f: f)
 
-    triton = tl = _NoTriton()
+    triton = tl = libdevice = _NoTriton()
 
 
 def interpret_mode() -> bool:

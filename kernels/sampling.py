@@ -32,8 +32,8 @@ int64 (spec) or int32 (fast) tensors, the kernels on uint32, bit-identically
 Kernels (no host sync, outputs sized from shapes: CUDA-graph capturable).
   1. `_partials_kernel`, grid (B, S), S from the vocab size only (so nothing
      depends on the batch): each program streams one slice of a row in BLOCK
-     chunks once: running max m, sum exp(s - m), argmax, min key, and
-     for unfiltered sampled rows the race itself (max of s - log E).
+     chunks once: running max m, sum exp(s - m), and for unfiltered sampled
+     rows the race itself (max of s - log E), for the others argmax and min key.
   2. `_finish_kernel`, grid (B,): merges the S partials. Rows with top-k / top-p
      find their threshold by bisection on order-preserving int32 keys of s,
      no sort: each step counts (or sums exp(s - m) over) the elements with key
@@ -44,16 +44,22 @@ Kernels (no host sync, outputs sized from shapes: CUDA-graph capturable).
      >= p * (top-k mass): the ref's set up to fp rounding. Then one race pass
      over the kept set. Rows choose at run time (scalar branches), so one
      launch serves greedy, plain and filtered rows together.
+  On the GPU the race's two logs are the hardware's approximate log2 (`_log`,
+  relative error ~2^-22; the ref's logs are correctly rounded): a race value
+  moves by ~1e-6 at most, so the kernel's token differs from the ref's only
+  where the two best race values of a row are that close (never seen at full
+  size: tests/test_kernel_sampling.py, B = 512 in benchmarks/RESULTS.md).
 The torch backend vectorizes the same steps (topk, and a histogram for flat
 top-p rows, for the thresholds; the int32 hash) and gives the ref's tokens.
-Measured (H200, V=151936, CUDA graph): plain sampling B=32 / 512 in .036 / .44
-ms fp32 (argmax alone: .019 / .096), greedy .017 / .16; filtered rows are
-single-program bisections: top_p=0.9 1.75 / 5.4 ms fp32 (torch sort + multinomial
-1.05 / 10.2 ms). `benchmarks/bench_sampling.py` has the full table.
+Measured (H200, V=151936, bf16 logits, CUDA graph, 2026-12-03): plain sampling
+B = 32 / 128 / 512 in 20 / 53 / 191 us (with correctly rounded logs 34 / 90 / 335),
+greedy 13 / 35 / 120 us; filtered rows are single-program bisections: top_p=0.9
+1.75 / 5.4 ms fp32 at B = 32 / 512 (torch sort + multinomial 1.05 / 10.2 ms).
+`benchmarks/bench_sampling.py` has the full table.
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl.kernels.dispatch import choose, interpret_mode, libdevice, next_pow2, tl, triton
 
 M32 = 0xFFFFFFFF
 GOLD, FMIX_C1, FMIX_C2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
@@ -376,11 +382,20 @@ def _unkey(k):
 
 
 @triton.jit
-def _race_chunk(s, keep, j, k1, k2):
+def _log(x, FAST_LOG: tl.constexpr):
+    """Natural log of fp32 x > 0: on the GPU the hardware's approximate log2 (one MUFU.LG2, relative
+    error ~2^-22) times ln 2 (`FAST_LOG`); tl.log otherwise (the interpreter has no fast log)."""
+    if FAST_LOG:
+        return libdevice.fast_logf(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _race_chunk(s, keep, j, k1, k2, FAST_LOG: tl.constexpr):
     """Chunk max of s - log E over keep and its lowest index (2^31 - 1 if none)."""
     u = _uniform(k1, k2, j)  # E = -log1p(-u): a 4-term series below 1/32 (rel. error < u^4/5 <= 2e-7)
-    e = tl.where(u < 0.03125, u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))), -tl.log(1.0 - u))
-    r = tl.where(keep, s - tl.log(e), float("-inf"))
+    e = tl.where(u < 0.03125, u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))), -_log(1.0 - u, FAST_LOG))
+    r = tl.where(keep, s - _log(e, FAST_LOG), float("-inf"))
     cm = tl.max(r, 0)
     return cm, tl.min(tl.where(keep & (r == cm), j, 2147483647), 0)
 
@@ -399,7 +414,7 @@ def _row_setup(row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, n):
 
 @triton.jit
 def _partials_kernel(x_ptr, stride, n, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, pf_ptr, pi_ptr,
-                     B, S, split_len, BLOCK: tl.constexpr):
+                     B, S, split_len, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     row, sp = tl.program_id(0), tl.program_id(1)
     xr = x_ptr + row.to(tl.int64) * stride
     inv_t, greedy, filtered, k, p, k1, k2 = _row_setup(row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, n)
@@ -418,15 +433,16 @@ def _partials_kernel(x_ptr, stride, n, temp_ptr, topk_ptr, topp_ptr, seed_ptr, o
         ok = j < end
         s = tl.load(xr + j, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
         cmax = tl.max(s, 0)
-        am = tl.where(cmax > m, tl.min(tl.where(ok & (s == cmax), j, 2147483647), 0), am)
         m_new = tl.maximum(m, cmax)
         z = z * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), 0)
-        m = m_new
-        mn = tl.minimum(mn, tl.min(tl.where(ok, _key(s), 2147483647), 0))
-        if race:
-            cm, cj = _race_chunk(s, ok, j, k1, k2)
+        if race:  # plain sampled rows: the race is the token
+            cm, cj = _race_chunk(s, ok, j, k1, k2, FAST_LOG)
             ri = tl.where(cm > rb, cj, ri)
             rb = tl.maximum(rb, cm)
+        else:  # greedy rows: the argmax; filtered rows: the min key starts their bisections
+            am = tl.where(cmax > m, tl.min(tl.where(ok & (s == cmax), j, 2147483647), 0), am)
+            mn = tl.minimum(mn, tl.min(tl.where(ok, _key(s), 2147483647), 0))
+        m = m_new
     o = row * S + sp  # partials (3, B, S) fp32: m, z, race max; (3, B, S) int32: argmax, race argmax, min key
     tl.store(pf_ptr + o, m)
     tl.store(pf_ptr + B * S + o, z)
@@ -489,7 +505,7 @@ def _bisect(xr, n, inv_t, m, lo, hi, lo_mass, k, target, BY_MASS: tl.constexpr, 
 
 
 @triton.jit
-def _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK: tl.constexpr):
+def _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     """Top-k then top-p thresholds by bisection, then the race over the kept set."""
     top = _key(m).to(tl.int64) + 1
     lo = mn.to(tl.int64)
@@ -504,7 +520,7 @@ def _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK: tl.constexpr):
         j = v0 + cols
         ok = j < n
         s = tl.load(xr + j, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        cm, cj = _race_chunk(s, ok & (_key(s) >= c.to(tl.int32)), j, k1, k2)
+        cm, cj = _race_chunk(s, ok & (_key(s) >= c.to(tl.int32)), j, k1, k2, FAST_LOG)
         ri = tl.where(cm > rb, cj, ri)
         rb = tl.maximum(rb, cm)
     return rb, ri
@@ -512,7 +528,7 @@ def _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish_kernel(x_ptr, stride, n, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, pf_ptr, pi_ptr,
-                   tok_ptr, lp_ptr, B, S, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                   tok_ptr, lp_ptr, B, S, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     row = tl.program_id(0)
     xr = x_ptr + row.to(tl.int64) * stride
     inv_t, greedy, filtered, k, p, k1, k2 = _row_setup(row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, n)
@@ -528,7 +544,7 @@ def _finish_kernel(x_ptr, stride, n, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off
     ri = tl.min(tl.where(ok & (rbi == rb), tl.load(pi_ptr + B * S + o, mask=ok, other=0), 2147483647), 0)
     mn = tl.min(tl.load(pi_ptr + 2 * B * S + o, mask=ok, other=2147483647), 0)
     if filtered & (~greedy):
-        rb, ri = _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK)
+        rb, ri = _filtered_race(xr, n, inv_t, m, z, mn, k, p, k1, k2, BLOCK, FAST_LOG)
     tok = tl.where(greedy | (rb == float("-inf")), am, ri)
     s_tok = tl.load(xr + tok).to(tl.float32) * inv_t
     tl.store(tok_ptr + row, tok.to(tl.int64))
@@ -558,9 +574,11 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, voca
     pi = torch.empty(3, B, S, dtype=torch.int32, device=dev)
     rows = (temperature.float().contiguous(), top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
             seeds.long().contiguous(), offsets.long().contiguous())
-    _partials_kernel[(B, S)](x, x.stride(0), n, *rows, pf, pi, B, S, split_len, BLOCK=blk, num_warps=NUM_WARPS)
+    fast_log = not interpret_mode()
+    _partials_kernel[(B, S)](x, x.stride(0), n, *rows, pf, pi, B, S, split_len, BLOCK=blk, FAST_LOG=fast_log,
+                             num_warps=NUM_WARPS)
     _finish_kernel[(B,)](x, x.stride(0), n, *rows, pf, pi, tokens, logprobs, B, S,
-                         S_BLOCK=next_pow2(S), BLOCK=blk, num_warps=NUM_WARPS)
+                         S_BLOCK=next_pow2(S), BLOCK=blk, FAST_LOG=fast_log, num_warps=NUM_WARPS)
     return tokens, logprobs
 
 
