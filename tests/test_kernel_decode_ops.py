@@ -1,4 +1,5 @@
-"""megarl.kernels add_rms_norm, rope_cache, silu_mul (and swiglu's backward): Triton against the specs on odd shapes.
+"""megarl.kernels add_rms_norm, rope_cache, silu_mul (and swiglu's backward), feed_tokens: Triton against the specs
+on odd shapes.
 
 Shapes: rows 1 and 7, hidden 100 (not a power of two), head dims 32 and 64,
 query heads per group 1, 2 and 6, caches with shuffled target rows and
@@ -18,6 +19,7 @@ from kernel_backends import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INT
 import pytest  # noqa: E402
 
 from megarl.kernels import interpret_mode  # noqa: E402
+from megarl.kernels.feed_tokens import feed_tokens, feed_tokens_ref  # noqa: E402
 from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, sum_parts_ref  # noqa: E402
 from megarl.kernels.rope_cache import rope_cache, rope_cache_ref  # noqa: E402
 from megarl.kernels.swiglu import silu_mul, silu_mul_ref, swiglu  # noqa: E402
@@ -115,3 +117,19 @@ def test_swiglu_grad_equals_autograd_of_the_spec(dtype, shape):
     torch.testing.assert_close(x.grad, x_ref.grad, **TOL[dtype])
     with pytest.raises(ValueError, match="even"):
         swiglu(x[..., :-1], backend="triton")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 1500])
+def test_feed_tokens(rows):
+    """Rows fed from the last replays' outputs (token ids as fp32, up to 2^24 - 1) or kept from the host's
+    ids, on strided views of one (2, B) buffer as the graphs pass them; 1,500 rows take two programs."""
+    g = torch.Generator().manual_seed(rows)
+    outputs = torch.randint(0, 2**24, (4 * rows,), generator=g).float()
+    buf = torch.stack([torch.randint(-1, 4 * rows, (rows,), generator=g),
+                       torch.randint(0, 151936, (rows,), generator=g)]).to(DEVICE)  # (2, B): src, ids
+    src, ids = buf[0], buf[1]
+    src[0] = -1  # at least one host row
+    got = feed_tokens(src, outputs.to(DEVICE), ids, backend="triton")
+    want = feed_tokens_ref(src.cpu(), outputs, ids.cpu())
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+    assert torch.equal(want[src.cpu() < 0], ids.cpu()[src.cpu() < 0]) and want.max() < 2**24

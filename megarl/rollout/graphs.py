@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megarl.kernels.feed_tokens import feed_tokens
 from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.pages import pages_for
 from megarl.rollout.stage import ForwardBatch
@@ -148,7 +149,6 @@ class DecodeGraphs:
         self.turn = 0
         self.inputs = torch.zeros((len(_ROW_FIELDS), b), dtype=torch.long, device=dev)
         self.table = torch.zeros((b, self.max_pages), dtype=torch.int32, device=dev)
-        self.rows = torch.arange(b, device=dev)
         self.cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.outputs = torch.zeros(4 * b, device=dev)  # decode's (2, b) [tokens; log-probs], then prefill's
         self.sampled = self.outputs[: 2 * b].view(2, b)  # of the last stage
@@ -173,12 +173,12 @@ class DecodeGraphs:
         """The decode step of this stage on the first ``b`` rows of the static buffers."""
         f = lambda name: self._field(name, b)  # noqa: E731
         src = f("src_rows")  # tokens still on the device: rows of the step that sampled them
-        ids = torch.where(src >= 0, self.outputs.index_select(0, src.clamp(min=0)).long(), f("input_ids"))
+        ids = feed_tokens(src, self.outputs, f("input_ids"))
         batch = ForwardBatch(ids, f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
                              self.cu[: b + 1], 1, True, self.engine.max_len)
         engine = self.engine
         x = None if engine.groups.is_first_stage else self.hidden_in[:b]
-        out = engine.compute(batch, x, self.rows[:b])
+        out = engine.compute(batch, x, None)  # every row samples
         if not engine.groups.is_last_stage:
             self.hidden_out[:b].copy_(out)
             return

@@ -369,13 +369,16 @@ class NativeEngine:
     def compute(self, batch: ForwardBatch, x: torch.Tensor | None, sample_rows: torch.Tensor):
         """The stage's math (TP collectives only, no p2p: what a CUDA graph captures).
 
-        x: (T, h) from the previous stage, or None to embed ``batch.input_ids``. Returns the
-        (T, h) output on an inner stage, (S, V_padded) logits on the last (None if S = 0).
+        x: (T, h) from the previous stage, or None to embed ``batch.input_ids``; sample_rows: (S,)
+        rows whose logits are wanted, None for every row (a decode step). Returns the (T, h) output on
+        an inner stage, (S, V_padded) logits on the last (None if S = 0).
         """
         st = self.stage
         x = st.layers_forward(st.embed(batch.input_ids) if x is None else x, batch, self.cache)
         if not self.groups.is_last_stage:
             return x
+        if sample_rows is None:
+            return st.logits(x)
         if sample_rows.shape[0] == 0:  # a prefill chunk that completes no prompt
             return None
         return st.logits(x[sample_rows])

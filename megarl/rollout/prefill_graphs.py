@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megarl.kernels.feed_tokens import feed_tokens
 from megarl.rollout.graphs import Launched, buckets_up_to, host_buffer
 from megarl.rollout.stage import ForwardBatch, prefill_cu
 
@@ -122,7 +123,7 @@ class PrefillGraphs:
         (<= them) through the prefill kernel."""
         engine, tok, row = self.engine, self.tokens[:, :t], self.rows
         src = tok[3]  # a mixed step's decode rows planned ahead: their tokens are still on the device
-        ids = torch.where(src >= 0, self.outputs.index_select(0, src.clamp(min=0)).long(), tok[0])
+        ids = feed_tokens(src, self.outputs, tok[0])
         batch = ForwardBatch(ids, tok[1], tok[2], self.table[:c], row[0, :c], row[1, : c + 1], t, False,
                              engine.max_len, dc, start, row[5, : c + 1] if dc else None)
         x = None if engine.groups.is_first_stage else self.hidden_in[:t]

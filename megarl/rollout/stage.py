@@ -192,25 +192,24 @@ class StageForward:
         return out
 
     def layers_forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """(T, h) -> (T, h) through this stage's layers, writing their K/V into ``cache``.
+        """(T, h) -> (T, h) through this stage's layers, writing their K/V into ``cache``: the residual
+        stream, or on the last stage its final norm (the head's input, every row: a norm is per row).
 
-        The residual stream and the next sublayer's normed input come from one fused
-        add + RMSNorm (``megarl.kernels.rms_norm``), the same numbers as
-        ``x = x + f(x); h = rms_norm(x)``.
+        The residual stream and the next norm's output come from one fused add + RMSNorm
+        (``megarl.kernels.rms_norm``), the same numbers as ``x = x + f(x); h = rms_norm(x)``.
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
         mixed = self._mixed_rows(batch)
         plan = self._decode_plan(batch, mixed, cache.keys(0))
         for i, lw in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
             attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i), mixed, plan)
             h, residual = add_rms_norm(attn, residual, lw.mlp_norm, self.eps)
-            mlp = self._mlp(h, lw, split=batch.decode and not last)  # the last layer's output is summed here
-            if not last:
-                h, residual = add_rms_norm(mlp, residual, self.layers[i + 1].attn_norm, self.eps)
-            else:
-                residual = residual + mlp
-        return residual
+            norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
+            mlp = self._mlp(h, lw, split=batch.decode and norm is not None)  # split-K partials: summed by the norm
+            if norm is None:  # an inner pipeline stage's last layer: the residual stream goes on
+                return residual + mlp
+            h, residual = add_rms_norm(mlp, residual, norm, self.eps)
+        return h
 
     def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None, plan=None):
         t, g = h.shape[0], self.heads // self.kv_heads
@@ -304,9 +303,9 @@ class StageForward:
             dist.all_reduce(x, group=self.tp)
         return x
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(S, h) last-stage hidden states -> (S, V_padded) logits gathered over TP."""
-        normed, _ = add_rms_norm(x, None, self.final_norm, self.eps)
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """(S, h) final-normed hidden states (`layers_forward` on the last stage) -> (S, V_padded) logits
+        gathered over TP."""
         local = F.linear(normed, self.head)  # (S, V/tp)
         if self.tp is None:
             return local
