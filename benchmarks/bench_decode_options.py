@@ -12,8 +12,14 @@
 - splitk: the output projection and fc2 with their add + RMSNorm, and QKV (+ bias) alone, at M in
   {32, 64, 128, 256, 512}: F.linear (cuBLAS, its own split-K reduction where it picks one) against
   ``split_k_linear``'s S fp32 partials summed inside the norm kernel, S over the divisors of K.
-- sampling: the fused sampler (plain, temperature 1, V = 151,936, bf16 logits) against its byte floor.
-Prints one line per measurement and writes them all to --out.
+- step-attention: the decode step's own attention call (`rope_paged_decode` on 3 fp32 QKV split-K
+  partials + bias, one `decode_plan` per step shared by 28 layers' caches, all in one graph), µs
+  per layer, at (B, keys) in {(128, 384), (512, 384), (32, 640)}, uniform rows and ragged ones
+  (uniform² over 16..1,016 keys, seeded); max |diff| of layer 0 against the torch backend.
+- sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
+  its byte floor, and how many tokens equal the torch backend's.
+Prints one line per measurement and writes them all to --out. To compare two trees in one device
+call, see `gpu_ab.sh`.
 """
 import argparse
 import json
@@ -27,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import graph_ms  # noqa: E402
 
 from megarl.kernels import paged_decode as PD  # noqa: E402
-from megarl.kernels.decode_plan import decode_launch  # noqa: E402
+from megarl.kernels.decode_plan import decode_launch, decode_plan  # noqa: E402
 from megarl.kernels.rms_norm import add_rms_norm  # noqa: E402
 from megarl.kernels.sampling import sample_tokens  # noqa: E402
 from megarl.rollout.split_linear import split_k_linear  # noqa: E402
@@ -130,14 +136,57 @@ def sampling_rows():
     rows = []
     V = 151936
     for B in (32, 128, 512):
-        for dtype in (torch.bfloat16,):
-            copies = 4
-            xs = [torch.randn(B, V, device=DEV, dtype=dtype) for _ in range(copies)]
-            t = torch.ones(B, device=DEV); k = torch.full((B,), -1, dtype=torch.int32, device=DEV)
-            p = torch.ones(B, device=DEV); seeds = torch.arange(B, device=DEV); offs = torch.zeros(B, dtype=torch.long, device=DEV)
-            fns = [lambda x=x: sample_tokens(x, t, k, p, seeds, offs) for x in xs]
-            us = graph_ms(fns) * 1e3
-            row = dict(B=B, us=us, floor_us=B * V * 2 / 4.24e12 * 1e6)
+        xs = [torch.randn(B, V, device=DEV, dtype=torch.bfloat16) * 2 for _ in range(4)]
+        k = torch.full((B,), -1, dtype=torch.int32, device=DEV)
+        p = torch.ones(B, device=DEV)
+        seeds, offs = torch.arange(B, device=DEV) * 7919, torch.arange(B, device=DEV) + 3
+        for setting, temperature in (("plain", 1.0), ("greedy", 0.0)):
+            t = torch.full((B,), temperature, device=DEV)
+            us = graph_ms([lambda x=x: sample_tokens(x, t, k, p, seeds, offs) for x in xs]) * 1e3
+            tokens, _ = sample_tokens(xs[0], t, k, p, seeds, offs)
+            want, _ = sample_tokens(xs[0], t, k, p, seeds, offs, backend="torch")
+            row = dict(B=B, setting=setting, us=us, floor_us=B * V * 2 / 4.24e12 * 1e6,
+                       tokens_equal_torch=int((tokens == want).sum()))
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28) -> dict:
+    """µs per layer of the decode step's attention call over ``lens`` (one plan per step, ``layers``
+    caches in one graph), and layer 0's max |diff| against the torch backend."""
+    torch.manual_seed(0)
+    g, width = HQ // HKV, -(-max_k // PAGE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    caches = [(torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16),
+               torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)) for _ in range(layers)]
+    table = (torch.randperm(B * width, device=DEV) + 1).int().view(B, width)
+    qkv = torch.randn(3, B, HKV * (g + 2) * D, device=DEV) * 0.3  # split-K partials, as the step passes them
+    bias = torch.randn(qkv.shape[-1], device=DEV, dtype=torch.bfloat16) * 0.1
+    cos = torch.randn(4096, D, device=DEV, dtype=torch.bfloat16)
+    sin = torch.randn_like(cos)
+    pos = (lens_t - 1).long()
+    slot = table.gather(1, (pos // PAGE)[:, None])[:, 0].long() * PAGE + pos % PAGE
+    outs = []
+
+    def step():
+        plan = decode_plan(lens_t, caches[0][0], max_k)
+        outs[:] = [PD.rope_paged_decode(qkv, cos, sin, pos, slot, kc, vc, table, lens_t, SCALE, g, max_seqlen_k=max_k,
+                                        bias=bias, plan=plan) for kc, vc in caches]
+
+    us = graph_ms([step]) * 1e3 / layers
+    ref = PD.rope_paged_decode(qkv, cos, sin, pos, slot, caches[0][0].clone(), caches[0][1].clone(), table, lens_t,
+                               SCALE, g, max_seqlen_k=max_k, bias=bias, backend="torch")
+    return dict(B=B, mean_keys=sum(lens) / B, max_keys=max(lens), us=us,
+                max_abs_diff=float((outs[0].float() - ref.float()).abs().max()))
+
+
+def step_attention_rows():
+    rows, g = [], torch.Generator().manual_seed(1)
+    for B, keys in ((128, 384), (512, 384), (32, 640)):
+        ragged = (torch.rand(B, generator=g) ** 2 * 1000 + 16).int().tolist()
+        for name, lens, max_k in (("uniform", [keys] * B, 640), ("ragged", ragged, 1024)):
+            row = dict(rows=name, **step_attention(B, lens, max_k))
             print(row, flush=True)
             rows.append(row)
     return rows
@@ -151,7 +200,7 @@ def main():
     out = {}
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
-                     "splitk": splitk_rows}[part]()
+                     "splitk": splitk_rows, "step-attention": step_attention_rows}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 
