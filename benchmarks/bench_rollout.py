@@ -26,7 +26,9 @@ and torch.profiler over replays (kernels per step in the JSON, the top kernels
 in ``<out>.profile.txt``). ``--prefill NxL,...`` times prefills alone: N prompts of L
 tokens, one sampled token each (median of 5 calls, wall and device time, the device
 time from torch.profiler's kernel total; TFLOP/s from 2 x non-embedding parameters
-x tokens). The checkpoint is the
+x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
+the GPU was busy (kernels, copies, memsets), and the idle gaps between them by size (is the loop
+host- or device-bound?). The checkpoint is the
 shipped tiny model (``--shape tiny``) or a random-weight one made by
 benchmarks/make_checkpoint.py.
 """
@@ -278,6 +280,39 @@ def profile_decode(engine, info, args) -> dict:
     return row | {"kernels_per_step": kernels or None}
 
 
+def busy_row(engine, info, args) -> dict:
+    """One generate at B = --busy (the timed runs' lengths) under torch.profiler: the GPU's busy time
+    (the union of kernel, copy and memset intervals) against the span from its first to its last,
+    and the idle gaps between them by size, in us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.rollout.engine import SamplingParams, sample_requests
+
+    prompts = prompts_of(args.busy, args.prompt_len, info.vocab_size, seed=6)
+    params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 1, args.new_tokens)
+    engine.generate(requests, params)  # warm-up: compile, capture
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        seconds = timed(lambda: engine.generate(requests, params))
+    trace = os.path.join(args.work, "busy_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, gaps, end = 0.0, [], None
+    for start, stop in spans:
+        if end is not None and start > end:
+            gaps.append(start - end)
+        busy += max(0.0, stop - max(start, end if end is not None else start))
+        end = stop if end is None else max(end, stop)
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    sizes = {"<2": (0, 2), "2-10": (2, 10), "10-200": (10, 200), ">=200": (200, float("inf"))}
+    return {"provider": "megarl-busy", "batch": args.busy, "seconds": seconds, "span_us": span, "busy_us": busy,
+            "busy_fraction": busy / span if span else None,
+            "idle_us_by_gap": {k: sum(g for g in gaps if lo <= g < hi) for k, (lo, hi) in sizes.items()},
+            "gaps_by_size": {k: sum(1 for g in gaps if lo <= g < hi) for k, (lo, hi) in sizes.items()}}
+
+
 def prefill_rows(engine, module, info, args) -> list[dict]:
     """Prefill-only generate calls (one new token): is a prefill host- or device-bound?"""
     from torch.profiler import ProfilerActivity, profile
@@ -312,12 +347,12 @@ def table(rows: list[dict]) -> str:
         return f"{100 * r[key]:7.1f}%" if r.get(key) is not None else " " * 8
 
     lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'replay ms':>10} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"
-             f" {'% fixed':>8} {'FIFO max':>8}"]
+             f" {'% fixed':>8} {'FIFO max':>8} {'GPU busy':>8}"]
     for r in rows:
         lines.append(f"{r['provider']:>22} {r['batch']:>5} {cell(r, 'ms_per_step', '.2f', 9)} "
                      f"{cell(r, 'replay_ms', '.2f', 10)} {cell(r, 'tokens_per_s', '.0f', 10)} "
                      f"{cell(r, 'floor_ms', '.3f', 9)} {pct(r, 'floor_fraction')} {pct(r, 'of_fixed')} "
-                     f"{pct(r, 'fifo_slot_bound')}".rstrip())
+                     f"{pct(r, 'fifo_slot_bound')} {pct(r, 'busy_fraction')}".rstrip())
     return "\n".join(lines)
 
 
@@ -339,6 +374,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (rollout.page_size)")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
     ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
+    ap.add_argument("--busy", type=int, default=0, help="batch size of a generate under torch.profiler: GPU busy share")
     ap.add_argument("--work", default="/tmp/megarl_bench")
     ap.add_argument("--out", default="bench_rollout.json")
     args = ap.parse_args()
@@ -364,6 +400,9 @@ def main() -> None:
     if args.profile:
         args.profile = min(args.profile, engine.options.max_batch)
         rows.append(profile_decode(engine, info, args))
+    if args.busy and args.device == "cuda":
+        args.busy = min(args.busy, engine.options.max_batch)
+        rows.append(busy_row(engine, info, args))
     rows += prefill_rows(engine, module, info, args)
     engine.release_memory()
     if args.ragged:
