@@ -43,5 +43,5 @@ def feed_tokens(src, outputs, input_ids, backend: str = "auto"):
     n = src.shape[0]
     if n:
         _feed_kernel[(triton.cdiv(n, BLOCK),)](src.contiguous(), outputs.contiguous(), input_ids.contiguous(),
-                                               out, n, BLOCK=BLOCK)  # copies only where not already
+                                               out, n, BLOCK=BLOCK)  # unit strides (no copy for the graphs' rows)
     return out

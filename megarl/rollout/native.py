@@ -366,7 +366,7 @@ class NativeEngine:
         dist.recv(x, group=g.pp, group_src=g.pp_rank - 1)
         return x
 
-    def compute(self, batch: ForwardBatch, x: torch.Tensor | None, sample_rows: torch.Tensor):
+    def compute(self, batch: ForwardBatch, x: torch.Tensor | None, sample_rows: torch.Tensor | None):
         """The stage's math (TP collectives only, no p2p: what a CUDA graph captures).
 
         x: (T, h) from the previous stage, or None to embed ``batch.input_ids``; sample_rows: (S,)
