@@ -51,7 +51,8 @@ from megarl.kernels.paged_attention import (
 )
 from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from megarl.kernels.rope_cache import rope_cache, rope_cache_ref
-from megarl.kernels.sampling import sample_tokens, sample_tokens_ref, uniform_noise
+from megarl.kernels.sampling import sample_tokens, sample_tokens_ref
+from megarl.kernels.sampling_noise import uniform_noise
 from megarl.kernels.swiglu import silu_mul, silu_mul_ref
 from megarl.kernels.reshard import (
     fc1_merge,

@@ -20,9 +20,8 @@ from megarl.kernels.sampling import (  # noqa: E402
     sample_tokens,
     sample_tokens_ref,
     sample_tokens_triton,
-    uniform_noise,
-    uniform_noise_ref,
 )
+from megarl.kernels.sampling_noise import uniform_noise, uniform_noise_ref  # noqa: E402
 
 MODES = ["greedy", "temperature", "top_k", "top_p", "top_k_top_p", "mixed"]
 
