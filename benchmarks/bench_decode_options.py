@@ -15,7 +15,9 @@
 - step-attention: the decode step's own attention call (`rope_paged_decode` on 3 fp32 QKV split-K
   partials + bias, one `decode_plan` per step shared by 28 layers' caches, all in one graph), µs
   per layer, at (B, keys) in {(128, 384), (512, 384), (32, 640)}, uniform rows and ragged ones
-  (uniform² over 16..1,016 keys, seeded); max |diff| of layer 0 against the torch backend.
+  (uniform² over 16..1,016 keys, seeded), pages in random order, and uniform rows again with each
+  row's pages consecutive and in a decode loop's order (`page_table`); max |diff| of layer 0
+  against the torch backend.
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -152,15 +154,33 @@ def sampling_rows():
     return rows
 
 
-def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28) -> dict:
+def page_table(B: int, width: int, order: str, prompt_pages: int = 8) -> torch.Tensor:
+    """(B, width) int32 page ids 1..B*width. ``random``: a permutation; ``rows``: each row's pages
+    consecutive; ``steps``: as a decode loop hands them out, each row's first ``prompt_pages``
+    consecutive (its prefill), then one page per row at a time (row b's j-th decode page is
+    ``B`` pages after its (j-1)-th); ``runs-N``: the same with N consecutive pages at a time."""
+    if order == "random":
+        return (torch.randperm(B * width, device=DEV) + 1).int().view(B, width)
+    ids = torch.arange(B * width, device=DEV).view(B, width)
+    if order != "rows":
+        run = 1 if order == "steps" else int(order.split("-")[1])
+        p = min(prompt_pages, width)
+        b, j = torch.arange(B, device=DEV)[:, None], torch.arange(width, device=DEV)[None, :]
+        r, i = (j - p).clamp(min=0) // run, (j - p).clamp(min=0) % run
+        ids = torch.where(j < p, b * p + j, B * p + (r * B + b) * run + i)
+    return (ids + 1).int()
+
+
+def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28, order: str = "random") -> dict:
     """µs per layer of the decode step's attention call over ``lens`` (one plan per step, ``layers``
-    caches in one graph), and layer 0's max |diff| against the torch backend."""
+    caches in one graph, pages in ``order``: `page_table`), and layer 0's max |diff| against the
+    torch backend."""
     torch.manual_seed(0)
     g, width = HQ // HKV, -(-max_k // PAGE)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     caches = [(torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16),
                torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)) for _ in range(layers)]
-    table = (torch.randperm(B * width, device=DEV) + 1).int().view(B, width)
+    table = page_table(B, width, order)
     qkv = torch.randn(3, B, HKV * (g + 2) * D, device=DEV) * 0.3  # split-K partials, as the step passes them
     bias = torch.randn(qkv.shape[-1], device=DEV, dtype=torch.bfloat16) * 0.1
     cos = torch.randn(4096, D, device=DEV, dtype=torch.bfloat16)
@@ -177,7 +197,7 @@ def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28) -> dic
     us = graph_ms([step]) * 1e3 / layers
     ref = PD.rope_paged_decode(qkv, cos, sin, pos, slot, caches[0][0].clone(), caches[0][1].clone(), table, lens_t,
                                SCALE, g, max_seqlen_k=max_k, bias=bias, backend="torch")
-    return dict(B=B, mean_keys=sum(lens) / B, max_keys=max(lens), us=us,
+    return dict(B=B, mean_keys=sum(lens) / B, max_keys=max(lens), pages=order, us=us,
                 max_abs_diff=float((outs[0].float() - ref.float()).abs().max()))
 
 
@@ -185,8 +205,9 @@ def step_attention_rows():
     rows, g = [], torch.Generator().manual_seed(1)
     for B, keys in ((128, 384), (512, 384), (32, 640)):
         ragged = (torch.rand(B, generator=g) ** 2 * 1000 + 16).int().tolist()
-        for name, lens, max_k in (("uniform", [keys] * B, 640), ("ragged", ragged, 1024)):
-            row = dict(rows=name, **step_attention(B, lens, max_k))
+        for name, lens, max_k, order in (("uniform", [keys] * B, 640, "random"), ("ragged", ragged, 1024, "random"),
+                                         *(("uniform", [keys] * B, 640, o) for o in ("rows", "steps", "runs-4", "runs-8"))):
+            row = dict(rows=name, **step_attention(B, lens, max_k, order=order))
             print(row, flush=True)
             rows.append(row)
     return rows

@@ -310,7 +310,31 @@ def busy_row(engine, info, args) -> dict:
     return {"provider": "megarl-busy", "batch": args.busy, "seconds": seconds, "span_us": span, "busy_us": busy,
             "busy_fraction": busy / span if span else None,
             "idle_us_by_gap": {k: sum(g for g in gaps if lo <= g < hi) for k, (lo, hi) in sizes.items()},
-            "gaps_by_size": {k: sum(1 for g in gaps if lo <= g < hi) for k, (lo, hi) in sizes.items()}}
+            "gaps_by_size": {k: sum(1 for g in gaps if lo <= g < hi) for k, (lo, hi) in sizes.items()},
+            **decode_steps_of(events)}
+
+
+def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int = 12) -> dict:
+    """The trace's decode steps (each starts at the attention plan's kernel, one a step): their spans
+    (first kernel to the next step's first) at the quartiles of the loop, in us, and the kernels'
+    mean device time per step by name (the loop's view, to set beside ``--profile``'s replays)."""
+    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
+    starts = [ts for ts, _, name in kernels if name.startswith(marker)]
+    if len(starts) < 3:
+        return {}
+    steps = [b - a for a, b in zip(starts, starts[1:])]
+    inside = [(dur, name) for ts, dur, name in kernels if starts[0] <= ts < starts[-1]]
+    per_name: dict[str, float] = {}
+    for dur, name in inside:
+        per_name[name[:60]] = per_name.get(name[:60], 0.0) + dur / len(steps)
+    ordered = sorted(steps)
+    eighths = [steps[j * len(steps) // 8:(j + 1) * len(steps) // 8] for j in range(8)]
+    return {"decode_steps": len(steps),
+            "step_span_us_quantiles": [ordered[int(q * (len(steps) - 1))] for q in (0.05, 0.25, 0.5, 0.75, 0.95)],
+            "step_span_us_by_eighth": [sum(e) / len(e) for e in eighths if e],  # context grows along the loop
+            "kernel_us_per_step": sum(d for d, _ in inside) / len(steps),
+            "kernels_per_step": len(inside) / len(steps),
+            "top_kernels_us_per_step": dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])}
 
 
 def prefill_rows(engine, module, info, args) -> list[dict]:
