@@ -23,12 +23,15 @@ with prefill steps that stop the decode). Every CUDA-graph bucket is captured be
 ``--profile B`` takes one decode step at batch B apart: device time of its
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
 and torch.profiler over replays (kernels per step in the JSON, the top kernels
-in ``<out>.profile.txt``). ``--prefill NxL,...`` times prefills alone: N prompts of L
+in ``<out>.profile.txt``), at the timed runs' mean context (384 keys at the defaults: whole
+128-key tiles, the decode attention's best case, so it reads less of the step there than over
+a loop: ``--busy`` gives the loop's own per-kernel means). ``--prefill NxL,...`` times prefills alone: N prompts of L
 tokens, one sampled token each (median of 5 calls, wall and device time, the device
 time from torch.profiler's kernel total; TFLOP/s from 2 x non-embedding parameters
 x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
 the GPU was busy (kernels, copies, memsets), and the idle gaps between them by size (is the loop
-host- or device-bound?). The checkpoint is the
+host- or device-bound?), and per decode step over the loop: spans by quantile and by eighth of the
+loop, and each kernel's mean time. The checkpoint is the
 shipped tiny model (``--shape tiny``) or a random-weight one made by
 benchmarks/make_checkpoint.py.
 """
