@@ -318,8 +318,9 @@ def busy_row(engine, info, args) -> dict:
 
 
 def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int = 12) -> dict:
-    """The trace's decode steps (each starts at the attention plan's kernel, one a step): their spans
-    (first kernel to the next step's first) at the quartiles of the loop, in us, and the kernels'
+    """The trace's decode steps (each starts at the attention plan's kernel, one a step; a mixed
+    prefill step counts as one too): their spans (first kernel to the next step's first) at the
+    5th / 25th / 50th / 75th / 95th percentiles and by eighth of the loop, in us, and the kernels'
     mean device time per step by name (the loop's view, to set beside ``--profile``'s replays)."""
     kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
     starts = [ts for ts, _, name in kernels if name.startswith(marker)]
