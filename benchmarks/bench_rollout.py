@@ -23,9 +23,9 @@ with prefill steps that stop the decode). Every CUDA-graph bucket is captured be
 ``--profile B`` takes one decode step at batch B apart: device time of its
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
 and torch.profiler over replays (kernels per step in the JSON, the top kernels
-in ``<out>.profile.txt``), at the timed runs' mean context (384 keys at the defaults: whole
-128-key tiles, the decode attention's best case, so it reads less of the step there than over
-a loop: ``--busy`` gives the loop's own per-kernel means). ``--prefill NxL,...`` times prefills alone: N prompts of L
+in ``<out>.profile.txt``), at the timed runs' mean context. Its decode attention reads lower
+than the same kernel over a loop or alone at that context (RESULTS.md, session 19); ``--busy``
+gives the loop's own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
 tokens, one sampled token each (median of 5 calls, wall and device time, the device
 time from torch.profiler's kernel total; TFLOP/s from 2 x non-embedding parameters
 x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
