@@ -29,8 +29,10 @@ Wall time (TP1): a first run without delays gives each sample's turn texts
 (latencies do not change them); then, per tool round, one call not yet slow
 sleeps 0.3 s. Turn by turn every round waits for its slow call (>= rounds x
 0.3 s of idle engine); overlapped each sample meets at most one slow call
-while the others decode, so it must be faster by a margin of half of
-(rounds - 1) x 0.3 s.
+while the others decode, so its engine must idle less by a margin of half of
+(rounds - 1) x 0.3 s, and its wall time be shorter. (The margin is checked on
+the idle time: the decode time around it stretches with whatever else the CI
+machine runs, and a wall-time margin failed under two busy pytest workers.)
 
 A simulated user (a function of the conversation) answering turns without a
 call gives equal samples too. Overlap with SGLang is a config error.
@@ -238,8 +240,10 @@ def test_overlap_hides_slow_tools(tp1):
           f"{overlap['stats']['timing/agent_tool_wait']:.2f} s)")
     _assert_same(sync, overlap)
     assert rounds >= 3
-    assert sync["stats"]["timing/agent_tool_wait"] >= 0.95 * rounds * SLOW_S
-    assert overlap["wall"] < sync["wall"] - 0.5 * (rounds - 1) * SLOW_S
+    idle_sync, idle_overlap = sync["stats"]["timing/agent_tool_wait"], overlap["stats"]["timing/agent_tool_wait"]
+    assert idle_sync >= 0.95 * rounds * SLOW_S
+    assert idle_overlap < idle_sync - 0.5 * (rounds - 1) * SLOW_S
+    assert overlap["wall"] < sync["wall"]
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
