@@ -15,12 +15,13 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -f base.tar ] || { echo "gpu_ab.sh: no base.tar in $PWD; make it with 'git archive <commit> -o base.tar'"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-trees=(new base); roots=("$PWD" /tmp/ab_base)
-for tar in ${VARIANTS:-}; do name=$(basename "$tar" .tar); trees+=("$name"); roots+=("/tmp/ab_$name"); done
-for i in "${!trees[@]}"; do
-  root=${roots[$i]}; tar=base.tar; [ $i -ge 2 ] && tar=$(echo ${VARIANTS} | cut -d' ' -f$((i - 1)))
-  if [ $i -ge 1 ]; then rm -rf "$root"; mkdir -p "$root" && tar -xf "$tar" -C "$root" || exit 1; fi
+trees=(new); roots=("$PWD")
+[ -e megarl/kernels ] || ln -s ../kernels megarl/kernels
+for tar in base.tar ${VARIANTS:-}; do  # each archive unpacked into its own root, named by its file
+  name=$(basename "$tar" .tar); root=/tmp/ab_$name
+  rm -rf "$root"; mkdir -p "$root" && tar -xf "$tar" -C "$root" || exit 1
   [ -e "$root/megarl/kernels" ] || ln -s ../kernels "$root/megarl/kernels"
+  trees+=("$name"); roots+=("$root")
 done
 nvidia-smi -L | tee "$OUT/gpu.txt"
 n=0
