@@ -138,6 +138,27 @@ def _attend_span(q, m, l, acc, pos, lo, hi, step, bt_row, k_ptr, v_ptr, kvh, sk_
     return m, l, acc
 
 
+@triton.jit
+def _decode_span(q, page, lo, hi, keys, page_end, bt_row, k_ptr, v_ptr, kvh, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h,
+                 qk_scale, PAGE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
+    """`_attend_span` for one decode segment: tiles [lo, hi) (keys), keys n < ``keys`` live, from a
+    fresh online softmax. ``page``: the first tile's page ids, loaded by the caller before the
+    queries are made; each step loads the next tile's (positions < ``page_end``) a step ahead, so no
+    K/V load waits on a page-id load. Returns (m, l, acc)."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        live = n < keys
+        k = _kv_tile(k_ptr, page, n, live, kvh, sk_p, sk_t, sk_h, PAGE, HEAD_D, BLOCK_D)
+        v = _kv_tile(v_ptr, page, n, live, kvh, sv_p, sv_t, sv_h, PAGE, HEAD_D, BLOCK_D)
+        page = _page_ids(bt_row, n + BLOCK_N, n + BLOCK_N < page_end, PAGE)
+        m, l, acc = _softmax_step(q, k, v, live[None, :], m, l, acc, qk_scale, F32_DOT)
+    return m, l, acc
+
+
 def f32_dot(dtype: torch.dtype) -> bool:
     """Upcast tl.dot operands to fp32: the CPU interpreter (Triton 3.9) multiplies bf16's raw bits."""
     return dtype == torch.bfloat16 and interpret_mode()
@@ -200,7 +221,7 @@ def _gather_plan(block_table, seq_lens, page: int):
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, sem_ptr,
                    cos_ptr, sin_ptr, pos_ptr, slot_ptr, bias_ptr, rows_ptr, segs_ptr,
-                   sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, s_cs, qk_scale,
+                   sq_b, sq_g, sq_h, sq_part, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h, sbt, bt_w, s_cs, qk_scale,
                    G: tl.constexpr, HEAD_D: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr,
                    QKV_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
@@ -214,18 +235,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_
         group = q_ptr + b.to(tl.int64) * sq_b + kvh * sq_g  # this kv head's query heads (then, with ROPE, k and v)
         n_keys = tl.load(len_ptr + b)
         info = rows_ptr + b * 4  # row b: first full segment, full segments, remainder segment, tiles
+        bt_row = bt_ptr + b.to(tl.int64) * sbt
+        start, page_end = lo * BLOCK_N, tl.minimum(hi * BLOCK_N, bt_w * PAGE)  # (a row without keys: one empty tile)
+        page = _page_ids(bt_row, start + tl.arange(0, BLOCK_N), start + tl.arange(0, BLOCK_N) < page_end, PAGE)
         if ROPE:
             q = _rope_and_write(group, bias_ptr + kvh * sq_g, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b,
                                 kvh, hi == tl.load(info + 3), sq_h, sq_part, s_cs, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h,
                                 g, d, row_ok, G, HEAD_D, PAGE, QKV_PARTS, HAS_BIAS)
         else:
             q = tl.load(group + g[:, None] * sq_h + d[None, :], mask=row_ok, other=0.0)  # (BG, BD)
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        m, l, acc = _attend_span(q, m, l, acc, m, lo * BLOCK_N, tl.minimum(n_keys, hi * BLOCK_N), BLOCK_N,
-                                 bt_ptr + b.to(tl.int64) * sbt, k_ptr, v_ptr, kvh, sk_p, sk_t, sk_h, sv_p, sv_t, sv_h,
-                                 qk_scale, False, PAGE, HEAD_D, BLOCK_D, BLOCK_N, F32_DOT)
+        m, l, acc = _decode_span(q, page, start, hi * BLOCK_N, n_keys, page_end, bt_row, k_ptr, v_ptr, kvh, sk_p,
+                                 sk_t, sk_h, sv_p, sv_t, sv_h, qk_scale, PAGE, HEAD_D, BLOCK_G, BLOCK_D, BLOCK_N,
+                                 F32_DOT)
         o = acc / tl.maximum(l, 1e-30)[:, None]  # 0 for a row without keys
         row = b.to(tl.int64) * (G * tl.num_programs(0)) + kvh * G + g  # (BG,) index into (B, Hq)
         first, n_full, rem = tl.load(info), tl.load(info + 1), tl.load(info + 2)
@@ -350,7 +371,8 @@ def launch_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float, q_pe
         s_cs = rope[0].stride(0)
     _decode_kernel[(hkv, launch.segments)](
         q, k_cache, v_cache, block_table, seq_lens.contiguous(), part, lse, out, sem, *tables, plan.rows,
-        plan.segments, *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), s_cs,
+        plan.segments, *strides, *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        block_table.shape[1], s_cs,
         float(scale) * LOG2E, G=G, HEAD_D=D, PAGE=page, ROPE=rope is not None, QKV_PARTS=qkv_parts,
         HAS_BIAS=rope is not None and rope[4] is not None, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=block_d,
         BLOCK_N=launch.block_n, F32_DOT=f32_dot(k_cache.dtype), num_warps=launch.warps, num_stages=launch.stages)
