@@ -15,9 +15,9 @@
 - step-attention: the decode step's own attention call (`rope_paged_decode` on 3 fp32 QKV split-K
   partials + bias, one `decode_plan` per step shared by 28 layers' caches, all in one graph), µs
   per layer, at (B, keys) in {(128, 384), (512, 384), (32, 640)}, uniform rows and ragged ones
-  (uniform² over 16..1,016 keys, seeded), pages in random order, and uniform rows again with each
-  row's pages consecutive and in a decode loop's order (`page_table`); max |diff| of layer 0
-  against the torch backend.
+  (uniform² over 16..1,016 keys, seeded), pages in random order (with ``--page-orders``, uniform
+  rows again with each row's pages consecutive, in a decode loop's order, ...: `page_table`);
+  max |diff| of layer 0 against the torch backend.
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -201,12 +201,14 @@ def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28, order:
                 max_abs_diff=float((outs[0].float() - ref.float()).abs().max()))
 
 
-def step_attention_rows():
+def step_attention_rows(orders: tuple[str, ...] = ()):
+    """Uniform and ragged rows at B = 128, 512, 32, pages in random order; uniform rows again in each
+    of ``orders`` (`page_table`; session 19 found them all within 1%)."""
     rows, g = [], torch.Generator().manual_seed(1)
     for B, keys in ((128, 384), (512, 384), (32, 640)):
         ragged = (torch.rand(B, generator=g) ** 2 * 1000 + 16).int().tolist()
         for name, lens, max_k, order in (("uniform", [keys] * B, 640, "random"), ("ragged", ragged, 1024, "random"),
-                                         *(("uniform", [keys] * B, 640, o) for o in ("rows", "steps", "runs-4", "runs-8"))):
+                                         *(("uniform", [keys] * B, 640, o) for o in orders)):
             row = dict(rows=name, **step_attention(B, lens, max_k, order=order))
             print(row, flush=True)
             rows.append(row)
@@ -217,11 +219,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="attention,gemm,sampling")
+    ap.add_argument("--page-orders", default="", help="step-attention: more page orders, e.g. rows,steps,runs-4,runs-8")
     a = ap.parse_args()
+    orders = tuple(o for o in a.page_orders.split(",") if o)
     out = {}
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
-                     "splitk": splitk_rows, "step-attention": step_attention_rows}[part]()
+                     "splitk": splitk_rows, "step-attention": lambda: step_attention_rows(orders)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 
