@@ -254,19 +254,20 @@ def replay_ms(engine, batch: int) -> float:
 
 
 def profile_decode(engine, info, args) -> dict:
-    """One decode step at B = --profile, taken apart: the whole step (17 tokens of a generate
-    call, host included) against back-to-back replays of its CUDA graph (device time alone, CUDA
+    """One decode step at B = --profile, taken apart: the whole step (--profile-decode tokens of a
+    generate call, host included) against back-to-back replays of its CUDA graph (device time alone, CUDA
     events, median of 5 x 20), and torch.profiler over 10 replays: kernels per step, the top ones
     by device time in <out>.profile.txt (the prefill is not in it)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megarl.rollout.engine import SamplingParams, sample_requests
 
-    # prompts as long as the timed runs' mean context, so the attention reads as much
-    prompts = prompts_of(args.profile, args.prompt_len + args.new_tokens // 2 - 17, info.vocab_size, seed=5)
-    params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 0, 17)
+    # prompts + decoded tokens as long as the timed runs' mean context, so the attention reads as much
+    steps = args.profile_decode
+    prompts = prompts_of(args.profile, max(args.prompt_len + args.new_tokens // 2 - steps, 1), info.vocab_size, seed=5)
+    params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 0, steps)
     engine.generate(requests, params)  # warm-up: compile, capture
-    row = {"provider": "megarl-profile", "batch": args.profile, "graphs": engine.graphs is not None}
+    row = {"provider": "megarl-profile", "batch": args.profile, "decode_steps": steps, "graphs": engine.graphs is not None}
     if engine.graphs is None or not torch.cuda.is_available():
         return row
     bucket = min(b for b in engine.graphs.graphs if b >= args.profile)
@@ -280,7 +281,8 @@ def profile_decode(engine, info, args) -> dict:
     with open(args.out + ".profile.txt", "w") as f:
         f.write(events.table(sort_by="self_cuda_time_total", row_limit=40))
     kernels = sum(e.count for e in events if "CUDA" in str(getattr(e, "device_type", ""))) / 10
-    return row | {"kernels_per_step": kernels or None}
+    attention = [e.self_device_time_total / e.count for e in events if e.key == "_decode_kernel" and e.count]
+    return row | {"kernels_per_step": kernels or None, "decode_attention_us": attention[0] if attention else None}
 
 
 def busy_row(engine, info, args) -> dict:
@@ -401,6 +403,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (rollout.page_size)")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
+    ap.add_argument("--profile-decode", type=int, default=17,
+                    help="--profile: decode steps its prompts take before the replays (the rest of the context is prefilled)")
     ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
     ap.add_argument("--busy", type=int, default=0, help="batch size of a generate under torch.profiler: GPU busy share")
     ap.add_argument("--work", default="/tmp/megarl_bench")
