@@ -45,8 +45,10 @@ from megarl.kernels.dispatch import next_pow2, tl, triton
 #   best of 27 (32|64|128 x 2|4|8 x 1|2|3) 13.7 / 29.9 / 86.3
 #   BLOCK_N 32 (any warps, stages)       14.3+ / 31.0+ / 100+;  8 warps 14.0+ / 35+ / 97+
 #   1 stage                              13.7 / 32.1 / 95.6
-# Not kept (within +-5%, none better at B=512): prefetching the next tile's page ids a loop
-# step ahead (13.1 / 29.3 / 87.5), a flat (B*Hkv, S) grid so kv heads of a row run together.
+# Not kept (within +-5%, none better at B=512): a flat (B*Hkv, S) grid so kv heads of a row run
+# together. (The next tile's page ids a loop step ahead, 13.1 / 29.3 / 87.5 here, were kept later
+# with the first tile's before the RoPE chain, `paged_decode._decode_span`: B = 128 22.5 -> 22.2 us,
+# session 20.)
 # Dense baseline, SDPA (FA2) on contiguous K/V: 12.8 / 24.7 / 86.2 us.
 BLOCK_N = 64
 NUM_WARPS = 4

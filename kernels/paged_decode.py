@@ -23,8 +23,10 @@ from shapes: CUDA-graph capturable. A decode step makes its plan once for all it
 `rope_paged_decode` is the decode step's `rope_cache` + this attention in the same launch:
 each program RoPEs its group's queries from the fused QKV row itself, and the program whose
 segment holds the row's last tile writes this step's key and value into the cache before it
-reads its tiles. The key-tile loop is the plain kernel's: an earlier fusion that kept the new
-key in registers inside the loop doubled the kernel's registers and lost (benchmarks/RESULTS.md).
+reads its tiles. The key-tile loop (`_decode_span`: `_attend_span` with each tile's page ids
+loaded a step ahead, the first tile's before the RoPE chain) reads that key back from the cache:
+an earlier fusion that kept the new key in registers inside the loop doubled the kernel's
+registers and lost (benchmarks/RESULTS.md).
 
 `check_paged`, `sequence_keys`, `sdpa_fp32` and the `_attend_span` loop are shared with
 `paged_prefill.py`.
