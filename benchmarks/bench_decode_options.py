@@ -171,15 +171,17 @@ def page_table(B: int, width: int, order: str, prompt_pages: int = 8) -> torch.T
     return (ids + 1).int()
 
 
-def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28, order: str = "random") -> dict:
+def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28, order: str = "random",
+                   fill: float = 1.0) -> dict:
     """µs per layer of the decode step's attention call over ``lens`` (one plan per step, ``layers``
-    caches in one graph, pages in ``order``: `page_table`), and layer 0's max |diff| against the
-    torch backend."""
+    caches in one graph, pages in ``order``: `page_table`, holding randn x ``fill``), and layer 0's
+    max |diff| against the torch backend."""
     torch.manual_seed(0)
     g, width = HQ // HKV, -(-max_k // PAGE)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    caches = [(torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16),
-               torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)) for _ in range(layers)]
+    caches = [(torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16) * fill,
+               torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16) * fill)
+              for _ in range(layers)]
     table = page_table(B, width, order)
     qkv = torch.randn(3, B, HKV * (g + 2) * D, device=DEV) * 0.3  # split-K partials, as the step passes them
     bias = torch.randn(qkv.shape[-1], device=DEV, dtype=torch.bfloat16) * 0.1
@@ -197,19 +199,22 @@ def step_attention(B: int, lens: list[int], max_k: int, layers: int = 28, order:
     us = graph_ms([step]) * 1e3 / layers
     ref = PD.rope_paged_decode(qkv, cos, sin, pos, slot, caches[0][0].clone(), caches[0][1].clone(), table, lens_t,
                                SCALE, g, max_seqlen_k=max_k, bias=bias, backend="torch")
-    return dict(B=B, mean_keys=sum(lens) / B, max_keys=max(lens), pages=order, us=us,
+    return dict(B=B, mean_keys=sum(lens) / B, max_keys=max(lens), pages=order, fill=fill, us=us,
                 max_abs_diff=float((outs[0].float() - ref.float()).abs().max()))
 
 
-def step_attention_rows(orders: tuple[str, ...] = ()):
+def step_attention_rows(orders: tuple[str, ...] = (), fills: tuple[float, ...] = ()):
     """Uniform and ragged rows at B = 128, 512, 32, pages in random order; uniform rows again in each
-    of ``orders`` (`page_table`; session 19 found them all within 1%)."""
+    of ``orders`` (`page_table`; session 19 found them all within 1%) and with the caches holding
+    randn x each of ``fills`` instead of randn."""
     rows, g = [], torch.Generator().manual_seed(1)
     for B, keys in ((128, 384), (512, 384), (32, 640)):
         ragged = (torch.rand(B, generator=g) ** 2 * 1000 + 16).int().tolist()
-        for name, lens, max_k, order in (("uniform", [keys] * B, 640, "random"), ("ragged", ragged, 1024, "random"),
-                                         *(("uniform", [keys] * B, 640, o) for o in orders)):
-            row = dict(rows=name, **step_attention(B, lens, max_k, order=order))
+        for name, lens, max_k, order, fill in (
+                ("uniform", [keys] * B, 640, "random", 1.0), ("ragged", ragged, 1024, "random", 1.0),
+                *(("uniform", [keys] * B, 640, o, 1.0) for o in orders),
+                *(("uniform", [keys] * B, 640, "random", f) for f in fills)):
+            row = dict(rows=name, **step_attention(B, lens, max_k, order=order, fill=fill))
             print(row, flush=True)
             rows.append(row)
     return rows
@@ -220,12 +225,14 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="attention,gemm,sampling")
     ap.add_argument("--page-orders", default="", help="step-attention: more page orders, e.g. rows,steps,runs-4,runs-8")
+    ap.add_argument("--fills", default="", help="step-attention: caches of randn x each of these too, e.g. 0.05,0")
     a = ap.parse_args()
     orders = tuple(o for o in a.page_orders.split(",") if o)
+    fills = tuple(float(f) for f in a.fills.split(",") if f)
     out = {}
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
-                     "splitk": splitk_rows, "step-attention": lambda: step_attention_rows(orders)}[part]()
+                     "splitk": splitk_rows, "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 

@@ -253,17 +253,16 @@ def replay_ms(engine, batch: int) -> float:
     return sorted(times)[2]
 
 
-def profile_decode(engine, info, args) -> dict:
-    """One decode step at B = --profile, taken apart: the whole step (--profile-decode tokens of a
-    generate call, host included) against back-to-back replays of its CUDA graph (device time alone, CUDA
+def profile_decode(engine, info, args, steps: int) -> dict:
+    """One decode step at B = --profile, taken apart: the last step of a generate call that decodes
+    ``steps`` tokens against back-to-back replays of its CUDA graph (device time alone, CUDA
     events, median of 5 x 20), and torch.profiler over 10 replays: kernels per step, the top ones
-    by device time in <out>.profile.txt (the prefill is not in it)."""
+    by device time in <out>.profile.txt (the prefill is not in it; the last ``steps`` value's)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megarl.rollout.engine import SamplingParams, sample_requests
 
     # prompts + decoded tokens as long as the timed runs' mean context, so the attention reads as much
-    steps = args.profile_decode
     prompts = prompts_of(args.profile, max(args.prompt_len + args.new_tokens // 2 - steps, 1), info.vocab_size, seed=5)
     params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 0, steps)
     engine.generate(requests, params)  # warm-up: compile, capture
@@ -282,7 +281,49 @@ def profile_decode(engine, info, args) -> dict:
         f.write(events.table(sort_by="self_cuda_time_total", row_limit=40))
     kernels = sum(e.count for e in events if "CUDA" in str(getattr(e, "device_type", ""))) / 10
     attention = [e.self_device_time_total / e.count for e in events if e.key == "_decode_kernel" and e.count]
-    return row | {"kernels_per_step": kernels or None, "decode_attention_us": attention[0] if attention else None}
+    row |= {"kernels_per_step": kernels or None, "decode_attention_us": attention[0] if attention else None}
+    data = engine.cache.data
+    for variant in args.profile_variants:
+        if variant.startswith("relayout"):
+            relayout_rows(engine, bucket, int(variant[8:] or 0))
+        else:  # the cache's contents replaced (every token's K/V, the layout kept)
+            data.copy_(torch.randn_like(data) * float(variant[5:] or 1) if variant.startswith("randn") else
+                       torch.zeros_like(data))
+        row[f"{variant}_replay_ms"] = replay_ms(engine, args.profile)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                graph.replay()
+            sync()
+        attention = [e.self_device_time_total / e.count for e in prof.key_averages() if e.key == "_decode_kernel"]
+        row[f"{variant}_attention_us"] = attention[0] if attention else None
+    print(row, flush=True)
+    return row
+
+
+def relayout_rows(engine, b: int, stride: int = 0) -> None:
+    """Moves the K/V of the graph's last step so each row's pages are consecutive (row r's page j at
+    1 + r * stride + j; stride 0: the row's width), rewriting its static block table and slot mapping:
+    does the decode attention depend on where a row's pages lie? (an experiment on the replayed
+    state; the pool is not told)."""
+    from megarl.rollout.graphs import _ROW_FIELDS
+
+    graphs, data, page = engine.graphs, engine.cache.data, engine.options.page_size
+    inputs = graphs.inputs
+    lens = inputs[_ROW_FIELDS.index("seq_lens"), :b].cpu()
+    table = graphs.table[:b].cpu()
+    width = max(stride, int(((lens + page - 1) // page).max()))
+    old = torch.cat([table[r, : (int(lens[r]) + page - 1) // page] for r in range(b) if lens[r] > 0])
+    new = torch.cat([1 + r * width + torch.arange((int(lens[r]) + page - 1) // page) for r in range(b) if lens[r] > 0])
+    copy = data[:, :, old.to(data.device)].clone()
+    data[:, :, new.to(data.device)] = copy
+    for r in range(b):
+        n = (int(lens[r]) + page - 1) // page
+        table[r, :n] = 1 + r * width + torch.arange(n)
+    graphs.table[:b].copy_(table)
+    pos = inputs[_ROW_FIELDS.index("positions"), :b].cpu()
+    slots = table.gather(1, (pos // page)[:, None].clamp(max=table.shape[1] - 1))[:, 0].long() * page + pos % page
+    inputs[_ROW_FIELDS.index("slot_mapping"), :b].copy_(torch.where(lens > 0, slots, 0))
+    sync()
 
 
 def busy_row(engine, info, args) -> dict:
@@ -362,7 +403,11 @@ def prefill_rows(engine, module, info, args) -> list[dict]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 run()
                 sync()
-            device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+            events = prof.key_averages()
+            device_ms = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"prefill {case}: top kernels, ms per call", flush=True)
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+                print(f"  {e.self_device_time_total / 1e3:8.2f} x{e.count:<5} {e.key[:90]}", flush=True)
         rows.append({"provider": "megarl-prefill", "batch": n, "prompt_len": length, "wall_ms": wall * 1e3,
                      "device_ms": device_ms, "tflops_wall": 2 * dense * n * length / wall / 1e12})
         print(rows[-1], flush=True)
@@ -403,8 +448,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (rollout.page_size)")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
-    ap.add_argument("--profile-decode", type=int, default=17,
-                    help="--profile: decode steps its prompts take before the replays (the rest of the context is prefilled)")
+    ap.add_argument("--profile-decode", default="17",
+                    help="--profile: comma list of decode steps its prompts take before the replays (the rest of the "
+                         "context is prefilled), a row each")
+    ap.add_argument("--profile-variants", default="",
+                    help="--profile: replay again after each of (in order): relayoutS (each row's K/V pages moved to "
+                         "be consecutive, rows S pages apart; no S: the row's width), randnX (the cache refilled with randn x X), zeros")
     ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
     ap.add_argument("--busy", type=int, default=0, help="batch size of a generate under torch.profiler: GPU busy share")
     ap.add_argument("--work", default="/tmp/megarl_bench")
@@ -416,6 +465,8 @@ def parse() -> argparse.Namespace:
     args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x and int(x) > 0]
     args.admit_fractions = [float(x) for x in args.admit_fractions.split(",") if x]
     args.prefill = [x for x in args.prefill.split(",") if x]
+    args.profile_decode = [int(x) for x in args.profile_decode.split(",") if x]
+    args.profile_variants = [x for x in args.profile_variants.split(",") if x]
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
     args.dtype = "float32" if cpu else "bfloat16"
@@ -431,7 +482,7 @@ def main() -> None:
     rows = engine_rows(engine, module, info, args)
     if args.profile:
         args.profile = min(args.profile, engine.options.max_batch)
-        rows.append(profile_decode(engine, info, args))
+        rows += [profile_decode(engine, info, args, steps) for steps in args.profile_decode]
     if args.busy and args.device == "cuda":
         args.busy = min(args.busy, engine.options.max_batch)
         rows.append(busy_row(engine, info, args))
