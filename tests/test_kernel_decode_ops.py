@@ -77,21 +77,30 @@ def test_add_rms_norm_sums_split_k_partials(dtype, parts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups,per_group,d", [(2, 1, 32), (1, 2, 64), (2, 6, 32)])
-def test_rope_cache(dtype, groups, per_group, d):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_cache(dtype, groups, per_group, d, with_bias):
     t, pages, page = 7, 6, 4
     qkv = _rand(t, groups * (per_group + 2) * d, dtype=dtype, seed=4)
+    bias = _rand(qkv.shape[-1], dtype=dtype, seed=9) if with_bias else None
     pos = torch.tensor([0, 3, 5, 1, 17, 9, 2], device=DEVICE)
     freqs = torch.outer(torch.arange(32.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
     freqs = torch.cat([freqs, freqs], -1).to(DEVICE)
     cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
     slots = torch.randperm(pages * page, generator=torch.Generator().manual_seed(5))[:t].to(DEVICE)
     caches = [torch.full((pages, page, groups, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
-    q = rope_cache(qkv, cos, sin, pos, slots, caches[0], caches[1], groups, per_group, backend="triton")
-    q_ref = rope_cache_ref(qkv, cos, sin, pos, slots, caches[2], caches[3], groups, per_group)
-    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    q = rope_cache(qkv, cos, sin, pos, slots, caches[0], caches[1], groups, per_group, backend="triton", bias=bias)
+    q_ref = rope_cache_ref(qkv if bias is None else qkv + bias, cos, sin, pos, slots, caches[2], caches[3], groups,
+                           per_group)  # the bias added as megatron's linear does: rounded once, before RoPE
+    tol = TOL[dtype]
+    if with_bias and dtype == torch.bfloat16 and DEVICE != "cuda":  # the interpreter truncates fp32 -> bf16
+        tol = dict(rtol=5e-2, atol=1e-1)  # (the sum with the bias) where torch rounds; the GPU rounds too
+    torch.testing.assert_close(q, q_ref, **tol)
     for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
-        torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])  # same rows written, rest NaN
+        torch.testing.assert_close(got, want, equal_nan=True, **tol)  # same rows written, rest NaN
     assert not caches[1].view(-1, groups, d)[slots].isnan().any()
+    if with_bias:
+        with pytest.raises(ValueError, match="bias must be"):
+            rope_cache(qkv, cos, sin, pos, slots, caches[0], caches[1], groups, per_group, bias=bias[:-1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

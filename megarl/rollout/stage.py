@@ -213,8 +213,8 @@ class StageForward:
 
     def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None, plan=None):
         t, g = h.shape[0], self.heads // self.kv_heads
-        kernel_bias = batch.decode and lw.q_norm is None and "qkv" not in lw.lora  # the decode kernel adds it
-        parts = self._parts(h, lw, "qkv", kernel_bias)
+        kernel_bias = lw.q_norm is None and "qkv" not in lw.lora  # the RoPE (+ attention) kernel adds it
+        parts = self._parts(h, lw, "qkv", kernel_bias and batch.decode)
         if parts > 1:  # (S, T, ng * (g + 2) * hn) partials; the attention kernel sums them, adds the bias
             qkv = split_k_linear(h, lw.qkv, parts)
         else:  # (T, ng * (g + 2) * hn)
@@ -230,7 +230,7 @@ class StageForward:
                                   bias=bias, plan=plan)
         else:
             q = rope_cache(qkv, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
-                           self.kv_heads, g)  # (T, np, hn); this step's K/V now in the cache
+                           self.kv_heads, g, bias=bias)  # (T, np, hn); this step's K/V now in the cache
             o = self._prefill_attention(q, batch, k_cache, v_cache, mixed, plan)
         return self._row_parallel(o.reshape(t, -1), lw, "proj", lw.proj, split=batch.decode)
 
