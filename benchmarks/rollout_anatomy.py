@@ -1,0 +1,149 @@
+"""The decode loop taken apart, for `bench_rollout.py` (``--profile``, ``--busy``): one step's CUDA graph
+replayed at a fixed state, and a whole generate under torch.profiler.
+
+``profile_decode``: the last step of a generate that decodes N tokens, replayed back to back (device time
+alone) and under torch.profiler (kernels per step, the decode attention's mean), optionally after moving
+the cache's pages or contents (``relayout_rows``, refills: session 21's question of why a replay's
+attention reads faster than the loop's, benchmarks/RESULTS.md). ``busy_row``: how much of a generate's
+span the GPU was busy, its idle gaps by size, and per decode step (``decode_steps_of``) spans and each
+kernel's mean time.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from bench_rollout import prompts_of, replay_ms, sync, timed
+
+
+def profile_decode(engine, info, args, steps: int) -> dict:
+    """One decode step at B = --profile, taken apart: the last step of a generate call that decodes
+    ``steps`` tokens against back-to-back replays of its CUDA graph (device time alone, CUDA
+    events, median of 5 x 20), and torch.profiler over 10 replays: kernels per step, the top ones
+    by device time in <out>.profile.txt (the prefill is not in it; the last ``steps`` value's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.rollout.engine import SamplingParams, sample_requests
+
+    # prompts + decoded tokens as long as the timed runs' mean context, so the attention reads as much
+    prompts = prompts_of(args.profile, max(args.prompt_len + args.new_tokens // 2 - steps, 1), info.vocab_size, seed=5)
+    params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 0, steps)
+    engine.generate(requests, params)  # warm-up: compile, capture
+    row = {"provider": "megarl-profile", "batch": args.profile, "decode_steps": steps, "graphs": engine.graphs is not None}
+    if engine.graphs is None or not torch.cuda.is_available():
+        return row
+    bucket = min(b for b in engine.graphs.graphs if b >= args.profile)
+    graph = engine.graphs.graphs[bucket]  # its static inputs still hold the last step's batch
+    row["replay_ms"] = replay_ms(engine, args.profile)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        sync()
+    events = prof.key_averages()
+    with open(args.out + ".profile.txt", "w") as f:
+        f.write(events.table(sort_by="self_cuda_time_total", row_limit=40))
+    kernels = sum(e.count for e in events if "CUDA" in str(getattr(e, "device_type", ""))) / 10
+    attention = [e.self_device_time_total / e.count for e in events if e.key == "_decode_kernel" and e.count]
+    row |= {"kernels_per_step": kernels or None, "decode_attention_us": attention[0] if attention else None}
+    data = engine.cache.data
+    for variant in args.profile_variants:
+        if variant.startswith("relayout"):
+            relayout_rows(engine, bucket, int(variant[8:] or 0))
+        else:  # the cache's contents replaced (every token's K/V, the layout kept)
+            data.copy_(torch.randn_like(data) * float(variant[5:] or 1) if variant.startswith("randn") else
+                       torch.zeros_like(data))
+        row[f"{variant}_replay_ms"] = replay_ms(engine, args.profile)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                graph.replay()
+            sync()
+        attention = [e.self_device_time_total / e.count for e in prof.key_averages() if e.key == "_decode_kernel"]
+        row[f"{variant}_attention_us"] = attention[0] if attention else None
+    print(row, flush=True)
+    return row
+
+
+def relayout_rows(engine, b: int, stride: int = 0) -> None:
+    """Moves the K/V of the graph's last step so each row's pages are consecutive (row r's page j at
+    1 + r * stride + j; stride 0: the row's width), rewriting its static block table and slot mapping:
+    does the decode attention depend on where a row's pages lie? (an experiment on the replayed
+    state; the pool is not told)."""
+    from megarl.rollout.graphs import _ROW_FIELDS
+
+    graphs, data, page = engine.graphs, engine.cache.data, engine.options.page_size
+    inputs = graphs.inputs
+    lens = inputs[_ROW_FIELDS.index("seq_lens"), :b].cpu()
+    table = graphs.table[:b].cpu()
+    width = max(stride, int(((lens + page - 1) // page).max()))
+    old = torch.cat([table[r, : (int(lens[r]) + page - 1) // page] for r in range(b) if lens[r] > 0])
+    new = torch.cat([1 + r * width + torch.arange((int(lens[r]) + page - 1) // page) for r in range(b) if lens[r] > 0])
+    copy = data[:, :, old.to(data.device)].clone()
+    data[:, :, new.to(data.device)] = copy
+    for r in range(b):
+        n = (int(lens[r]) + page - 1) // page
+        table[r, :n] = 1 + r * width + torch.arange(n)
+    graphs.table[:b].copy_(table)
+    pos = inputs[_ROW_FIELDS.index("positions"), :b].cpu()
+    slots = table.gather(1, (pos // page)[:, None].clamp(max=table.shape[1] - 1))[:, 0].long() * page + pos % page
+    inputs[_ROW_FIELDS.index("slot_mapping"), :b].copy_(torch.where(lens > 0, slots, 0))
+    sync()
+
+
+def busy_row(engine, info, args) -> dict:
+    """One generate at B = --busy (the timed runs' lengths) under torch.profiler: the GPU's busy time
+    (the union of kernel, copy and memset intervals) against the span from its first to its last,
+    and the idle gaps between them by size, in us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.rollout.engine import SamplingParams, sample_requests
+
+    prompts = prompts_of(args.busy, args.prompt_len, info.vocab_size, seed=6)
+    params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 1, args.new_tokens)
+    engine.generate(requests, params)  # warm-up: compile, capture
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        seconds = timed(lambda: engine.generate(requests, params))
+    trace = os.path.join(args.work, "busy_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, gaps, end = 0.0, [], None
+    for start, stop in spans:
+        if end is not None and start > end:
+            gaps.append(start - end)
+        busy += max(0.0, stop - max(start, end if end is not None else start))
+        end = stop if end is None else max(end, stop)
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    sizes = {"<2": (0, 2), "2-10": (2, 10), "10-200": (10, 200), ">=200": (200, float("inf"))}
+    return {"provider": "megarl-busy", "batch": args.busy, "seconds": seconds, "span_us": span, "busy_us": busy,
+            "busy_fraction": busy / span if span else None,
+            "idle_us_by_gap": {k: sum(g for g in gaps if lo <= g < hi) for k, (lo, hi) in sizes.items()},
+            "gaps_by_size": {k: sum(1 for g in gaps if lo <= g < hi) for k, (lo, hi) in sizes.items()},
+            **decode_steps_of(events)}
+
+
+def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int = 12) -> dict:
+    """The trace's decode steps (each starts at the attention plan's kernel, one a step; a mixed
+    prefill step counts as one too): their spans (first kernel to the next step's first) at the
+    5th / 25th / 50th / 75th / 95th percentiles and by eighth of the loop, in us, and the kernels'
+    mean device time per step by name (the loop's view, to set beside ``--profile``'s replays)."""
+    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
+    starts = [ts for ts, _, name in kernels if name.startswith(marker)]
+    if len(starts) < 3:
+        return {}
+    steps = [b - a for a, b in zip(starts, starts[1:])]
+    inside = [(dur, name) for ts, dur, name in kernels if starts[0] <= ts < starts[-1]]
+    per_name: dict[str, float] = {}
+    for dur, name in inside:
+        per_name[name[:60]] = per_name.get(name[:60], 0.0) + dur / len(steps)
+    ordered = sorted(steps)
+    eighths = [steps[j * len(steps) // 8:(j + 1) * len(steps) // 8] for j in range(8)]
+    return {"decode_steps": len(steps),
+            "step_span_us_quantiles": [ordered[int(q * (len(steps) - 1))] for q in (0.05, 0.25, 0.5, 0.75, 0.95)],
+            "step_span_us_by_eighth": [sum(e) / len(e) for e in eighths if e],  # context grows along the loop
+            "kernel_us_per_step": sum(d for d, _ in inside) / len(steps),
+            "kernels_per_step": len(inside) / len(steps),
+            "top_kernels_us_per_step": dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])}
