@@ -23,9 +23,11 @@ with prefill steps that stop the decode). Every CUDA-graph bucket is captured be
 ``--profile B`` (with ``--busy B``: `rollout_anatomy.py`) takes one decode step at batch B apart: device time of its
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
 and torch.profiler over replays (kernels per step in the JSON, the top kernels
-in ``<out>.profile.txt``), at the timed runs' mean context. Its decode attention reads lower
-than the same kernel over a loop or alone at that context (RESULTS.md, session 19); ``--busy``
-gives the loop's own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
+in ``<out>.profile.txt``), at the timed runs' mean context, after ``--profile-decode`` N decode
+steps (a list: a row each). Its decode attention reads lower than the same kernel over a loop or
+alone at that context when a prefill wrote most of the cache (RESULTS.md, sessions 19 and 21;
+``--profile-variants`` moves the cache's pages or refills it first); ``--busy`` gives the loop's
+own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
 tokens, one sampled token each (median of 5 calls, wall and device time, the device
 time from torch.profiler's kernel total; TFLOP/s from 2 x non-embedding parameters
 x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
