@@ -4,8 +4,9 @@ Spec (`rope_cache_ref`). qkv (T, ng * (G + 2) * D) is megatron's fused
 projection output: per key/value group, G query heads, then the key, then the
 value; with ``bias`` (ng * (G + 2) * D,) it is the matmul's output and the bias
 is added first, rounded as megatron's ``output + bias`` (the prefill's separate
-add kernel, 3.6% of a 16k-token prefill's kernel time, folded in). cos, sin (S, D) are megatron's tables already cast to the activation
-dtype; positions (T,) index them. With rotate_half(t) = cat(-t[D/2:], t[:D/2]):
+add kernel, 3.6% of a 16k-token prefill's kernel time, folded in). cos, sin
+(S, D) are megatron's tables already cast to the activation dtype; positions
+(T,) index them. With rotate_half(t) = cat(-t[D/2:], t[:D/2]):
     q = t * cos + rotate_half(t) * sin        each product and the sum rounded
     k = same on the key                       to the activation dtype, as
                                               megatron's bshd RoPE computes them
