@@ -8,7 +8,8 @@ One process (no torchrun needed). Every request is ``--prompt-len`` random
 tokens and decodes exactly ``--new-tokens`` tokens (no stop token), sampled at
 temperature 1. Rows: the engine (CUDA graphs on CUDA, eager on CPU) and
 ``generate`` (sampling, ``min_new_tokens`` = ``max_new_tokens``) on the same
-checkpoint; ms per token step = wall time / new tokens (prefill included);
+checkpoint; ms per token step = wall time / new tokens (prefill included; the JSON's
+``decode_ms_per_step`` and ``decode_floor_fraction`` leave the synchronous prefill steps out);
 tokens/s = B * new tokens / wall time. The floor of a decode step is the bytes
 it must read once — every weight but the input embedding (tied heads count
 once) plus the live K/V of the batch, averaged over the steps — over
@@ -148,6 +149,10 @@ def engine_rows(engine, module, info, args) -> list[dict]:
             row["replay_ms"] = replay_ms(engine, b) if engine.graphs is not None else None  # at the last step
             row["floor_ms"] = floor_ms(module, info, b, args.prompt_len, args.new_tokens)
             row["floor_fraction"] = row["floor_ms"] / row["ms_per_step"]
+            # the same without the prefill steps (the target's ms_per_step keeps them): the decode loop alone
+            decode_s = seconds - row.get("timing/rollout_prefill", 0.0)
+            row["decode_ms_per_step"] = decode_s / max(args.new_tokens - 1, 1) * 1e3
+            row["decode_floor_fraction"] = row["floor_ms"] / row["decode_ms_per_step"]
         rows.append(row)
     return rows
 
