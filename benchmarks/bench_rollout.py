@@ -45,6 +45,7 @@ import dataclasses
 import heapq
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -343,6 +344,9 @@ def parse() -> argparse.Namespace:
     args.prefill = [x for x in args.prefill.split(",") if x]
     args.profile_decode = [int(x) for x in args.profile_decode.split(",") if x]
     args.profile_variants = [x for x in args.profile_variants.split(",") if x]
+    for v in args.profile_variants:
+        if not (v == "zeros" or re.fullmatch(r"relayout\d*|randn(\d+(\.\d*)?)?", v)):
+            ap.error(f"--profile-variants: {v!r} is none of relayoutS, randnX, zeros (e.g. relayout24,randn0.05,zeros)")
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
     args.dtype = "float32" if cpu else "bfloat16"

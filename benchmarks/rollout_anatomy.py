@@ -23,8 +23,6 @@ def profile_decode(engine, info, args, steps: int) -> dict:
     ``steps`` tokens against back-to-back replays of its CUDA graph (device time alone, CUDA
     events, median of 5 x 20), and torch.profiler over 10 replays: kernels per step, the top ones
     by device time in <out>.profile.txt (the prefill is not in it; the last ``steps`` value's)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from megarl.rollout.engine import SamplingParams, sample_requests
 
     # prompts + decoded tokens as long as the timed runs' mean context, so the attention reads as much
@@ -37,16 +35,11 @@ def profile_decode(engine, info, args, steps: int) -> dict:
     bucket = min(b for b in engine.graphs.graphs if b >= args.profile)
     graph = engine.graphs.graphs[bucket]  # its static inputs still hold the last step's batch
     row["replay_ms"] = replay_ms(engine, args.profile)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        sync()
-    events = prof.key_averages()
+    events = profiled_replays(graph)
     with open(args.out + ".profile.txt", "w") as f:
         f.write(events.table(sort_by="self_cuda_time_total", row_limit=40))
     kernels = sum(e.count for e in events if "CUDA" in str(getattr(e, "device_type", ""))) / 10
-    attention = [e.self_device_time_total / e.count for e in events if e.key == "_decode_kernel" and e.count]
-    row |= {"kernels_per_step": kernels or None, "decode_attention_us": attention[0] if attention else None}
+    row |= {"kernels_per_step": kernels or None, "decode_attention_us": attention_us(events)}
     data = engine.cache.data
     for variant in args.profile_variants:
         if variant.startswith("relayout"):
@@ -55,14 +48,26 @@ def profile_decode(engine, info, args, steps: int) -> dict:
             data.copy_(torch.randn_like(data) * float(variant[5:] or 1) if variant.startswith("randn") else
                        torch.zeros_like(data))
         row[f"{variant}_replay_ms"] = replay_ms(engine, args.profile)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                graph.replay()
-            sync()
-        attention = [e.self_device_time_total / e.count for e in prof.key_averages() if e.key == "_decode_kernel"]
-        row[f"{variant}_attention_us"] = attention[0] if attention else None
+        row[f"{variant}_attention_us"] = attention_us(profiled_replays(graph))
     print(row, flush=True)
     return row
+
+
+def profiled_replays(graph, replays: int = 10):
+    """torch.profiler's per-kernel averages over ``replays`` back-to-back replays of ``graph``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        sync()
+    return prof.key_averages()
+
+
+def attention_us(events) -> float | None:
+    """Mean device us of one decode-attention call in ``profiled_replays``' averages."""
+    times = [e.self_device_time_total / e.count for e in events if e.key == "_decode_kernel" and e.count]
+    return times[0] if times else None
 
 
 def relayout_rows(engine, b: int, stride: int = 0) -> None:
@@ -76,14 +81,13 @@ def relayout_rows(engine, b: int, stride: int = 0) -> None:
     inputs = graphs.inputs
     lens = inputs[_ROW_FIELDS.index("seq_lens"), :b].cpu()
     table = graphs.table[:b].cpu()
-    width = max(stride, int(((lens + page - 1) // page).max()))
-    old = torch.cat([table[r, : (int(lens[r]) + page - 1) // page] for r in range(b) if lens[r] > 0])
-    new = torch.cat([1 + r * width + torch.arange((int(lens[r]) + page - 1) // page) for r in range(b) if lens[r] > 0])
-    copy = data[:, :, old.to(data.device)].clone()
-    data[:, :, new.to(data.device)] = copy
-    for r in range(b):
-        n = (int(lens[r]) + page - 1) // page
+    pages = ((lens + page - 1) // page).tolist()  # (b,) pages each row uses
+    width = max(stride, max(pages))
+    old = torch.cat([table[r, :n] for r, n in enumerate(pages)])
+    for r, n in enumerate(pages):
         table[r, :n] = 1 + r * width + torch.arange(n)
+    new = torch.cat([table[r, :n] for r, n in enumerate(pages)])
+    data[:, :, new.to(data.device)] = data[:, :, old.to(data.device)]  # advanced indexing: a copy is read first
     graphs.table[:b].copy_(table)
     pos = inputs[_ROW_FIELDS.index("positions"), :b].cpu()
     slots = table.gather(1, (pos // page)[:, None].clamp(max=table.shape[1] - 1))[:, 0].long() * page + pos % page
