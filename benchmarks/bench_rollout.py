@@ -25,10 +25,11 @@ with prefill steps that stop the decode). Every CUDA-graph bucket is captured be
 CUDA graph replayed back to back (``replay_ms``: the step without the host)
 and torch.profiler over replays (kernels per step in the JSON, the top kernels
 in ``<out>.profile.txt``), at the timed runs' mean context, after ``--profile-decode`` N decode
-steps (a list: a row each). Its decode attention reads lower than the same kernel over a loop or
-alone at that context when a prefill wrote most of the cache (RESULTS.md, sessions 19 and 21;
-``--profile-variants`` moves the cache's pages or refills it first); ``--busy`` gives the loop's
-own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
+steps (a list: a row each; default half of ``--new-tokens``, so the prompts are ``--prompt-len``
+long and every row is live in the replayed step: with fewer steps the prompts are longer, take
+several prefill chunks, and the rows admitted first finish first, so the replay holds fewer rows,
+e.g. 97 of 128 at 17 steps: the JSON gives ``replay_rows``; RESULTS.md, session 22).
+``--profile-variants`` changes the replayed state first; ``--busy`` gives the loop's own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
 tokens, one sampled token each (median of 5 calls, wall and device time, the device
 time from torch.profiler's kernel total; TFLOP/s from 2 x non-embedding parameters
 x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
@@ -285,6 +286,13 @@ def prefill_rows(engine, module, info, args) -> list[dict]:
             print(f"prefill {case}: top kernels, ms per call", flush=True)
             for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
                 print(f"  {e.self_device_time_total / 1e3:8.2f} x{e.count:<5} {e.key[:90]}", flush=True)
+            from rollout_anatomy import host_gaps
+
+            gaps = host_gaps(run, args.work)
+            print(f"prefill {case}: GPU idle gaps >= 100 us ({sum(g['gap_us'] for g in gaps) / 1e3:.2f} ms), "
+                  "the host work beside each (us)", flush=True)
+            for g in gaps:
+                print(f"  at {g['at_us'] / 1e3:7.2f} ms: {g['gap_us']:7.0f}  {g['host']}", flush=True)
         rows.append({"provider": "megarl-prefill", "batch": n, "prompt_len": length, "wall_ms": wall * 1e3,
                      "device_ms": device_ms, "tflops_wall": 2 * dense * n * length / wall / 1e12})
         print(rows[-1], flush=True)
@@ -325,12 +333,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (rollout.page_size)")
     ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
-    ap.add_argument("--profile-decode", default="17",
+    ap.add_argument("--profile-decode", default="",
                     help="--profile: comma list of decode steps its prompts take before the replays (the rest of the "
-                         "context is prefilled), a row each")
+                         "context is prefilled), a row each; default --new-tokens / 2")
     ap.add_argument("--profile-variants", default="",
                     help="--profile: replay again after each of (in order): relayoutS (each row's K/V pages moved to "
-                         "be consecutive, rows S pages apart; no S: the row's width), randnX (the cache refilled with randn x X), zeros")
+                         "be consecutive, rows S pages apart; no S: the row's width), randnX (the cache refilled with randn x X), zeros, "
+                         "sleepS (the GPU idle S seconds first), snap / restoreP (`rollout_anatomy.snapshot_state`)")
     ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
     ap.add_argument("--busy", type=int, default=0, help="batch size of a generate under torch.profiler: GPU busy share")
     ap.add_argument("--work", default="/tmp/megarl_bench")
@@ -345,10 +354,11 @@ def parse() -> argparse.Namespace:
     args.profile_decode = [int(x) for x in args.profile_decode.split(",") if x]
     args.profile_variants = [x for x in args.profile_variants.split(",") if x]
     for v in args.profile_variants:
-        if not (v == "zeros" or re.fullmatch(r"relayout\d*|randn(\d+(\.\d*)?)?", v)):
-            ap.error(f"--profile-variants: {v!r} is none of relayoutS, randnX, zeros (e.g. relayout24,randn0.05,zeros)")
+        if not (v == "zeros" or re.fullmatch(r"relayout\d*|randn(\d+(\.\d*)?)?|sleep\d+(\.\d*)?|snap|restore[cito]+", v)):
+            ap.error(f"--profile-variants: {v!r} is none of relayoutS, randnX, zeros, sleepS, snap, restoreP (e.g. relayout24,randn0.05,zeros,sleep5,snap,restorecit)")
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
+    args.profile_decode = args.profile_decode or [max(args.new_tokens // 2, 1)]
     args.dtype = "float32" if cpu else "bfloat16"
     return args
 

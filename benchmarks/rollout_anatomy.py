@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -39,18 +40,51 @@ def profile_decode(engine, info, args, steps: int) -> dict:
     with open(args.out + ".profile.txt", "w") as f:
         f.write(events.table(sort_by="self_cuda_time_total", row_limit=40))
     kernels = sum(e.count for e in events if "CUDA" in str(getattr(e, "device_type", ""))) / 10
-    row |= {"kernels_per_step": kernels or None, "decode_attention_us": attention_us(events)}
+    row |= {"kernels_per_step": kernels or None, "decode_attention_us": attention_us(events),
+            **replayed_rows(engine, bucket)}
     data = engine.cache.data
     for variant in args.profile_variants:
         if variant.startswith("relayout"):
             relayout_rows(engine, bucket, int(variant[8:] or 0))
+        elif variant == "snap" or variant.startswith("restore"):
+            if not snapshot_state(engine, steps, variant):
+                continue
+        elif variant.startswith("sleep"):  # the GPU idle first: does a slow state come from the device's history?
+            time.sleep(float(variant[5:]))
         else:  # the cache's contents replaced (every token's K/V, the layout kept)
             data.copy_(torch.randn_like(data) * float(variant[5:] or 1) if variant.startswith("randn") else
                        torch.zeros_like(data))
         row[f"{variant}_replay_ms"] = replay_ms(engine, args.profile)
         row[f"{variant}_attention_us"] = attention_us(profiled_replays(graph))
+    if row["replay_rows"] < args.profile:
+        print(f"--profile: the replayed step holds {row['replay_rows']} of {args.profile} rows (later prefill chunks "
+              "finished later); take more --profile-decode steps for a full batch", flush=True)
     print(row, flush=True)
     return row
+
+
+_SNAPSHOT: dict = {}
+_STATE_PARTS = {"c": "KV cache", "i": "row inputs", "t": "block table", "o": "sampled outputs"}
+
+
+def snapshot_state(engine, steps: int, variant: str) -> bool:
+    """``snap``: keep a copy of the replayed state (the first --profile-decode value that asks);
+    ``restoreP``: copy parts P of it (c cache, i row inputs, t block table, o sampled outputs) into
+    the state of another --profile-decode value. Does the slow state live in these tensors? False:
+    nothing done (a snapshot exists already, or is this value's own)."""
+    g = engine.graphs
+    state = {"c": engine.cache.data, "i": g.inputs, "t": g.table, "o": g.outputs}
+    if variant == "snap":
+        if _SNAPSHOT:
+            return False
+        _SNAPSHOT.update({k: v.clone() for k, v in state.items()}, steps=steps)
+        return True
+    if not _SNAPSHOT or _SNAPSHOT["steps"] == steps:
+        return False
+    for part in variant[7:]:
+        state[part].copy_(_SNAPSHOT[part])
+    sync()
+    return True
 
 
 def profiled_replays(graph, replays: int = 10):
@@ -68,6 +102,16 @@ def attention_us(events) -> float | None:
     """Mean device us of one decode-attention call in ``profiled_replays``' averages."""
     times = [e.self_device_time_total / e.count for e in events if e.key == "_decode_kernel" and e.count]
     return times[0] if times else None
+
+
+def replayed_rows(engine, b: int) -> dict:
+    """What the replayed step holds: rows with keys, and their fewest / mean / most keys."""
+    from megarl.rollout.graphs import _ROW_FIELDS
+
+    lens = engine.graphs.inputs[_ROW_FIELDS.index("seq_lens"), :b].float()
+    live = lens[lens > 0]
+    return {"replay_rows": int(live.numel()), "replay_keys_min_mean_max":
+            [float(live.min()), round(float(live.mean()), 1), float(live.max())] if live.numel() else None}
 
 
 def relayout_rows(engine, b: int, stride: int = 0) -> None:
@@ -151,3 +195,36 @@ def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int =
             "kernel_us_per_step": sum(d for d, _ in inside) / len(steps),
             "kernels_per_step": len(inside) / len(steps),
             "top_kernels_us_per_step": dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])}
+
+
+def host_gaps(run, work: str, min_us: float = 100.0, top: int = 6) -> list[dict]:
+    """``run()`` under torch.profiler (CPU and CUDA): every GPU idle gap of at least ``min_us`` inside
+    its span, with the host work that overlaps it (CPU ops and CUDA runtime calls, by overlap us):
+    what keeps a prefill's GPU waiting?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    trace = os.path.join(work, "host_gaps_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")]
+    gaps, end = [], None
+    for start, stop in device:
+        if end is not None and start - end >= min_us:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    rows = []
+    for lo, hi in gaps:
+        overlap: dict[str, float] = {}
+        for e in host:
+            o = min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"])
+            if o > 0:
+                overlap[e["name"]] = overlap.get(e["name"], 0.0) + o
+        best = sorted(overlap.items(), key=lambda kv: -kv[1])[:top]
+        rows.append({"at_us": lo - device[0][0], "gap_us": hi - lo, "host": [(n[:60], round(o)) for n, o in best]})
+    return rows
+
