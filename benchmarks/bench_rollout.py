@@ -9,7 +9,7 @@ tokens and decodes exactly ``--new-tokens`` tokens (no stop token), sampled at
 temperature 1. Rows: the engine (CUDA graphs on CUDA, eager on CPU) and
 ``generate`` (sampling, ``min_new_tokens`` = ``max_new_tokens``) on the same
 checkpoint; ms per token step = wall time / new tokens (prefill included; the JSON's
-``decode_ms_per_step`` and ``decode_floor_fraction`` leave the synchronous prefill steps out);
+``decode_ms_per_step`` and ``decode_floor_fraction``, the table's "decode %", leave the synchronous prefill steps out);
 tokens/s = B * new tokens / wall time. The floor of a decode step is the bytes
 it must read once — every weight but the input embedding (tied heads count
 once) plus the live K/V of the batch, averaged over the steps — over
@@ -28,11 +28,11 @@ in ``<out>.profile.txt``), at the timed runs' mean context, after ``--profile-de
 steps (a list: a row each; default half of ``--new-tokens``, so the prompts are ``--prompt-len``
 long and every row is live in the replayed step: with fewer steps the prompts are longer, take
 several prefill chunks, and the rows admitted first finish first, so the replay holds fewer rows,
-e.g. 97 of 128 at 17 steps: the JSON gives ``replay_rows``; RESULTS.md, session 22).
-``--profile-variants`` changes the replayed state first; ``--busy`` gives the loop's own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
+e.g. 97 of 128 at 17 steps: the JSON gives ``replay_rows``; RESULTS.md, session 22); ``--busy`` gives the
+loop's own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
 tokens, one sampled token each (median of 5 calls, wall and device time, the device
-time from torch.profiler's kernel total; TFLOP/s from 2 x non-embedding parameters
-x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
+time from torch.profiler's kernel total, the top kernels, and the GPU's idle gaps of 100 us or more
+with the host work beside each; TFLOP/s from 2 x non-embedding parameters x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
 the GPU was busy (kernels, copies, memsets), and the idle gaps between them by size (is the loop
 host- or device-bound?), and per decode step over the loop: spans by quantile and by eighth of the
 loop, and each kernel's mean time. The checkpoint is the
@@ -46,7 +46,6 @@ import dataclasses
 import heapq
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -307,11 +306,12 @@ def table(rows: list[dict]) -> str:
         return f"{100 * r[key]:7.1f}%" if r.get(key) is not None else " " * 8
 
     lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'replay ms':>10} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"
-             f" {'% fixed':>8} {'FIFO max':>8} {'GPU busy':>8}"]
+             f" {'decode %':>8} {'% fixed':>8} {'FIFO max':>8} {'GPU busy':>8}"]
     for r in rows:
         lines.append(f"{r['provider']:>22} {r['batch']:>5} {cell(r, 'ms_per_step', '.2f', 9)} "
                      f"{cell(r, 'replay_ms', '.2f', 10)} {cell(r, 'tokens_per_s', '.0f', 10)} "
-                     f"{cell(r, 'floor_ms', '.3f', 9)} {pct(r, 'floor_fraction')} {pct(r, 'of_fixed')} "
+                     f"{cell(r, 'floor_ms', '.3f', 9)} {pct(r, 'floor_fraction')} {pct(r, 'decode_floor_fraction')} "
+                     f"{pct(r, 'of_fixed')} "
                      f"{pct(r, 'fifo_slot_bound')} {pct(r, 'busy_fraction')}".rstrip())
     return "\n".join(lines)
 
@@ -336,10 +336,6 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--profile-decode", default="",
                     help="--profile: comma list of decode steps its prompts take before the replays (the rest of the "
                          "context is prefilled), a row each; default --new-tokens / 2")
-    ap.add_argument("--profile-variants", default="",
-                    help="--profile: replay again after each of (in order): relayoutS (each row's K/V pages moved to "
-                         "be consecutive, rows S pages apart; no S: the row's width), randnX (the cache refilled with randn x X), zeros, "
-                         "sleepS (the GPU idle S seconds first), snap / restoreP (`rollout_anatomy.snapshot_state`)")
     ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
     ap.add_argument("--busy", type=int, default=0, help="batch size of a generate under torch.profiler: GPU busy share")
     ap.add_argument("--work", default="/tmp/megarl_bench")
@@ -352,10 +348,6 @@ def parse() -> argparse.Namespace:
     args.admit_fractions = [float(x) for x in args.admit_fractions.split(",") if x]
     args.prefill = [x for x in args.prefill.split(",") if x]
     args.profile_decode = [int(x) for x in args.profile_decode.split(",") if x]
-    args.profile_variants = [x for x in args.profile_variants.split(",") if x]
-    for v in args.profile_variants:
-        if not (v == "zeros" or re.fullmatch(r"relayout\d*|randn(\d+(\.\d*)?)?|sleep\d+(\.\d*)?|snap|restore[cito]+", v)):
-            ap.error(f"--profile-variants: {v!r} is none of relayoutS, randnX, zeros, sleepS, snap, restoreP (e.g. relayout24,randn0.05,zeros,sleep5,snap,restorecit)")
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
     args.profile_decode = args.profile_decode or [max(args.new_tokens // 2, 1)]

@@ -2,9 +2,8 @@
 replayed at a fixed state, and a whole generate under torch.profiler.
 
 ``profile_decode``: the last step of a generate that decodes N tokens, replayed back to back (device time
-alone) and under torch.profiler (kernels per step, the decode attention's mean), optionally after moving
-the cache's pages or contents (``relayout_rows``, refills: session 21's question of why a replay's
-attention reads faster than the loop's, benchmarks/RESULTS.md). ``busy_row``: how much of a generate's
+alone) and under torch.profiler (kernels per step, the decode attention's mean, the rows it holds).
+``host_gaps``: a call's GPU idle gaps and the host work beside them. ``busy_row``: how much of a generate's
 span the GPU was busy, its idle gaps by size, and per decode step (``decode_steps_of``) spans and each
 kernel's mean time.
 """
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 
@@ -42,49 +40,11 @@ def profile_decode(engine, info, args, steps: int) -> dict:
     kernels = sum(e.count for e in events if "CUDA" in str(getattr(e, "device_type", ""))) / 10
     row |= {"kernels_per_step": kernels or None, "decode_attention_us": attention_us(events),
             **replayed_rows(engine, bucket)}
-    data = engine.cache.data
-    for variant in args.profile_variants:
-        if variant.startswith("relayout"):
-            relayout_rows(engine, bucket, int(variant[8:] or 0))
-        elif variant == "snap" or variant.startswith("restore"):
-            if not snapshot_state(engine, steps, variant):
-                continue
-        elif variant.startswith("sleep"):  # the GPU idle first: does a slow state come from the device's history?
-            time.sleep(float(variant[5:]))
-        else:  # the cache's contents replaced (every token's K/V, the layout kept)
-            data.copy_(torch.randn_like(data) * float(variant[5:] or 1) if variant.startswith("randn") else
-                       torch.zeros_like(data))
-        row[f"{variant}_replay_ms"] = replay_ms(engine, args.profile)
-        row[f"{variant}_attention_us"] = attention_us(profiled_replays(graph))
     if row["replay_rows"] < args.profile:
         print(f"--profile: the replayed step holds {row['replay_rows']} of {args.profile} rows (later prefill chunks "
               "finished later); take more --profile-decode steps for a full batch", flush=True)
     print(row, flush=True)
     return row
-
-
-_SNAPSHOT: dict = {}
-_STATE_PARTS = {"c": "KV cache", "i": "row inputs", "t": "block table", "o": "sampled outputs"}
-
-
-def snapshot_state(engine, steps: int, variant: str) -> bool:
-    """``snap``: keep a copy of the replayed state (the first --profile-decode value that asks);
-    ``restoreP``: copy parts P of it (c cache, i row inputs, t block table, o sampled outputs) into
-    the state of another --profile-decode value. Does the slow state live in these tensors? False:
-    nothing done (a snapshot exists already, or is this value's own)."""
-    g = engine.graphs
-    state = {"c": engine.cache.data, "i": g.inputs, "t": g.table, "o": g.outputs}
-    if variant == "snap":
-        if _SNAPSHOT:
-            return False
-        _SNAPSHOT.update({k: v.clone() for k, v in state.items()}, steps=steps)
-        return True
-    if not _SNAPSHOT or _SNAPSHOT["steps"] == steps:
-        return False
-    for part in variant[7:]:
-        state[part].copy_(_SNAPSHOT[part])
-    sync()
-    return True
 
 
 def profiled_replays(graph, replays: int = 10):
@@ -112,31 +72,6 @@ def replayed_rows(engine, b: int) -> dict:
     live = lens[lens > 0]
     return {"replay_rows": int(live.numel()), "replay_keys_min_mean_max":
             [float(live.min()), round(float(live.mean()), 1), float(live.max())] if live.numel() else None}
-
-
-def relayout_rows(engine, b: int, stride: int = 0) -> None:
-    """Moves the K/V of the graph's last step so each row's pages are consecutive (row r's page j at
-    1 + r * stride + j; stride 0: the row's width), rewriting its static block table and slot mapping:
-    does the decode attention depend on where a row's pages lie? (an experiment on the replayed
-    state; the pool is not told)."""
-    from megarl.rollout.graphs import _ROW_FIELDS
-
-    graphs, data, page = engine.graphs, engine.cache.data, engine.options.page_size
-    inputs = graphs.inputs
-    lens = inputs[_ROW_FIELDS.index("seq_lens"), :b].cpu()
-    table = graphs.table[:b].cpu()
-    pages = ((lens + page - 1) // page).tolist()  # (b,) pages each row uses
-    width = max(stride, max(pages))
-    old = torch.cat([table[r, :n] for r, n in enumerate(pages)])
-    for r, n in enumerate(pages):
-        table[r, :n] = 1 + r * width + torch.arange(n)
-    new = torch.cat([table[r, :n] for r, n in enumerate(pages)])
-    data[:, :, new.to(data.device)] = data[:, :, old.to(data.device)]  # advanced indexing: a copy is read first
-    graphs.table[:b].copy_(table)
-    pos = inputs[_ROW_FIELDS.index("positions"), :b].cpu()
-    slots = table.gather(1, (pos // page)[:, None].clamp(max=table.shape[1] - 1))[:, 0].long() * page + pos % page
-    inputs[_ROW_FIELDS.index("slot_mapping"), :b].copy_(torch.where(lens > 0, slots, 0))
-    sync()
 
 
 def busy_row(engine, info, args) -> dict:
