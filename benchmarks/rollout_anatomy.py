@@ -112,7 +112,8 @@ def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int =
     """The trace's decode steps (each starts at the attention plan's kernel, one a step; a mixed
     prefill step counts as one too): their spans (first kernel to the next step's first) at the
     5th / 25th / 50th / 75th / 95th percentiles and by eighth of the loop, in us, and the kernels'
-    mean device time per step by name (the loop's view, to set beside ``--profile``'s replays)."""
+    mean device time per step by name (the loop's view, to set beside ``--profile``'s replays), and the
+    idle gaps of 2 us or more per step by the pair of kernels around them."""
     kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
     starts = [ts for ts, _, name in kernels if name.startswith(marker)]
     if len(starts) < 3:
@@ -122,6 +123,13 @@ def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int =
     per_name: dict[str, float] = {}
     for dur, name in inside:
         per_name[name[:60]] = per_name.get(name[:60], 0.0) + dur / len(steps)
+    pairs: dict[str, float] = {}  # idle of 2 us or more after a kernel, copy or memset, by (it -> the next)
+    device = sorted((e["ts"], e["dur"], e["name"]) for e in events
+                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    for (ts, dur, name), (nts, _, nxt) in zip(device, device[1:]):
+        if starts[0] <= ts < starts[-1] and nts - (ts + dur) >= 2:
+            key = f"{name[:32]} -> {nxt[:32]}"
+            pairs[key] = pairs.get(key, 0.0) + (nts - ts - dur) / len(steps)
     ordered = sorted(steps)
     eighths = [steps[j * len(steps) // 8:(j + 1) * len(steps) // 8] for j in range(8)]
     return {"decode_steps": len(steps),
@@ -129,7 +137,8 @@ def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int =
             "step_span_us_by_eighth": [sum(e) / len(e) for e in eighths if e],  # context grows along the loop
             "kernel_us_per_step": sum(d for d, _ in inside) / len(steps),
             "kernels_per_step": len(inside) / len(steps),
-            "top_kernels_us_per_step": dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])}
+            "top_kernels_us_per_step": dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top]),
+            "idle_us_per_step_by_pair": dict(sorted(pairs.items(), key=lambda kv: -kv[1])[:8])}
 
 
 def host_gaps(run, work: str, min_us: float = 100.0, top: int = 6) -> list[dict]:
