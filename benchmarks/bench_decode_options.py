@@ -18,6 +18,8 @@
   (uniform² over 16..1,016 keys, seeded), pages in random order (with ``--page-orders``, uniform
   rows again with each row's pages consecutive, in a decode loop's order, ...: `page_table`);
   max |diff| of layer 0 against the torch backend.
+- fc1: fc1 after its add + RMSNorm at M in {128, 256, 512} as `F.linear` under cuBLAS and cuBLASLt, a
+  one-batch `bmm` and two halves: µs, bits equal to `F.linear`'s, memsets launched.
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -134,6 +136,45 @@ def splitk_rows():
     return rows
 
 
+def fc1_forms():
+    """fc1 (17,920 x 1,536) after its add + RMSNorm, as the step runs them, in forms cuBLAS may tile
+    differently: at M = 512 `F.linear` picks a cooperative kernel that zeroes a workspace first (a
+    memset node and ~4 us of idle a layer in the loop, RESULTS.md session 22)."""
+    h, n = 1536, 17920
+    ws = [torch.randn(n, h, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+    norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
+    forms = {"linear": lambda x, w: F.linear(x, w), "bmm": lambda x, w: torch.bmm(x[None], w.t()[None])[0],
+             "halves": lambda x, w: torch.cat([F.linear(x, w[: n // 2]), F.linear(x, w[n // 2:])], 1),
+             "linear-lt": lambda x, w: F.linear(x, w)}
+    rows = []
+    for m in (128, 256, 512):
+        parts = torch.randn(3, m, h, device=DEV)
+        res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+        x = add_rms_norm(parts, res, norm_w, 1e-6)[0]
+        want = F.linear(x, ws[0])
+        for name, form in forms.items():
+            torch.backends.cuda.preferred_blas_library("cublaslt" if name.endswith("-lt") else "cublas")
+            fns = [lambda w=w: form(add_rms_norm(parts, res, norm_w, 1e-6)[0], w) for w in ws * 7]
+            us = graph_ms(fns) * 1e3
+            row = dict(op="norm+fc1", form=name, M=m, us=us, equal=bool(torch.equal(form(x, ws[0]), want)),
+                       memsets=memsets_in(fns[:1]))
+            print(row, flush=True)
+            rows.append(row)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return rows
+
+
+def memsets_in(fns) -> int:
+    """Memsets (and memset-like fill kernels) one pass over ``fns`` launches, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "memset" in e.key.lower())
+
+
 def sampling_rows():
     rows = []
     V = 151936
@@ -232,7 +273,8 @@ def main():
     out = {}
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
-                     "splitk": splitk_rows, "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
+                     "splitk": splitk_rows, "fc1": fc1_forms,
+                     "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 
