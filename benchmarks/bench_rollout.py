@@ -147,7 +147,7 @@ def engine_rows(engine, module, info, args) -> list[dict]:
         row = {"provider": "megarl", "batch": b, "seconds": seconds, "ms_per_step": seconds / args.new_tokens * 1e3,
                "tokens_per_s": b * args.new_tokens / seconds, **engine.stats}
         if engine.device.type == "cuda":
-            row["replay_ms"] = replay_ms(engine) if engine.graphs is not None else None  # at the last step
+            row["replay_ms"] = replay_ms(engine, b) if engine.graphs is not None else None  # at the last step
             row["floor_ms"] = floor_ms(module, info, b, args.prompt_len, args.new_tokens)
             row["floor_fraction"] = row["floor_ms"] / row["ms_per_step"]
             # the same without the prefill steps (the target's ms_per_step keeps them): the decode loop alone
@@ -245,10 +245,10 @@ def hf_rows(path: str, info, args) -> list[dict]:
     return rows
 
 
-def replay_ms(engine) -> float:
-    """Device ms of one decode step: the CUDA graph of the last step replayed back to back on its
-    static inputs (CUDA events, median of 5 x 20 replays)."""
-    graph = engine.graphs.graphs[engine.graphs.last]
+def replay_ms(engine, batch: int) -> float:
+    """Device ms of one decode step: its bucket's CUDA graph replayed back to back on the static
+    inputs of the last step (CUDA events, median of 5 x 20 replays)."""
+    graph = engine.graphs.graphs[min(b for b in engine.graphs.graphs if b >= batch)]
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

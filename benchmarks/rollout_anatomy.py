@@ -31,9 +31,9 @@ def profile_decode(engine, info, args, steps: int) -> dict:
     row = {"provider": "megarl-profile", "batch": args.profile, "decode_steps": steps, "graphs": engine.graphs is not None}
     if engine.graphs is None or not torch.cuda.is_available():
         return row
-    bucket, one_segment = engine.graphs.last  # the last step's graph: its static inputs still hold that step
-    graph = engine.graphs.graphs[bucket, one_segment]
-    row |= {"replay_ms": replay_ms(engine), "one_segment_rows": one_segment}
+    bucket = min(b for b in engine.graphs.graphs if b >= args.profile)
+    graph = engine.graphs.graphs[bucket]  # its static inputs still hold the last step's batch
+    row["replay_ms"] = replay_ms(engine, args.profile)
     events = profiled_replays(graph)
     with open(args.out + ".profile.txt", "w") as f:
         f.write(events.table(sort_by="self_cuda_time_total", row_limit=40))

@@ -27,19 +27,13 @@ Launch shape (`decode_launch`), from shapes alone (never from seq_lens): the tar
 (per kv head) are B once B * Hkv programs fill the SMs (128-key tiles on 8 warps while at most
 WIDE_ROWS_PER_SM of them share an SM, else 64-key tiles on 4 warps); fewer rows: PROGRAMS_PER_SM
 * SMs / Hkv, at most MAX_SPLITS per row and a tile pair of the longest possible row
-(max_seqlen_k) per program, as a whole number of segments per row. S = B + target; or S = B
-(``one_segment_rows``) where the caller knows that every row is one segment — no row has more
-than c tiles (`one_segment_each`, on the host's lengths: rows of about one length) —, so no
-program of the grid is empty (at B = 128, 384 keys a row, the 128 empty programs cost ~2 us a
-call: benchmarks/RESULTS.md, session 19). A CUDA graph fixes S, so the decode graphs keep one
-per bucket and kind (`graphs.py`).
+(max_seqlen_k) per program, as a whole number of segments per row. S = B + target.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from megarl.kernels.dispatch import next_pow2, tl, triton
@@ -93,7 +87,7 @@ class DecodeLaunch:
     """The decode kernel's grid (Hkv, segments) and tile shape."""
 
     target: int  # programs per kv head the rows' tiles are spread over
-    segments: int  # S, the grid's second dimension (an upper bound on the segments): B + target, or B
+    segments: int  # S = B + target, the grid's second dimension (an upper bound on the segments)
     block_n: int  # keys per tile
     warps: int
     stages: int  # software-pipeline stages of the tile loop
@@ -122,11 +116,9 @@ def fit_keys(block_n: int, block_d: int, itemsize: int, stages: int) -> int:
     return block_n
 
 
-def decode_launch(batch: int, k_cache: torch.Tensor, max_seqlen_k: int, programs: int | None = None,
-                  one_segment_rows: bool = False) -> DecodeLaunch:
+def decode_launch(batch: int, k_cache: torch.Tensor, max_seqlen_k: int, programs: int | None = None) -> DecodeLaunch:
     """The launch shape for ``batch`` rows over ``k_cache`` (P, page, Hkv, D) whose rows never exceed
-    ``max_seqlen_k`` keys (module docstring); ``programs`` overrides the target (tests);
-    ``one_segment_rows``: the caller has checked `one_segment_each` (S = B)."""
+    ``max_seqlen_k`` keys (module docstring); ``programs`` overrides the target (tests)."""
     _, _, hkv, d = k_cache.shape
     block_d, itemsize, sms = max(16, next_pow2(d)), k_cache.element_size(), sm_count(k_cache.device)
     block_n, warps = fit_keys(BLOCK_N, block_d, itemsize, NUM_STAGES), NUM_WARPS
@@ -138,14 +130,7 @@ def decode_launch(batch: int, k_cache: torch.Tensor, max_seqlen_k: int, programs
         pairs = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), block_n), MIN_TILES_PER_SPLIT)
         want = batch * min(triton.cdiv(PROGRAMS_PER_SM * sms, batch * hkv), MAX_SPLITS, pairs)  # segments a row
     target = max(1, programs or want)
-    return DecodeLaunch(target, batch if one_segment_rows else batch + target, block_n, warps, NUM_STAGES)
-
-
-def one_segment_each(seq_lens, block_n: int, target: int) -> bool:
-    """Does the plan (`decode_plan_ref`) give every row exactly one segment, i.e. no row more tiles than
-    c? seq_lens: the launch's B lengths (a sequence of ints or a numpy array; padded rows 0), on the host."""
-    tiles = np.maximum(-(-np.asarray(seq_lens, dtype=np.int64) // block_n), 1)  # (B,)
-    return tiles.size > 0 and int(tiles.max()) <= max(1, -(-int(tiles.sum()) // target))
+    return DecodeLaunch(target, batch + target, block_n, warps, NUM_STAGES)
 
 
 def decode_plan_ref(seq_lens: torch.Tensor, block_n: int, target: int, segments: int):
@@ -203,12 +188,11 @@ def _plan_kernel(len_ptr, rows_ptr, segs_ptr, n_rows, n_segs, target, BLOCK_N: t
 
 
 def decode_plan(seq_lens: torch.Tensor, k_cache: torch.Tensor, max_seqlen_k: int,
-                programs: int | None = None, one_segment_rows: bool = False) -> DecodePlan:
+                programs: int | None = None) -> DecodePlan:
     """The plan of a decode call over ``seq_lens`` (B,) (B >= 1) rows of ``k_cache`` (one launch);
-    ``programs`` overrides the launch's target (tests); ``one_segment_rows``: a grid of B segments,
-    for lengths that `one_segment_each` accepts (others would lose the segments past B)."""
+    ``programs`` overrides the launch's target (tests)."""
     batch = seq_lens.shape[0]
-    launch = decode_launch(batch, k_cache, max_seqlen_k, programs, one_segment_rows)
+    launch = decode_launch(batch, k_cache, max_seqlen_k, programs)
     rows = torch.empty(batch, 4, dtype=torch.int32, device=seq_lens.device)
     segs = torch.empty(launch.segments, 3, dtype=torch.int32, device=seq_lens.device)
     _plan_kernel[(1,)](seq_lens, rows, segs, batch, launch.segments, launch.target, BLOCK_N=launch.block_n,

@@ -19,7 +19,7 @@ from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets 
 
 import pytest  # noqa: E402
 
-from megarl.kernels.decode_plan import decode_launch, decode_plan, decode_plan_ref, one_segment_each  # noqa: E402
+from megarl.kernels.decode_plan import decode_launch, decode_plan, decode_plan_ref  # noqa: E402
 from megarl.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -173,46 +173,6 @@ def test_decode_launch_from_shapes():
     assert decode_launch(4096, cache, 640).target == 4096 and decode_launch(4096, cache, 640).segments == 8192
     assert decode_launch(1, cache, 16).target == 1  # one tile: nothing to spread
     assert 1 < decode_launch(1, cache, 4096).target <= sms
-
-
-def test_one_segment_each_is_the_plans():
-    """The host's check (`one_segment_each`) says yes exactly when the plan's spec gives every row one
-    segment (B segments in all), over random lengths, tiles and targets: uniform rows, rows of 0 keys,
-    ragged ones; and the launch for such rows has B segments, not B + target."""
-    g = torch.Generator().manual_seed(0)
-    seen = set()
-    for _ in range(400):
-        b, block_n, target = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 12), (4, 7), (1, 20)))
-        block_n = 1 << block_n
-        if int(torch.randint(0, 2, (), generator=g)):
-            lens = [int(torch.randint(0, 4, (), generator=g)) * block_n] * b  # one length (0 keys too)
-        else:
-            lens = torch.randint(0, 6 * block_n, (b,), generator=g).tolist()
-        _, segments = decode_plan_ref(torch.tensor(lens), block_n, target, b + target)
-        want = int((segments[:, 0] >= 0).sum()) == b
-        assert one_segment_each(lens, block_n, target) == want, (lens, block_n, target)
-        seen.add(want)
-    assert seen == {True, False}
-    cache = torch.empty(1, 16, 2, 128, dtype=torch.bfloat16, device=DEVICE)
-    assert decode_launch(4096, cache, 640, one_segment_rows=True).segments == 4096
-
-
-@needs_triton
-@pytest.mark.parametrize("lens", [[131] * 6, [0, 40, 64, 64, 7, 64]])
-def test_decode_one_segment_grid(lens):
-    """Rows that `one_segment_each` accepts, under a grid of B segments (no empty programs) and of
-    B + target: the same plan for the rows, bit-identical outputs, both equal to the spec."""
-    kc, vc, table, sl = paged(lens, 16, 2, 64, torch.float32, seed=len(set(lens)))
-    q = queries((len(lens), 4, 64), torch.float32)
-    plans = [decode_plan(sl, kc, 256, one_segment_rows=one) for one in (False, True)]
-    assert one_segment_each(lens, plans[0].launch.block_n, plans[0].launch.target)
-    assert [p.launch.segments for p in plans] == [len(lens) + plans[0].launch.target, len(lens)]
-    assert torch.equal(plans[0].rows, plans[1].rows)
-    assert torch.equal(plans[0].segments[: len(lens)], plans[1].segments)
-    with poisoned_empty():
-        got = [paged_decode_attention_triton(q, kc, vc, table, sl, 0.125, plan=p) for p in plans]
-    assert torch.equal(got[0], got[1])
-    check(got[1], paged_decode_attention_ref(q, kc, vc, table, sl, 0.125), torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -286,27 +286,3 @@ def test_split_k_decode_keeps_greedy_tokens_and_training_logprobs(ckpt_and_hf):
     assert r["diff"] < 1e-5
     assert r["calls"] and all(parts > 1 and rows <= 5 for rows, parts in r["calls"])  # decode rows only
     assert len(r["calls"]) % (3 * r["layers"]) == 0  # per decode step: every qkv, proj and fc2
-
-
-def test_decode_graphs_one_segment_rows_per_bucket():
-    """The decode graphs pick their one-segment graph (`decode_plan.one_segment_each`) over the bucket's
-    rows, the padded ones (0 keys, one tile each) included: 128 rows of one length in the 128 bucket
-    yes; 100 such rows padded to it no (c shrinks, so each row is cut); one long row among short ones no;
-    a lone row of several tiles no (its tiles spread over programs)."""
-    import types
-
-    import numpy as np
-
-    from megarl.rollout.graphs import DecodeGraphs
-
-    keys = torch.empty(1, 16, 2, 128, dtype=torch.bfloat16)  # (pages, page, Hkv, D)
-    engine = types.SimpleNamespace(device=torch.device("cpu"), max_len=640,
-                                   options=types.SimpleNamespace(page_size=16),
-                                   stage=types.SimpleNamespace(hidden=8, dtype=torch.float32),
-                                   cache=types.SimpleNamespace(keys=lambda layer: keys))
-    graphs = DecodeGraphs(engine, 128, capture=False)
-    assert graphs._one_segment_rows(np.full(128, 384), 128)
-    assert not graphs._one_segment_rows(np.full(100, 384), 128)
-    assert not graphs._one_segment_rows(np.array([16] * 127 + [600]), 128)
-    assert not graphs._one_segment_rows(np.full(1, 384), 1)  # one row: spread over several programs
-    assert graphs._one_segment_rows(np.full(1, 10), 1)  # ... unless it is one tile

@@ -1,10 +1,7 @@
 """CUDA graphs of the decode step (all layers, logits, sampling) at bucketed batch sizes.
 
 A bucket's graph is captured the first time a decode step of that size (or
-the next smaller batch) runs — two per bucket at most: one for steps whose rows
-are each one segment of the decode attention's plan (rows of about one length,
-checked on the host: `decode_plan.one_segment_each`), whose attention launches
-no empty programs, and one for any other step —, and replayed from then on — across PPO steps:
+the next smaller batch) runs, and replayed from then on — across PPO steps:
 the graph reads the actor's parameters through their addresses, and the
 optimizer updates those tensors in place (megatron's DDP buffers and the
 distributed optimizer never re-allocate them), so new weights need no new
@@ -35,7 +32,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megarl.kernels.decode_plan import DecodeLaunch, decode_launch, one_segment_each
 from megarl.kernels.feed_tokens import feed_tokens
 from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.pages import pages_for
@@ -144,9 +140,7 @@ class DecodeGraphs:
         self.buckets = buckets_up_to(max_batch)
         self.max_len = engine.max_len  # longest sequence the static block table holds
         self.max_pages = pages_for(engine.max_len, engine.options.page_size)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, every row one attention segment)
-        self.launches: dict[int, DecodeLaunch] = {}  # the decode attention's launch shape per bucket
-        self.last: tuple[int, bool] | None = None  # the graph replayed last (its static inputs hold that step)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         b, dev = max_batch, engine.device
         pin = dev.type == "cuda"  # host buffers the copies read (or write) while the host goes on
         self.staging = [(host_buffer((len(_ROW_FIELDS), b), torch.long, pin),
@@ -175,14 +169,13 @@ class DecodeGraphs:
     def _field(self, name: str, b: int) -> torch.Tensor:
         return self.inputs[_ROW_FIELDS.index(name), :b]
 
-    def _body(self, b: int, one_segment: bool) -> None:
-        """The decode step of this stage on the first ``b`` rows of the static buffers (``one_segment``:
-        rows that `one_segment_each` accepts, whose decode attention needs no empty programs)."""
+    def _body(self, b: int) -> None:
+        """The decode step of this stage on the first ``b`` rows of the static buffers."""
         f = lambda name: self._field(name, b)  # noqa: E731
         src = f("src_rows")  # tokens still on the device: rows of the step that sampled them
         ids = feed_tokens(src, self.outputs, f("input_ids"))
         batch = ForwardBatch(ids, f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
-                             self.cu[: b + 1], 1, True, self.engine.max_len, one_segment_rows=one_segment)
+                             self.cu[: b + 1], 1, True, self.engine.max_len)
         engine = self.engine
         x = None if engine.groups.is_first_stage else self.hidden_in[:b]
         out = engine.compute(batch, x, None)  # every row samples
@@ -193,21 +186,21 @@ class DecodeGraphs:
         self.sampled[0, :b].copy_(tokens)
         self.sampled[1, :b].copy_(logprobs)
 
-    def _capture(self, key: tuple[int, bool]) -> torch.cuda.CUDAGraph:
-        self.inputs.zero_()  # warm-up writes land in the scratch page (rows of 0 keys: one segment each)
+    def _capture(self, b: int) -> torch.cuda.CUDAGraph:
+        self.inputs.zero_()  # warm-up writes land in the scratch page
         self.table.zero_()
         self.hidden_in.zero_()
-        return self.shared.capture(lambda: self._body(*key))
+        return self.shared.capture(lambda: self._body(b))
 
     def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and log-probs (n,) of a decode step, through the bucket's graph (any PP)."""
         engine, n = self.engine, len(plan.seqs)
         if engine.groups.pp_size == 1:
             return self.launch(plan, rows).result()
-        key = self._prepare(plan, rows)
+        b = self._prepare(plan, rows)
         if engine.receive_hidden(n, into=self.hidden_in[:n]) is not None:
-            self.hidden_in[n:key[0]].zero_()
-        self._replay(key)
+            self.hidden_in[n:b].zero_()
+        self._replay(b)
         engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n])
         return engine.share(self.sampled[:, :n] if engine.groups.is_last_stage else None, n)
 
@@ -217,30 +210,19 @@ class DecodeGraphs:
         self._replay(self._prepare(plan, rows))
         return Launched.copy_out(self.sampled, self.staging[self.turn][2], n)
 
-    def _prepare(self, plan, rows) -> tuple[int, bool]:
-        """Captures the step's graph if new, loads the inputs; returns its key (bucket, one segment a row)."""
+    def _prepare(self, plan, rows) -> int:
+        """Captures the bucket's graph if new, loads the inputs; returns the bucket size."""
         b = next(x for x in self.buckets if x >= len(plan.seqs))
-        key = (b, self._one_segment_rows(plan.seq_lens, b))
-        if self.capture and key not in self.graphs:
-            self.graphs[key] = self._capture(key)
+        if self.capture and b not in self.graphs:
+            self.graphs[b] = self._capture(b)
         self._load(plan, rows, b)
-        return key
+        return b
 
-    def _one_segment_rows(self, seq_lens: np.ndarray, b: int) -> bool:
-        """Is each of the bucket's rows (those past the step's: 0 keys) one decode-attention segment?"""
-        if b not in self.launches:
-            self.launches[b] = decode_launch(b, self.engine.cache.keys(0), self.max_len)
-        launch = self.launches[b]
-        lens = np.zeros(b, dtype=np.int64)
-        lens[: len(seq_lens)] = seq_lens
-        return one_segment_each(lens, launch.block_n, launch.target)
-
-    def _replay(self, key: tuple[int, bool]) -> None:
-        self.last = key
+    def _replay(self, b: int) -> None:
         if self.capture:
-            self.graphs[key].replay()
+            self.graphs[b].replay()
         else:
-            self._body(*key)
+            self._body(b)
 
     def _load(self, plan, rows, b: int) -> None:
         """The step's inputs into the static buffers (padded rows zero): two host fills, two copies."""

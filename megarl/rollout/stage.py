@@ -65,9 +65,6 @@ class ForwardBatch:
     decode_rows: int = 0
     prefill_from: int = 0
     cu_prefill: Optional[torch.Tensor] = None  # (N + 1,) int32
-    # A decode step whose rows the host found to be one attention segment each (`one_segment_each`): the
-    # decode kernel's grid drops its empty programs (a graph of its own, `graphs.py`).
-    one_segment_rows: bool = False
 
 
 def prefill_cu(cu_seqlens_q, decoding: int):
@@ -262,7 +259,7 @@ class StageForward:
         lens = batch.seq_lens if batch.decode else mixed[0][1] if mixed is not None else None
         if lens is None or lens.shape[0] == 0 or choose("auto", lens, k_cache) != "triton":
             return None
-        return decode_plan(lens, k_cache, batch.max_seqlen_k, one_segment_rows=batch.decode and batch.one_segment_rows)
+        return decode_plan(lens, k_cache, batch.max_seqlen_k)
 
     @staticmethod
     def _mixed_rows(batch: ForwardBatch):
