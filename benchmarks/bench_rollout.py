@@ -48,7 +48,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -56,6 +55,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import HBM_BYTES_PER_S  # noqa: E402
+from rollout_anatomy import busy_row, prefill_rows, profile_decode, prompts_of, replay_ms, timed  # noqa: E402
 
 
 def checkpoint(shape: str, work: str, prompt_len: int) -> str:
@@ -104,24 +104,6 @@ def make_engine(module, info, groups, args, max_len: int, max_batch: int):
     options = EngineOptions(max_batch=max_batch, cuda_graphs=not args.eager, max_model_len=max_len,
                             page_size=args.page_size)
     return NativeEngine(module, groups, info.vocab_size, [], 0, options)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
-
-
-def prompts_of(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
 
 
 def floor_ms(module, info, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -245,59 +227,6 @@ def hf_rows(path: str, info, args) -> list[dict]:
     return rows
 
 
-def replay_ms(engine, batch: int) -> float:
-    """Device ms of one decode step: its bucket's CUDA graph replayed back to back on the static
-    inputs of the last step (CUDA events, median of 5 x 20 replays)."""
-    graph = engine.graphs.graphs[min(b for b in engine.graphs.graphs if b >= batch)]
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 20)
-    return sorted(times)[2]
-
-
-def prefill_rows(engine, module, info, args) -> list[dict]:
-    """Prefill-only generate calls (one new token): is a prefill host- or device-bound?"""
-    from torch.profiler import ProfilerActivity, profile
-
-    from megarl.rollout.engine import SamplingParams, sample_requests
-
-    dense = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embedding."))
-    rows = []
-    for case in args.prefill:
-        n, length = (int(x) for x in case.split("x"))
-        requests = sample_requests(prompts_of(n, length, info.vocab_size, seed=7), 1, 0, 1)
-        run = lambda: engine.generate(requests, SamplingParams(temperature=1.0))  # noqa: E731
-        run()
-        wall = sorted(timed(run) for _ in range(5))[2]
-        device_ms = None
-        if engine.device.type == "cuda":
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                run()
-                sync()
-            events = prof.key_averages()
-            device_ms = sum(e.self_device_time_total for e in events) / 1e3
-            print(f"prefill {case}: top kernels, ms per call", flush=True)
-            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
-                print(f"  {e.self_device_time_total / 1e3:8.2f} x{e.count:<5} {e.key[:90]}", flush=True)
-            from rollout_anatomy import host_gaps
-
-            gaps = host_gaps(run, args.work)
-            print(f"prefill {case}: GPU idle gaps >= 100 us ({sum(g['gap_us'] for g in gaps) / 1e3:.2f} ms), "
-                  "the host work beside each (us)", flush=True)
-            for g in gaps:
-                print(f"  at {g['at_us'] / 1e3:7.2f} ms: {g['gap_us']:7.0f}  {g['host']}", flush=True)
-        rows.append({"provider": "megarl-prefill", "batch": n, "prompt_len": length, "wall_ms": wall * 1e3,
-                     "device_ms": device_ms, "tflops_wall": 2 * dense * n * length / wall / 1e12})
-        print(rows[-1], flush=True)
-    return rows
-
-
 def table(rows: list[dict]) -> str:
     def cell(r, key, fmt, width):
         return f"{r[key]:{width}{fmt}}" if r.get(key) is not None else " " * width
@@ -362,8 +291,6 @@ def main() -> None:
     module, info, groups = build_model(path, args)
     engine = make_engine(module, info, groups, args, args.prompt_len + args.new_tokens, max(args.batches))
     rows = engine_rows(engine, module, info, args)
-    from rollout_anatomy import busy_row, profile_decode
-
     if args.profile:
         args.profile = min(args.profile, engine.options.max_batch)
         rows += [profile_decode(engine, info, args, steps) for steps in args.profile_decode]

@@ -1,9 +1,11 @@
-"""The decode loop taken apart, for `bench_rollout.py` (``--profile``, ``--busy``): one step's CUDA graph
-replayed at a fixed state, and a whole generate under torch.profiler.
+"""The decode loop taken apart, for `bench_rollout.py` (``--profile``, ``--busy``, ``--prefill``): one step's
+CUDA graph replayed at a fixed state, a whole generate under torch.profiler, prefills alone; and the timing
+helpers the benchmark shares with them (``sync``, ``timed``, ``prompts_of``, ``replay_ms``).
 
 ``profile_decode``: the last step of a generate that decodes N tokens, replayed back to back (device time
 alone) and under torch.profiler (kernels per step, the decode attention's mean, the rows it holds).
-``host_gaps``: a call's GPU idle gaps and the host work beside them. ``busy_row``: how much of a generate's
+``prefill_rows``: prefill-only calls, their top kernels and (``host_gaps``) the GPU's idle gaps with the
+host work beside them. ``busy_row``: how much of a generate's
 span the GPU was busy, its idle gaps by size, and per decode step (``decode_steps_of``) spans and each
 kernel's mean time.
 """
@@ -12,9 +14,78 @@ from __future__ import annotations
 import json
 import os
 
+import time
+
 import torch
 
-from bench_rollout import prompts_of, replay_ms, sync, timed
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def prompts_of(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+def replay_ms(engine, batch: int) -> float:
+    """Device ms of one decode step: its bucket's CUDA graph replayed back to back on the static
+    inputs of the last step (CUDA events, median of 5 x 20 replays)."""
+    graph = engine.graphs.graphs[min(b for b in engine.graphs.graphs if b >= batch)]
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 20)
+    return sorted(times)[2]
+
+
+def prefill_rows(engine, module, info, args) -> list[dict]:
+    """Prefill-only generate calls (one new token): is a prefill host- or device-bound?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.rollout.engine import SamplingParams, sample_requests
+
+    dense = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embedding."))
+    rows = []
+    for case in args.prefill:
+        n, length = (int(x) for x in case.split("x"))
+        requests = sample_requests(prompts_of(n, length, info.vocab_size, seed=7), 1, 0, 1)
+        run = lambda: engine.generate(requests, SamplingParams(temperature=1.0))  # noqa: E731
+        run()
+        wall = sorted(timed(run) for _ in range(5))[2]
+        device_ms = None
+        if engine.device.type == "cuda":
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                sync()
+            events = prof.key_averages()
+            device_ms = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"prefill {case}: top kernels, ms per call", flush=True)
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+                print(f"  {e.self_device_time_total / 1e3:8.2f} x{e.count:<5} {e.key[:90]}", flush=True)
+            gaps = host_gaps(run, args.work)
+            print(f"prefill {case}: GPU idle gaps >= 100 us ({sum(g['gap_us'] for g in gaps) / 1e3:.2f} ms), "
+                  "the host work beside each (us)", flush=True)
+            for g in gaps:
+                print(f"  at {g['at_us'] / 1e3:7.2f} ms: {g['gap_us']:7.0f}  {g['host']}", flush=True)
+        rows.append({"provider": "megarl-prefill", "batch": n, "prompt_len": length, "wall_ms": wall * 1e3,
+                     "device_ms": device_ms, "tflops_wall": 2 * dense * n * length / wall / 1e12})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def profile_decode(engine, info, args, steps: int) -> dict:
