@@ -276,7 +276,10 @@ def parse() -> argparse.Namespace:
     args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x and int(x) > 0]
     args.admit_fractions = [float(x) for x in args.admit_fractions.split(",") if x]
     args.prefill = [x for x in args.prefill.split(",") if x]
-    args.profile_decode = [int(x) for x in args.profile_decode.split(",") if x]
+    try:
+        args.profile_decode = [int(x) for x in args.profile_decode.split(",") if x]
+    except ValueError:
+        ap.error(f"--profile-decode: {args.profile_decode!r} is not a comma list of decode steps (e.g. 17,256)")
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
     args.profile_decode = args.profile_decode or [max(args.new_tokens // 2, 1)]
