@@ -143,20 +143,20 @@ def fc1_forms():
     h, n = 1536, 17920
     ws = [torch.randn(n, h, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
     norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
-    forms = {"linear": lambda x, w: F.linear(x, w), "bmm": lambda x, w: torch.bmm(x[None], w.t()[None])[0],
-             "halves": lambda x, w: torch.cat([F.linear(x, w[: n // 2]), F.linear(x, w[n // 2:])], 1),
-             "linear-lt": lambda x, w: F.linear(x, w)}
+    forms = {("linear", "cublas"): F.linear, ("linear", "cublaslt"): F.linear,  # (form, BLAS library)
+             ("bmm", "cublas"): lambda x, w: torch.bmm(x[None], w.t()[None])[0],
+             ("halves", "cublas"): lambda x, w: torch.cat([F.linear(x, w[: n // 2]), F.linear(x, w[n // 2:])], 1)}
     rows = []
     for m in (128, 256, 512):
         parts = torch.randn(3, m, h, device=DEV)
         res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
         x = add_rms_norm(parts, res, norm_w, 1e-6)[0]
         want = F.linear(x, ws[0])
-        for name, form in forms.items():
-            torch.backends.cuda.preferred_blas_library("cublaslt" if name.endswith("-lt") else "cublas")
+        for (name, lib), form in forms.items():
+            torch.backends.cuda.preferred_blas_library(lib)
             fns = [lambda w=w: form(add_rms_norm(parts, res, norm_w, 1e-6)[0], w) for w in ws * 7]
             us = graph_ms(fns) * 1e3
-            row = dict(op="norm+fc1", form=name, M=m, us=us, equal=bool(torch.equal(form(x, ws[0]), want)),
+            row = dict(op="norm+fc1", form=name, blas=lib, M=m, us=us, equal=bool(torch.equal(form(x, ws[0]), want)),
                        memsets=memsets_in(fns[:1]))
             print(row, flush=True)
             rows.append(row)

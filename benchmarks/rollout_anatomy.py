@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-
 import time
 
 import torch
@@ -149,28 +148,16 @@ def busy_row(engine, info, args) -> dict:
     """One generate at B = --busy (the timed runs' lengths) under torch.profiler: the GPU's busy time
     (the union of kernel, copy and memset intervals) against the span from its first to its last,
     and the idle gaps between them by size, in us."""
-    from torch.profiler import ProfilerActivity, profile
-
     from megarl.rollout.engine import SamplingParams, sample_requests
 
     prompts = prompts_of(args.busy, args.prompt_len, info.vocab_size, seed=6)
     params, requests = SamplingParams(temperature=1.0), sample_requests(prompts, 1, 1, args.new_tokens)
     engine.generate(requests, params)  # warm-up: compile, capture
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        seconds = timed(lambda: engine.generate(requests, params))
-    trace = os.path.join(args.work, "busy_trace.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    busy, gaps, end = 0.0, [], None
-    for start, stop in spans:
-        if end is not None and start > end:
-            gaps.append(start - end)
-        busy += max(0.0, stop - max(start, end if end is not None else start))
-        end = stop if end is None else max(end, stop)
+    seconds, events = traced(lambda: timed(lambda: engine.generate(requests, params)), args.work)
+    spans = device_spans(events)
+    gaps = [start - end for end, start, _, _ in idle_gaps(spans)]
     span = spans[-1][1] - spans[0][0] if spans else 0.0
+    busy = span - sum(gaps)
     sizes = {"<2": (0, 2), "2-10": (2, 10), "10-200": (10, 200), ">=200": (200, float("inf"))}
     return {"provider": "megarl-busy", "batch": args.busy, "seconds": seconds, "span_us": span, "busy_us": busy,
             "busy_fraction": busy / span if span else None,
@@ -185,7 +172,8 @@ def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int =
     5th / 25th / 50th / 75th / 95th percentiles and by eighth of the loop, in us, and the kernels'
     mean device time per step by name (the loop's view, to set beside ``--profile``'s replays), and the
     idle gaps of 2 us or more per step by the pair of kernels around them."""
-    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
+    spans = device_spans(events)
+    kernels = [(start, stop - start, name) for start, stop, name in device_spans(events, ("kernel",))]
     starts = [ts for ts, _, name in kernels if name.startswith(marker)]
     if len(starts) < 3:
         return {}
@@ -195,12 +183,10 @@ def decode_steps_of(events: list[dict], marker: str = "_plan_kernel", top: int =
     for dur, name in inside:
         per_name[name[:60]] = per_name.get(name[:60], 0.0) + dur / len(steps)
     pairs: dict[str, float] = {}  # idle of 2 us or more after a kernel, copy or memset, by (it -> the next)
-    device = sorted((e["ts"], e["dur"], e["name"]) for e in events
-                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    for (ts, dur, name), (nts, _, nxt) in zip(device, device[1:]):
-        if starts[0] <= ts < starts[-1] and nts - (ts + dur) >= 2:
-            key = f"{name[:32]} -> {nxt[:32]}"
-            pairs[key] = pairs.get(key, 0.0) + (nts - ts - dur) / len(steps)
+    for end, start, before, after in idle_gaps(spans, 2.0):
+        if starts[0] <= end < starts[-1]:
+            key = f"{before[:32]} -> {after[:32]}"
+            pairs[key] = pairs.get(key, 0.0) + (start - end) / len(steps)
     ordered = sorted(steps)
     eighths = [steps[j * len(steps) // 8:(j + 1) * len(steps) // 8] for j in range(8)]
     return {"decode_steps": len(steps),
@@ -216,22 +202,10 @@ def host_gaps(run, work: str, min_us: float = 100.0, top: int = 6) -> list[dict]
     """``run()`` under torch.profiler (CPU and CUDA): every GPU idle gap of at least ``min_us`` inside
     its span, with the host work that overlaps it (CPU ops and CUDA runtime calls, by overlap us):
     what keeps a prefill's GPU waiting?"""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-        sync()
-    trace = os.path.join(work, "host_gaps_trace.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    device = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")]
-    gaps, end = [], None
-    for start, stop in device:
-        if end is not None and start - end >= min_us:
-            gaps.append((end, start))
-        end = stop if end is None else max(end, stop)
+    _, events = traced(run, work, cpu=True)
+    spans = device_spans(events)
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
+    gaps = [(end, start) for end, start, _, _ in idle_gaps(spans, min_us)]
     rows = []
     for lo, hi in gaps:
         overlap: dict[str, float] = {}
@@ -240,6 +214,37 @@ def host_gaps(run, work: str, min_us: float = 100.0, top: int = 6) -> list[dict]
             if o > 0:
                 overlap[e["name"]] = overlap.get(e["name"], 0.0) + o
         best = sorted(overlap.items(), key=lambda kv: -kv[1])[:top]
-        rows.append({"at_us": lo - device[0][0], "gap_us": hi - lo, "host": [(n[:60], round(o)) for n, o in best]})
+        rows.append({"at_us": lo - spans[0][0], "gap_us": hi - lo, "host": [(n[:60], round(o)) for n, o in best]})
     return rows
+
+
+def traced(fn, work: str, cpu: bool = False):
+    """``fn()`` under torch.profiler (CUDA, and the host with ``cpu``): its result and the chrome
+    trace's events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
+        out = fn()
+        sync()
+    trace = os.path.join(work, "anatomy_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        return out, json.load(f)["traceEvents"]
+
+
+def device_spans(events: list[dict], cats=("kernel", "gpu_memcpy", "gpu_memset")) -> list[tuple[float, float, str]]:
+    """(start, stop, name) of every kernel, copy and memset (``cats``) in a trace, in start order, us."""
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") in cats)
+
+
+def idle_gaps(spans, min_us: float = 0.0) -> list[tuple[float, float, str, str]]:
+    """(end, next start, the event before, the event after) of each time the device was idle for more
+    than 0 and at least ``min_us`` us between ``device_spans``."""
+    gaps, end, last = [], None, ""
+    for start, stop, name in spans:
+        if end is not None and start > end and start - end >= min_us:
+            gaps.append((end, start, last, name))
+        if end is None or stop >= end:
+            end, last = stop, name
+    return gaps
 
