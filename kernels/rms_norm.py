@@ -50,12 +50,8 @@ def add_rms_norm_torch(x, residual, weight, eps: float):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, stride_part, stride_r, stride_y,
-                         stride_s, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         stride_s, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    if PDL:  # a dependent launch: the inputs are the previous kernel's output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     ok = cols < h
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -75,7 +71,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, st
     tl.store(y_ptr + row * stride_y + cols, (sf * rstd * w).to(x.dtype), mask=ok)
 
 
-def add_rms_norm_triton(x, residual, weight, eps: float, pdl: bool = False):
+def add_rms_norm_triton(x, residual, weight, eps: float):
     parts = x.shape[0] if x.dim() == 3 else 0
     t, h = x.shape[-2:]
     like = x if residual is None else residual
@@ -86,8 +82,7 @@ def add_rms_norm_triton(x, residual, weight, eps: float, pdl: bool = False):
         block = next_pow2(h)
         _add_rms_norm_kernel[(t,)](x, r, weight, y, s, h, eps, x.stride(-2), x.stride(0) if parts else 0,
                                    r.stride(0), y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
-                                   PARTS=parts, BLOCK=block, PDL=pdl, num_warps=max(1, min(16, block // 256)),
-                                   launch_pdl=pdl)
+                                   PARTS=parts, BLOCK=block, num_warps=max(1, min(16, block // 256)))
     return y, s
 
 
