@@ -20,6 +20,8 @@
   max |diff| of layer 0 against the torch backend.
 - fc1: fc1 after its add + RMSNorm at M in {128, 256, 512} as `F.linear` under cuBLAS and cuBLASLt, a
   one-batch `bmm` and two halves: µs, bits equal to `F.linear`'s, memsets launched.
+- fc1-fused: fc1 + SwiGLU after the norm at M in {32, 64, 96, 128}: cuBLAS + `silu_mul` against
+  `fc1_silu_mul`'s one kernel; µs and the share of equal output elements.
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -164,6 +166,32 @@ def fc1_forms():
     return rows
 
 
+def fc1_fused_rows():
+    """fc1 + SwiGLU after its add + RMSNorm: cuBLAS `F.linear` then `silu_mul` against
+    `fc1_silu_mul`'s one kernel, µs per norm + fc1 + SwiGLU (4 weight copies rotating) and the
+    share of output elements equal between the two."""
+    from megarl.kernels.fc1_swiglu import fc1_silu_mul_triton
+    from megarl.kernels.swiglu import silu_mul
+
+    h, n = 1536, 17920
+    ws = [torch.randn(n, h, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+    norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
+    forms = {"cublas+silu_mul": lambda x, w: silu_mul(F.linear(x, w)), "fc1_silu_mul": fc1_silu_mul_triton}
+    rows = []
+    for m in (32, 64, 96, 128):  # the kernel past its row limit too (`MAX_ROWS`)
+        parts = torch.randn(3, m, h, device=DEV)
+        res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+        x = add_rms_norm(parts, res, norm_w, 1e-6)[0]
+        want = forms["cublas+silu_mul"](x, ws[0])
+        for name, form in forms.items():
+            fns = [lambda w=w: form(add_rms_norm(parts, res, norm_w, 1e-6)[0], w) for w in ws * 7]
+            row = dict(op="norm+fc1+swiglu", form=name, M=m, us=graph_ms(fns) * 1e3,
+                       equal=(form(x, ws[0]) == want).float().mean().item())
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 def memsets_in(fns) -> int:
     """Memsets (and memset-like fill kernels) one pass over ``fns`` launches, by torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -273,7 +301,7 @@ def main():
     out = {}
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
-                     "splitk": splitk_rows, "fc1": fc1_forms,
+                     "splitk": splitk_rows, "fc1": fc1_forms, "fc1-fused": fc1_fused_rows,
                      "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -38,6 +38,7 @@ if __name__ == "kernels":
 
 from megarl.kernels.bucket import BucketLayout, bucket_layout, pack, pack_ref, unpack, unpack_into, unpack_into_ref
 from megarl.kernels.dispatch import BACKENDS, HAS_TRITON, choose, interpret_mode, triton_usable
+from megarl.kernels.fc1_swiglu import fc1_silu_mul, fc1_silu_mul_ref
 from megarl.kernels.feed_tokens import feed_tokens, feed_tokens_ref
 from megarl.kernels.gae import gae, gae_ref, gae_torch
 from megarl.kernels.group_advantage import group_advantage, group_advantage_ref, group_advantage_torch
@@ -81,6 +82,7 @@ __all__ = [
     "logprob_entropy", "logprob_entropy_ref", "linear_logprob", "linear_logprob_ref",
     "paged_decode_attention", "paged_decode_attention_ref", "paged_prefill_attention", "paged_prefill_attention_ref",
     "add_rms_norm", "add_rms_norm_ref", "rope_cache", "rope_cache_ref", "silu_mul", "silu_mul_ref",
+    "fc1_silu_mul", "fc1_silu_mul_ref",
     "sample_tokens", "sample_tokens_ref", "uniform_noise", "feed_tokens", "feed_tokens_ref",
     "qkv_split", "qkv_merge", "qkv_split_ref", "qkv_merge_ref",
     "fc1_split", "fc1_merge", "fc1_split_ref", "fc1_merge_ref",

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from megarl.kernels.decode_plan import decode_plan
 from megarl.kernels.dispatch import choose
+from megarl.kernels.fc1_swiglu import fc1_silu_mul
 from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode
 from megarl.kernels.rms_norm import add_rms_norm
 from megarl.kernels.rope_cache import rope_cache
@@ -205,7 +206,7 @@ class StageForward:
             attn = self._attention(h, lw, batch, cache.keys(i), cache.values(i), mixed, plan)
             h, residual = add_rms_norm(attn, residual, lw.mlp_norm, self.eps)
             norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
-            mlp = self._mlp(h, lw, split=batch.decode and norm is not None)  # split-K partials: summed by the norm
+            mlp = self._mlp(h, lw, batch.decode, split=batch.decode and norm is not None)  # split: summed by the norm
             if norm is None:  # an inner pipeline stage's last layer: the residual stream goes on
                 return residual + mlp
             h, residual = add_rms_norm(mlp, residual, norm, self.eps)
@@ -273,8 +274,14 @@ class StageForward:
         decode = batch.block_table[:dc], batch.seq_lens[:dc], rows < batch.cu_prefill[0]
         return decode, (batch.block_table[start:], batch.cu_prefill[start:], batch.seq_lens[start:])
 
-    def _mlp(self, h, lw: LayerWeights, split: bool):
-        return self._row_parallel(silu_mul(self._linear(h, lw, "fc1", lw.fc1)), lw, "fc2", lw.fc2, split)
+    def _mlp(self, h, lw: LayerWeights, decode: bool, split: bool):
+        """fc2(SwiGLU(fc1(h))); a decode step's fc1 and SwiGLU as one kernel (`fc1_silu_mul`: on CUDA,
+        up to its row limit) unless fc1 has an adapter."""
+        if decode and "fc1" not in lw.lora:
+            act = fc1_silu_mul(h, lw.fc1)
+        else:
+            act = silu_mul(self._linear(h, lw, "fc1", lw.fc1))
+        return self._row_parallel(act, lw, "fc2", lw.fc2, split)
 
     def _parts(self, x, lw: LayerWeights, name: str, split: bool) -> int:
         """Split-K slices for linear ``name`` on input x (1: the plain linear): only where asked,
