@@ -24,7 +24,7 @@ from megarl.kernels.dispatch import choose, next_pow2, tl, triton
 from megarl.kernels.paged_decode import f32_dot
 from megarl.kernels.swiglu import silu_mul
 
-# Tiles from a sweep on the H200 (2026-12-04, the 1.5B shape, RESULTS.md session 23: 72 tiles at
+# Tiles from a sweep on the H200 (2026-12-04, the 1.5B shape, RESULTS.md session 23: 44 tiles at
 # M = 128, the fastest 4 again at M = 32 and 256): 128 weight rows of gate and of up a program
 # (70 programs at F = 8,960), 64-wide K steps, a 4-stage ring, 8 warps. Best at M = 32 and at 128.
 BLOCK_N = 128
