@@ -22,6 +22,8 @@
   one-batch `bmm` and two halves: µs, bits equal to `F.linear`'s, memsets launched.
 - fc1-fused: fc1 + SwiGLU after the norm at M in {32, 64, 96, 128}: cuBLAS + `silu_mul` against
   `fc1_silu_mul`'s one kernel; µs and the share of equal output elements.
+- norm: the add + RMSNorm after the split-K output projection and fc2 at M in {32, 128, 512}, the
+  norm kernel's warps 1..16; µs per linear + norm and per norm alone.
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -192,6 +194,35 @@ def fc1_fused_rows():
     return rows
 
 
+def norm_rows():
+    """The add + RMSNorm after a split-K row-parallel linear, as the step runs the pair (proj: S = 3
+    partials; fc2: S = 4 at 128 rows, `split_parts`), at M in {32, 128, 512} and the norm kernel's
+    warps 1..16 (default: `norm_warps`); µs per linear + norm, weights rotating past the L2, and
+    per norm alone (28 in a graph on the same partials)."""
+    from megarl.kernels.rms_norm import add_rms_norm_triton
+    from megarl.rollout.split_linear import split_parts
+
+    h = 1536
+    norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
+    rows = []
+    for m in (32, 128, 512):
+        res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+        for name, k in (("proj", 1536), ("fc2", 8960)):
+            s = split_parts(name, m, k)
+            ws = [torch.randn(h, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(max(4, 200 * 2 ** 20 // (h * k * 2)))]
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            lin = (lambda w: split_k_linear(x, w, s)) if s > 1 else (lambda w: F.linear(x, w))
+            parts = lin(ws[0])
+            for warps in (None, 1, 2, 4, 8, 16):
+                pair = [lambda w=w: add_rms_norm_triton(lin(w), res, norm_w, 1e-6, num_warps=warps) for w in ws]
+                alone = [lambda: add_rms_norm_triton(parts, res, norm_w, 1e-6, num_warps=warps)] * 28
+                row = dict(op=f"{name}+norm", M=m, splits=s, warps=warps or "default", pair_us=graph_ms(pair) * 1e3,
+                           norm_us=graph_ms(alone) * 1e3)
+                print(row, flush=True)
+                rows.append(row)
+    return rows
+
+
 def memsets_in(fns) -> int:
     """Memsets (and memset-like fill kernels) one pass over ``fns`` launches, by torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -301,7 +332,7 @@ def main():
     out = {}
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
-                     "splitk": splitk_rows, "fc1": fc1_forms, "fc1-fused": fc1_fused_rows,
+                     "splitk": splitk_rows, "fc1": fc1_forms, "fc1-fused": fc1_fused_rows, "norm": norm_rows,
                      "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -71,7 +71,18 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, st
     tl.store(y_ptr + row * stride_y + cols, (sf * rstd * w).to(x.dtype), mask=ok)
 
 
-def add_rms_norm_triton(x, residual, weight, eps: float):
+# Warps per row program: one per 256 columns (8 at h = 1,536), one per 128 (16) for batches of up to
+# FEW_ROWS rows. H200, 2026-12-04, `bench_decode_options.py --parts norm`, µs per split-K linear + this
+# norm at h = 1,536, default -> 16 warps: M = 32 proj 6.50 -> 6.30, fc2 12.71 -> 12.65; M = 128 proj
+# 7.06 -> 6.92, fc2 13.57 -> 13.07. At M = 512 8 warps stay best (16: +0.1 / +0.3).
+FEW_ROWS = 128
+
+
+def norm_warps(rows: int, block: int, num_warps: int | None = None) -> int:
+    return num_warps or max(1, min(16, block // (128 if rows <= FEW_ROWS else 256)))
+
+
+def add_rms_norm_triton(x, residual, weight, eps: float, num_warps: int | None = None):
     parts = x.shape[0] if x.dim() == 3 else 0
     t, h = x.shape[-2:]
     like = x if residual is None else residual
@@ -82,7 +93,7 @@ def add_rms_norm_triton(x, residual, weight, eps: float):
         block = next_pow2(h)
         _add_rms_norm_kernel[(t,)](x, r, weight, y, s, h, eps, x.stride(-2), x.stride(0) if parts else 0,
                                    r.stride(0), y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
-                                   PARTS=parts, BLOCK=block, num_warps=max(1, min(16, block // 256)))
+                                   PARTS=parts, BLOCK=block, num_warps=norm_warps(t, block, num_warps))
     return y, s
 
 
