@@ -4,16 +4,18 @@ Spec (`fc1_silu_mul_ref`). x (M, K), w (2F, K) megatron's fused ``linear_fc1`` w
 ``gated_linear_unit`` (this rank's gate rows, then its up rows) -> (M, F) =
 ``silu_mul(F.linear(x, w))``: the GEMM's fp32 sums rounded to x.dtype as F.linear's output, then
 `silu_mul`'s rounding. The kernel equals the spec up to the GEMM's fp32 summation order (on the
-H200 bitwise, every element, at M = 32 and 128: RESULTS.md session 23).
+H200 bitwise, every element, at M = 32 to 128: RESULTS.md session 23).
 
-Kernel: program n owns output columns [n * BLOCK_N, (n + 1) * BLOCK_N). It streams those
-columns' gate and up rows of w through a TMA ring (host tensor descriptors), with the weights as
-the MMA's M side and the batch rows (M <= BLOCK_M) as its N side, so a decode batch is one MMA
-tile wide; it accumulates gate and up in fp32 and writes only their SwiGLU, so the (M, 2F) fc1
-output is never written or read back. Against cuBLAS's fc1 then `silu_mul` (H200, the 1.5B shape,
-after the norm, weights past the L2, µs): M = 32 22.7 -> 20.6, 64 23.9 -> 21.8, 96 23.9 -> 25.0,
-128 25.3 -> 25.3, 256 30.0 -> 59.6; so above `MAX_ROWS` (and for shapes the tiles do not divide)
-the op is the two-kernel spec. In the decode loop: B = 32 1.84 -> 1.77 ms a step.
+Kernel: program n owns BLOCK_N + TAIL output columns. It streams those columns' gate and up rows
+of w through a TMA ring (host tensor descriptors) and accumulates both in fp32, then writes only
+their SwiGLU, so the (M, 2F) fc1 output is never written or read back. The BLOCK_N tile has the
+weights on the MMA's M side and the batch rows (M <= BLOCK_M) on its N side, so a decode batch is
+one MMA tile wide; the TAIL tile (rows on the M side) lets a program's width be no power of two:
+64 + 16 columns give 112 programs at F = 8,960 instead of 70 (128) or 140 (64, a second wave).
+Against cuBLAS's fc1 then `silu_mul` (H200, the 1.5B shape, after the norm, weights past the L2,
+µs): M = 32 22.1 -> 19.8, 64 23.5 -> 20.0, 96 23.3 -> 23.2, 128 24.9 -> 23.5; 256 30.0 -> 59.6
+(one row tile no longer fits the registers), so above `MAX_ROWS` (and for shapes the kernel does
+not take) the op is the two-kernel spec.
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from megarl.kernels.dispatch import choose, next_pow2, tl, triton
 from megarl.kernels.paged_decode import f32_dot
 from megarl.kernels.swiglu import silu_mul
 
-# Tiles from a sweep on the H200 (2026-12-04, the 1.5B shape, RESULTS.md session 23: 44 tiles at
-# M = 128, the fastest 4 again at M = 32 and 256): 128 weight rows of gate and of up a program
-# (70 programs at F = 8,960), 64-wide K steps, a 4-stage ring, 8 warps. Best at M = 32 and at 128.
-BLOCK_N = 128
+# (BLOCK_N, TAIL, STAGES, NUM_WARPS) by the row tile (the next power of two >= M, at least 16), K
+# steps of BLOCK_K. H200 sweeps (2026-12-04, the 1.5B shape, RESULTS.md session 23; µs per norm +
+# fc1 + SwiGLU): at M = 32, 128 + 0 columns, 4 stages, 8 warps (19.8; 64 + 16 at 5 stages 23.1); at
+# M = 64 and 128, 64 + 16 columns, 5 stages, 4 warps (20.0 / 23.5; 128 + 0: 21.1 / 24.7; 64 + 8:
+# 20.2 / 23.6; 6 stages 20.2 / 23.6; 3 stages 22.9 / 26.8; K steps of 128 at 3 stages 20.0 / 24.2).
+TILES = {16: (128, 0, 4, 8), 32: (128, 0, 4, 8), 64: (64, 16, 5, 4), 128: (64, 16, 5, 4)}
 BLOCK_K = 64
-STAGES = 4
-NUM_WARPS = 8
-MAX_ROWS = 64  # 96 rows (a 128-row tile) lose 1.1 µs, 128 tie, 256 run at half cuBLAS's speed
+MAX_ROWS = 128  # 256 rows run at half cuBLAS's speed
 
 
 def fc1_silu_mul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -48,12 +50,19 @@ def _swiglu_round(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _fc1_silu_mul_kernel(x_desc, w_desc, out_ptr, M, F, K, stride_out, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         F32_DOT: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
+def _fc1_silu_mul_kernel(x_desc, w_desc, t_desc, out_ptr, M, F, K, stride_out, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, TAIL: tl.constexpr, TAIL_BOX: tl.constexpr, BLOCK_K: tl.constexpr,
+                         STAGES: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program n: output columns [n0, n0 + BLOCK_N + TAIL), n0 = n * (BLOCK_N + TAIL): a BLOCK_N tile
+    with the weights on the MMA's M side, and a TAIL tile (0, 8 or 16 columns) with the rows on it.
+    The tail tile is TAIL_BOX >= 16 columns wide (tl.dot's least); columns past TAIL are the next
+    program's (read, not stored). Gate rows past F read up rows, up rows past 2F read zeros: both
+    masked on store."""
+    n0 = tl.program_id(0) * (BLOCK_N + TAIL)
     gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # the output tile, transposed
     up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    gate_t = tl.zeros([BLOCK_M, TAIL_BOX], tl.float32)
+    up_t = tl.zeros([BLOCK_M, TAIL_BOX], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([0, k0])  # (BM, BK); rows past M read as zero
         wg = w_desc.load([n0, k0])  # (BN, BK)
@@ -62,10 +71,24 @@ def _fc1_silu_mul_kernel(x_desc, w_desc, out_ptr, M, F, K, stride_out, BLOCK_M: 
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         gate = tl.dot(wg, x.T, gate)
         up = tl.dot(wu, x.T, up)
+        if TAIL > 0:
+            tg = t_desc.load([n0 + BLOCK_N, k0])  # (TAIL_BOX, BK)
+            tu = t_desc.load([F + n0 + BLOCK_N, k0])
+            if F32_DOT:
+                tg, tu = tg.to(tl.float32), tu.to(tl.float32)
+            gate_t = tl.dot(x, tg.T, gate_t)
+            up_t = tl.dot(x, tu.T, up_t)
+    dtype = out_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)[None, :]
     cols = n0 + tl.arange(0, BLOCK_N)[:, None]
     ptrs = out_ptr + rows.to(tl.int64) * stride_out + cols
-    tl.store(ptrs, _swiglu_round(gate, up, out_ptr.dtype.element_ty), mask=rows < M)
+    tl.store(ptrs, _swiglu_round(gate, up, dtype), mask=(rows < M) & (cols < F))
+    if TAIL > 0:
+        rows_t = tl.arange(0, BLOCK_M)[:, None]
+        j = tl.arange(0, TAIL_BOX)[None, :]
+        cols_t = n0 + BLOCK_N + j
+        ptrs_t = out_ptr + rows_t.to(tl.int64) * stride_out + cols_t
+        tl.store(ptrs_t, _swiglu_round(gate_t, up_t, dtype), mask=(rows_t < M) & (j < TAIL) & (cols_t < F))
 
 
 def fits_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -73,19 +96,25 @@ def fits_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     (m, k), f = x.shape, w.shape[0] // 2
     dense = x.stride(-1) == 1 and w.stride(-1) == 1 and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
     half = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype  # fp32 would run as TF32
-    return 0 < m <= MAX_ROWS and f % BLOCK_N == 0 and k % BLOCK_K == 0 and dense and half  # 8: TMA's 16 B
+    return 0 < m <= MAX_ROWS and f > 0 and k % BLOCK_K == 0 and dense and half  # 8: TMA's 16 B
 
 
-def fc1_silu_mul_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def fc1_silu_mul_triton(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int] | None = None,
+                        block_k: int = BLOCK_K) -> torch.Tensor:
+    """The kernel at ``tiles`` = (BLOCK_N, TAIL, STAGES, NUM_WARPS) (default: `TILES` by row tile)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     (m, k), f = x.shape, w.shape[0] // 2
     block_m = max(16, next_pow2(m))
+    block_n, tail, stages, num_warps = tiles or TILES[block_m]
     out = x.new_empty((m, f))
-    _fc1_silu_mul_kernel[(f // BLOCK_N,)](
-        TensorDescriptor.from_tensor(x, [block_m, BLOCK_K]), TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K]),
-        out, m, f, k, out.stride(0), BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=STAGES,
-        F32_DOT=f32_dot(x.dtype), num_warps=NUM_WARPS)
+    w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    tail_box = max(16, tail)
+    t_desc = TensorDescriptor.from_tensor(w, [tail_box, block_k]) if tail else w_desc
+    _fc1_silu_mul_kernel[(triton.cdiv(f, block_n + tail),)](
+        TensorDescriptor.from_tensor(x, [block_m, block_k]), w_desc, t_desc, out, m, f, k, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, TAIL=tail, TAIL_BOX=tail_box, BLOCK_K=block_k, STAGES=stages,
+        F32_DOT=f32_dot(x.dtype), num_warps=num_warps)
     return out
 
 

@@ -1,9 +1,11 @@
 """megarl.kernels.fc1_silu_mul: fc1 and SwiGLU in one kernel against the two-op spec.
 
-The kernel takes bf16 / fp16 batches of up to MAX_ROWS rows whose shapes its tiles divide; anything
-else runs the spec's two ops. On the GPU the kernel must give F.linear + silu_mul's bits (the fp32
-sums only change order); on CPU it runs in the interpreter, which truncates each of its four
-fp32 -> bf16 roundings where the GPU rounds to nearest, so there it is checked to four bf16 steps.
+The kernel takes bf16 / fp16 batches of up to MAX_ROWS rows with K a multiple of BLOCK_K; anything
+else runs the spec's two ops. F need not divide into the kernel's column tiles (the last program's
+columns past F are masked), so the CPU shapes use F = 200. On the GPU the kernel must give
+F.linear + silu_mul's bits (the fp32 sums only change order); on CPU it runs in the interpreter,
+which truncates each of its four fp32 -> bf16 roundings where the GPU rounds to nearest, so there
+it is checked to four bf16 steps.
 """
 
 import torch
@@ -13,10 +15,13 @@ from kernel_backends import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INT
 import pytest  # noqa: E402
 
 from megarl.kernels import interpret_mode  # noqa: E402
-from megarl.kernels.fc1_swiglu import BLOCK_K, BLOCK_N, MAX_ROWS, fc1_silu_mul, fc1_silu_mul_ref, fits_kernel  # noqa: E402
+from megarl.kernels.fc1_swiglu import (  # noqa: E402
+    BLOCK_K, MAX_ROWS, TILES, fc1_silu_mul, fc1_silu_mul_ref, fc1_silu_mul_triton, fits_kernel,
+)
 from megarl.kernels.swiglu import silu_mul  # noqa: E402
 
 pytestmark = needs_triton
+SHAPE = (8960, 1536) if DEVICE == "cuda" else (200, 2 * BLOCK_K)  # (F, K): the 1.5B shape on the GPU
 
 
 def _inputs(rows, f, k, dtype=torch.bfloat16, seed=0):
@@ -26,13 +31,8 @@ def _inputs(rows, f, k, dtype=torch.bfloat16, seed=0):
     return x, w
 
 
-@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS] + ([33] if DEVICE == "cuda" else []))
-def test_kernel_equals_the_spec(rows):
-    f, k = (8960, 1536) if DEVICE == "cuda" else (2 * BLOCK_N, 2 * BLOCK_K)  # the 1.5B shape on the GPU
-    x, w = _inputs(rows, f, k)
-    assert fits_kernel(x, w)
-    got, want = fc1_silu_mul(x, w, backend="triton"), fc1_silu_mul_ref(x, w)
-    assert got.shape == (rows, f) and got.dtype == x.dtype
+def _check(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
     if interpret_mode():
         torch.testing.assert_close(got.float(), want.float(), rtol=4 * 2 ** -7, atol=4 * 2 ** -7)
     else:
@@ -41,12 +41,27 @@ def test_kernel_equals_the_spec(rows):
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7)
 
 
-@pytest.mark.parametrize("case", ["rows", "columns", "fp32", "strided"])
-def test_outside_the_tiles_runs_the_two_ops(case):
-    """More rows than MAX_ROWS, F not a multiple of BLOCK_N, fp32 (TF32 in the kernel), rows not
+@pytest.mark.parametrize("rows", [1, 5, 40, MAX_ROWS] + ([33, 100] if DEVICE == "cuda" else []))
+def test_kernel_equals_the_spec(rows):
+    x, w = _inputs(rows, *SHAPE)
+    assert fits_kernel(x, w)
+    _check(fc1_silu_mul(x, w, backend="triton"), fc1_silu_mul_ref(x, w))
+
+
+@pytest.mark.parametrize("tiles", sorted(set(TILES.values())) + [(64, 8, 3, 4)])
+def test_every_tile_equals_the_spec(tiles):
+    """Each (BLOCK_N, TAIL, stages, warps) the table uses, and a tail of 8 (a 16-wide box, half stored)."""
+    x, w = _inputs(24, *SHAPE, seed=1)
+    _check(fc1_silu_mul_triton(x, w, tiles), fc1_silu_mul_ref(x, w))
+
+
+@pytest.mark.parametrize("case", ["rows", "depth", "fp32", "strided"])
+def test_outside_the_kernel_runs_the_two_ops(case):
+    """More rows than MAX_ROWS, K not a multiple of BLOCK_K, fp32 (TF32 in the kernel), rows not
     dense: the op is F.linear then `silu_mul`, bit for bit."""
-    rows, f, k = (MAX_ROWS + 1, BLOCK_N, BLOCK_K) if case == "rows" else (3, BLOCK_N + 8 if case == "columns" else BLOCK_N, BLOCK_K)
-    x, w = _inputs(rows, f, k, torch.float32 if case == "fp32" else torch.bfloat16)
+    rows = MAX_ROWS + 1 if case == "rows" else 3
+    k = BLOCK_K + 8 if case == "depth" else BLOCK_K
+    x, w = _inputs(rows, 24, k, torch.float32 if case == "fp32" else torch.bfloat16)
     if case == "strided":
         x = torch.cat([x, x], 1)[:, ::2]
     assert not fits_kernel(x, w)
@@ -55,12 +70,12 @@ def test_outside_the_tiles_runs_the_two_ops(case):
 
 
 def test_cpu_default_is_the_spec():
-    x, w = (t.cpu() for t in _inputs(3, BLOCK_N, BLOCK_K))
+    x, w = (t.cpu() for t in _inputs(3, 24, BLOCK_K))
     torch.testing.assert_close(fc1_silu_mul(x, w), fc1_silu_mul_ref(x, w), rtol=0, atol=0)
 
 
 def test_bad_shapes_are_one_line_errors():
-    x, w = _inputs(2, BLOCK_N, BLOCK_K)
+    x, w = _inputs(2, 24, BLOCK_K)
     with pytest.raises(ValueError, match="fc1_silu_mul: x"):
         fc1_silu_mul(x, w[:, :-1])
     with pytest.raises(ValueError, match="fc1_silu_mul: x"):
