@@ -75,6 +75,11 @@ def choose(backend: str, *tensors: torch.Tensor) -> str:
     return backend
 
 
+def hopper_or_newer(t: torch.Tensor) -> bool:
+    """Whether ``t``'s GPU has TMA and programmatic dependent launch (sm_90+); False on CPU."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()

@@ -21,7 +21,7 @@ x and residual, one write of y and s. The decode step calls it twice per layer
 import torch
 import torch.nn.functional as F
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl.kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
 
 
 def sum_parts_ref(parts, dtype):
@@ -50,8 +50,11 @@ def add_rms_norm_torch(x, residual, weight, eps: float):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, stride_part, stride_r, stride_y,
-                         stride_s, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+                         stride_s, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                         EARLY: tl.constexpr):
     row = tl.program_id(0)
+    if EARLY:  # a successor launched as a dependent (`fc1_silu_mul`) may start now; it waits for our writes
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     ok = cols < h
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -93,7 +96,8 @@ def add_rms_norm_triton(x, residual, weight, eps: float, num_warps: int | None =
         block = next_pow2(h)
         _add_rms_norm_kernel[(t,)](x, r, weight, y, s, h, eps, x.stride(-2), x.stride(0) if parts else 0,
                                    r.stride(0), y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
-                                   PARTS=parts, BLOCK=block, num_warps=norm_warps(t, block, num_warps))
+                                   PARTS=parts, BLOCK=block, EARLY=hopper_or_newer(x),
+                                   num_warps=norm_warps(t, block, num_warps))
     return y, s
 
 

@@ -80,3 +80,13 @@ def test_bad_shapes_are_one_line_errors():
         fc1_silu_mul(x, w[:, :-1])
     with pytest.raises(ValueError, match="fc1_silu_mul: x"):
         fc1_silu_mul(x, w[:-1])
+
+
+def test_no_tma_or_dependent_launch_off_hopper():
+    """The kernel's TMA descriptors and its dependent launch need sm_90+: never chosen on CPU tensors
+    outside the interpreter's tests, nor (by `fits_kernel`) on an older GPU."""
+    from megarl.kernels.dispatch import hopper_or_newer
+
+    assert not hopper_or_newer(torch.empty(1))
+    if DEVICE == "cuda":
+        assert hopper_or_newer(torch.empty(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
