@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
 from megarl.kernels.paged_decode import f32_dot
-from megarl.kernels.swiglu import silu_mul
+from megarl.kernels.swiglu import silu_mul, silu_mul_rounded
 
 # (BLOCK_N, TAIL, STAGES, NUM_WARPS) by the row tile (the next power of two >= M, at least 16), K
 # steps of BLOCK_K. H200 sweeps (2026-12-04, the 1.5B shape, RESULTS.md session 23; µs per norm +
@@ -41,15 +41,6 @@ MAX_ROWS = 128  # 256 rows run at half cuBLAS's speed
 
 def fc1_silu_mul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return silu_mul(F.linear(x, w), backend="torch")
-
-
-@triton.jit
-def _swiglu_round(gate, up, dtype: tl.constexpr):
-    """fp32 sums -> silu(gate) * up, rounded as F.linear's output, then as `silu_mul`."""
-    g = gate.to(dtype).to(tl.float32)
-    u = up.to(dtype).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (s * u).to(dtype)
 
 
 @triton.jit
@@ -87,13 +78,13 @@ def _fc1_silu_mul_kernel(x_desc, w_desc, t_desc, out_ptr, M, F, K, stride_out, B
     rows = tl.arange(0, BLOCK_M)[None, :]
     cols = n0 + tl.arange(0, BLOCK_N)[:, None]
     ptrs = out_ptr + rows.to(tl.int64) * stride_out + cols
-    tl.store(ptrs, _swiglu_round(gate, up, dtype), mask=(rows < M) & (cols < F))
+    tl.store(ptrs, silu_mul_rounded(gate, up, dtype), mask=(rows < M) & (cols < F))
     if TAIL > 0:
         rows_t = tl.arange(0, BLOCK_M)[:, None]
         j = tl.arange(0, TAIL_BOX)[None, :]
         cols_t = n0 + BLOCK_N + j
         ptrs_t = out_ptr + rows_t.to(tl.int64) * stride_out + cols_t
-        tl.store(ptrs_t, _swiglu_round(gate_t, up_t, dtype), mask=(rows_t < M) & (j < TAIL) & (cols_t < F))
+        tl.store(ptrs_t, silu_mul_rounded(gate_t, up_t, dtype), mask=(rows_t < M) & (j < TAIL) & (cols_t < F))
 
 
 def fits_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -106,8 +97,7 @@ def fits_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     return 0 < m <= MAX_ROWS and f > 0 and k % BLOCK_K == 0 and dense and half  # 8: TMA's 16 B
 
 
-def fc1_silu_mul_triton(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int] | None = None,
-                        block_k: int = BLOCK_K) -> torch.Tensor:
+def fc1_silu_mul_triton(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int] | None = None):
     """The kernel at ``tiles`` = (BLOCK_N, TAIL, STAGES, NUM_WARPS) (default: `TILES` by row tile)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -116,12 +106,12 @@ def fc1_silu_mul_triton(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int,
     block_n, tail, stages, num_warps = tiles or TILES[block_m]
     dependent = hopper_or_newer(x)  # programmatic dependent launch: the kernel's start overlaps the norm's
     out = x.new_empty((m, f))
-    w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [block_n, BLOCK_K])
     tail_box = max(16, tail)
-    t_desc = TensorDescriptor.from_tensor(w, [tail_box, block_k]) if tail else w_desc
+    t_desc = TensorDescriptor.from_tensor(w, [tail_box, BLOCK_K]) if tail else w_desc
     _fc1_silu_mul_kernel[(triton.cdiv(f, block_n + tail),)](
-        TensorDescriptor.from_tensor(x, [block_m, block_k]), w_desc, t_desc, out, m, f, k, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, TAIL=tail, TAIL_BOX=tail_box, BLOCK_K=block_k, STAGES=stages,
+        TensorDescriptor.from_tensor(x, [block_m, BLOCK_K]), w_desc, t_desc, out, m, f, k, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, TAIL=tail, TAIL_BOX=tail_box, BLOCK_K=BLOCK_K, STAGES=stages,
         F32_DOT=f32_dot(x.dtype), DEPENDENT=dependent, num_warps=num_warps, launch_pdl=dependent)
     return out
 

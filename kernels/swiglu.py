@@ -30,15 +30,24 @@ def silu_mul_ref(x):
 
 
 @triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """fp32 gate and up -> silu(gate) * up in dtype, with the spec's roundings: gate and up to dtype
+    (a no-op for values loaded in dtype; F.linear's output rounding in `fc1_swiglu`), silu to dtype,
+    the product to dtype."""
+    g = gate.to(dtype).to(tl.float32)
+    u = up.to(dtype).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (s * u).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, f, stride_x, stride_out, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < f
     g = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
-    u = tl.load(x_ptr + t * stride_x + f + cols, mask=ok, other=0.0).to(tl.float32)
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + cols, (s * u).to(g.dtype), mask=ok)
+    u = tl.load(x_ptr + t * stride_x + f + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + t * stride_out + cols, silu_mul_rounded(g.to(tl.float32), u.to(tl.float32), g.dtype), mask=ok)
 
 
 @triton.jit

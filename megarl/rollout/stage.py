@@ -275,8 +275,8 @@ class StageForward:
         return decode, (batch.block_table[start:], batch.cu_prefill[start:], batch.seq_lens[start:])
 
     def _mlp(self, h, lw: LayerWeights, decode: bool, split: bool):
-        """fc2(SwiGLU(fc1(h))); a decode step's fc1 and SwiGLU as one kernel (`fc1_silu_mul`: on CUDA,
-        up to its row limit) unless fc1 has an adapter."""
+        """fc2(SwiGLU(fc1(h))); a decode step's fc1 and SwiGLU as one kernel (`fc1_silu_mul`: Hopper or
+        newer, up to its row limit; else the same two ops) unless fc1 has an adapter."""
         if decode and "fc1" not in lw.lora:
             act = fc1_silu_mul(h, lw.fc1)
         else:
