@@ -41,6 +41,7 @@ from megarl.kernels.dispatch import BACKENDS, HAS_TRITON, choose, interpret_mode
 from megarl.kernels.fc1_swiglu import fc1_silu_mul, fc1_silu_mul_ref
 from megarl.kernels.feed_tokens import feed_tokens, feed_tokens_ref
 from megarl.kernels.gae import gae, gae_ref, gae_torch
+from megarl.kernels.host_copy import copy_words, copy_words_ref
 from megarl.kernels.group_advantage import group_advantage, group_advantage_ref, group_advantage_torch
 from megarl.kernels.linear_logprob import linear_logprob, linear_logprob_ref
 from megarl.kernels.logprob import logprob_entropy, logprob_entropy_ref
@@ -84,6 +85,7 @@ __all__ = [
     "add_rms_norm", "add_rms_norm_ref", "rope_cache", "rope_cache_ref", "silu_mul", "silu_mul_ref",
     "fc1_silu_mul", "fc1_silu_mul_ref",
     "sample_tokens", "sample_tokens_ref", "uniform_noise", "feed_tokens", "feed_tokens_ref",
+    "copy_words", "copy_words_ref",
     "qkv_split", "qkv_merge", "qkv_split_ref", "qkv_merge_ref",
     "fc1_split", "fc1_merge", "fc1_split_ref", "fc1_merge_ref",
     "split_interleaved", "merge_interleaved", "split_interleaved_ref", "merge_interleaved_ref",

@@ -404,13 +404,17 @@ def _split_len(n: int, block: int, splits=None) -> int:
 
 
 def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None,
-                         block=None, splits=None):
-    """Triton: two launches, no host sync. block / splits override BLOCK_V and the row split (tests)."""
+                         block=None, splits=None, out=None):
+    """Triton: two launches, no host sync. block / splits override BLOCK_V and the row split (tests);
+    out as in `sample_tokens` (the second launch stores there: no copies after it)."""
     B, n = logits.shape[0], logits.shape[1] if vocab_size is None else vocab_size
     dev = logits.device
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    tokens = torch.empty(B, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+    if out is not None:
+        tokens, logprobs = out[0], out[1]
+    else:
+        tokens = torch.empty(B, dtype=torch.int64, device=dev)
+        logprobs = torch.empty(B, dtype=torch.float32, device=dev)
     if B == 0:
         return tokens, logprobs
     blk = block or min(BLOCK_V, next_pow2(n))
@@ -428,7 +432,8 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, voca
     return tokens, logprobs
 
 
-def sample_tokens(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None, backend: str = "auto"):
+def sample_tokens(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None, backend: str = "auto",
+                  out=None):
     """Sample one next token per row; spec in the module docstring.
 
     logits: (B, V) fp32 / bf16 / fp16, unit stride along V; columns >= vocab_size are padding.
@@ -436,6 +441,8 @@ def sample_tokens(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=
     top_p (B,) fp32 in (0, 1] (1: off); seeds (B,) int64 (any value); offsets (B,) int64
     (index of the sampled token within its request). Returns tokens (B,) int64 and
     logprobs (B,) fp32 = log_softmax(logits / T)[token] over the real vocab, unfiltered.
+    out: a (2, B) fp32 tensor with unit-stride rows to write [tokens; logprobs] into instead (the
+    token ids as fp32, exact below 2^24); then (out[0], out[1]) is returned.
     """
     B, V = logits.shape if logits.dim() == 2 else (None, None)
     n = V if vocab_size is None else int(vocab_size)
@@ -445,6 +452,16 @@ def sample_tokens(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=
                                                                    (temperature, top_k, top_p, seeds, offsets)))
     if not 0 < n <= V or n >= 2**31:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, V={V}] and < 2^31")
+    if out is not None and (out.shape != (2, B) or out.dtype != torch.float32 or out.stride(1) != 1):
+        raise ValueError(f"sample_tokens: out must be (2, B) = (2, {B}) fp32 with unit-stride rows, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     impl = {"triton": sample_tokens_triton, "torch": sample_tokens_torch,
             "ref": sample_tokens_ref}[choose(backend, logits, temperature, top_k, top_p, seeds, offsets)]
-    return impl(logits, temperature, top_k, top_p, seeds, offsets, n)
+    if impl is sample_tokens_triton:
+        return impl(logits, temperature, top_k, top_p, seeds, offsets, n, out=out)
+    tokens, logprobs = impl(logits, temperature, top_k, top_p, seeds, offsets, n)
+    if out is None:
+        return tokens, logprobs
+    out[0].copy_(tokens)
+    out[1].copy_(logprobs)
+    return out[0], out[1]

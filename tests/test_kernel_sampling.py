@@ -229,6 +229,21 @@ def test_distribution(backend, top_k, top_p, kept, over):
 
 # ---- errors, empty ----
 
+@pytest.mark.parametrize("backend", ["ref"] + BACKENDS)
+def test_out_buffer(backend):
+    """out= (2, B) fp32 rows of a wider buffer, as the decode graphs pass it: the same tokens (as fp32)
+    and log-probs as the returned tensors, nothing written past column B; a wrong out is refused."""
+    args = _case(8, 1000, 997, "mixed", torch.bfloat16, seed=5)
+    want = sample_tokens(*args, vocab_size=997, backend=backend)
+    wide = torch.full((2, 11), -3.0, device=DEVICE)
+    got = sample_tokens(*args, vocab_size=997, backend=backend, out=wide[:, :8])
+    assert got[0].data_ptr() == wide[0].data_ptr() and got[1].data_ptr() == wide[1].data_ptr()
+    assert torch.equal(wide[0, :8].long().cpu(), want[0].cpu()) and torch.equal(wide[1, :8].cpu(), want[1].cpu())
+    assert (wide[:, 8:] == -3.0).all()
+    with pytest.raises(ValueError, match="out must be"):
+        sample_tokens(*args, vocab_size=997, backend=backend, out=torch.empty(2, 8, dtype=torch.float64, device=DEVICE))
+
+
 def test_errors_and_empty():
     args = _case(3, 10, 10, "mixed")
     with pytest.raises(ValueError, match="backend"):

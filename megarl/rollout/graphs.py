@@ -14,7 +14,8 @@ and the last stage's tokens are broadcast to the pipeline group.
 Inputs live in two static buffers, (7, B) int64 rows (ids, positions, cache
 rows, lengths, seeds, token indices, source rows) and the (B, max_pages) block
 table: each replay fills their pinned host copies (two sets, used in turn) and
-moves each with one asynchronous copy; rows past the real batch read nothing
+one kernel reads both over the bus into the device buffers (`copy_words`: no
+copy engine between the graphs, as the tokens going out); rows past the real batch read nothing
 (0 keys) and write their K/V to the scratch page. A row whose token is still
 on the device (planned ahead, see ``scheduler.py``) takes it inside the graph
 from ``outputs[src_rows]``: one flat buffer holding the last decode replay's
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from megarl.kernels.feed_tokens import feed_tokens
+from megarl.kernels.host_copy import copy_words
 from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.pages import pages_for
 from megarl.rollout.stage import ForwardBatch
@@ -62,14 +64,13 @@ class Launched:
 
     @classmethod
     def copy_out(cls, sampled: torch.Tensor, host: torch.Tensor, n: int) -> "Launched":
-        """Queues the copy of ``sampled[:, :n]`` into the flat pinned ``host`` buffer, viewed as a
-        contiguous (2, n) destination (a strided one makes torch stage the copy and block)."""
-        out = host[: 2 * n].view(2, n)
-        out.copy_(sampled[:, :n], non_blocking=True)
+        """Queues the copy of the whole (2, W) ``sampled`` buffer into the pinned ``host`` buffer of
+        2 W elements (one kernel, `copy_words`); its first n columns are the step's."""
+        copy_words([(host, sampled.view(-1))])
         done = torch.cuda.Event() if sampled.is_cuda else None
         if done is not None:
             done.record()
-        return cls(out, done)
+        return cls(host.view(2, -1)[:, :n], done)
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         if self.done is not None:
@@ -115,11 +116,11 @@ class GraphShared:
             getattr(self, name).copy_(getattr(rows, name)[: self.temperature.shape[0]])
         self.rows_seen = rows
 
-    def sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor):
-        """(S, V) logits -> tokens, log-probs (S,) under the static sampling rows."""
+    def sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+        """(S, V) logits -> [tokens; log-probs] into ``out`` (2, S) fp32, under the static sampling rows."""
         s = logits.shape[0]
-        return sample_tokens(logits, self.temperature[:s], self.top_k[:s], self.top_p[:s], seeds, offsets,
-                             vocab_size=self.engine.vocab_size)
+        sample_tokens(logits, self.temperature[:s], self.top_k[:s], self.top_p[:s], seeds, offsets,
+                      vocab_size=self.engine.vocab_size, out=out)
 
     def _weight_pointers(self) -> list[int]:
         return [t.data_ptr() for t in self.engine.stage.parameters()]
@@ -182,9 +183,7 @@ class DecodeGraphs:
         if not engine.groups.is_last_stage:
             self.hidden_out[:b].copy_(out)
             return
-        tokens, logprobs = self.shared.sample(out, f("seeds"), f("offsets"))
-        self.sampled[0, :b].copy_(tokens)
-        self.sampled[1, :b].copy_(logprobs)
+        self.shared.sample(out, f("seeds"), f("offsets"), self.sampled[:, :b])
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph:
         self.inputs.zero_()  # warm-up writes land in the scratch page
@@ -236,6 +235,5 @@ class DecodeGraphs:
         host[_SRC, n:b] = -1
         host_table[:b] = 0
         host_table[:n, :width] = plan.block_table
-        self.inputs.copy_(self.staging[self.turn][0], non_blocking=True)
-        self.table[:b].copy_(self.staging[self.turn][1][:b], non_blocking=True)
+        copy_words([(self.inputs, self.staging[self.turn][0]), (self.table[:b], self.staging[self.turn][1][:b])])
         self.shared.load_sampling(rows)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from megarl.kernels.feed_tokens import feed_tokens
+from megarl.kernels.host_copy import copy_words
 from megarl.rollout.graphs import Launched, buckets_up_to, host_buffer
 from megarl.rollout.stage import ForwardBatch, prefill_cu
 
@@ -131,9 +132,7 @@ class PrefillGraphs:
         if not engine.groups.is_last_stage:
             self.hidden_out[:t].copy_(out)
             return
-        tokens, logprobs = self.shared.sample(out, row[3, :c], row[4, :c])
-        self.sampled[0, :c].copy_(tokens)
-        self.sampled[1, :c].copy_(logprobs)
+        self.shared.sample(out, row[3, :c], row[4, :c], self.sampled[:, :c])
 
     def _capture(self, *key: int) -> torch.cuda.CUDAGraph:
         for buffer in (self.tokens, self.rows, self.table, self.hidden_in):
@@ -141,7 +140,7 @@ class PrefillGraphs:
         return self.shared.capture(lambda: self._body(*key))
 
     def _load(self, plan, rows, t: int, c: int) -> None:
-        """The step's inputs, padded (module docstring), into the static buffers: three copies."""
+        """The step's inputs, padded (module docstring), into the static buffers: one `copy_words`."""
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copies have read them (a step may end unsynced)
         tok, row, table = (h.numpy() for h in self.host)
@@ -162,9 +161,7 @@ class PrefillGraphs:
         row[4, :n_sampled] = plan.offsets
         table[:c] = 0
         table[:n_seqs, : plan.block_table.shape[1]] = plan.block_table
-        self.tokens.copy_(self.host[0], non_blocking=True)  # whole buffers: contiguous, never staged
-        self.rows.copy_(self.host[1], non_blocking=True)
-        self.table[:c].copy_(self.host[2][:c], non_blocking=True)
+        copy_words([(self.tokens, self.host[0]), (self.rows, self.host[1]), (self.table[:c], self.host[2][:c])])
         if self.copied is not None:
             self.copied.record()
         self.shared.load_sampling(rows)
