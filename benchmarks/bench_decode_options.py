@@ -214,7 +214,7 @@ def head_rows():
     h, V = 1536, 151936
     w = torch.randn(V, h, device=DEV, dtype=torch.bfloat16) * 0.05
     norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
-    tiles = [None, (4, 4), (4, 8), (3, 8), (4, 16), (3, 16), (5, 8)]  # (stages, warps); None: TILES
+    tiles = [None, (4, 8, 16), (3, 8, 32), (2, 8, 16), (3, 4, 16), (4, 16, 16)]  # (stages, warps, chunk); None: TILES
     rows = []
     for m in (32, 64, 128):
         parts = torch.randn(4, m, h, device=DEV)

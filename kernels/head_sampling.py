@@ -34,8 +34,11 @@ from megarl.kernels.sampling_noise import row_keys
 
 BLOCK_V = 128  # vocab rows per program: the sampler's slice, so fixed for every batch (bits do not move)
 BLOCK_K = 64
-# (STAGES, NUM_WARPS) by the row tile (the next power of two >= M, at least 16). Unswept.
-TILES = {16: (4, 4), 32: (4, 8), 64: (4, 8), 128: (4, 16)}
+# (STAGES, NUM_WARPS, CHUNK) by the row tile (the next power of two >= M, at least 16). H200
+# (2026-12-04, RESULTS.md session 24), us per final norm + head + sampler, cuBLAS + `sample_tokens`
+# 145 / 160 / 190 at M = 32 / 64 / 128. The first form (the epilogue on the whole register tile):
+# 141.6 at M = 32 (5 stages, 8 warps), 188-254 at 64, 332-786 at 128. The chunked epilogue: unswept.
+TILES = {16: (4, 4, 16), 32: (4, 8, 16), 64: (3, 8, 16), 128: (3, 8, 16)}
 MAX_ROWS = 128
 
 
@@ -46,19 +49,35 @@ def sample_head_ref(h, w, temperature, top_k, top_p, seeds, offsets, vocab_size=
 
 
 @triton.jit
+def _slice_partials(logit, j, ok, inv_t, k1, k2, FAST_LOG: tl.constexpr):
+    """One slice's partials per row of ``logit`` (R, BLOCK_V) rounded logits: j, ok (1, BLOCK_V) vocab
+    ids and mask, inv_t, k1, k2 (R, 1) row settings."""
+    s = tl.where(ok, logit.to(tl.float32) * inv_t, float("-inf"))  # scaled logits
+    m = tl.max(s, 1)  # every slice holds a real column (the grid is cdiv(n, BLOCK_V))
+    z = tl.sum(tl.exp(s - m[:, None]), 1)
+    big = 2147483647
+    am = tl.min(tl.where(ok & (s == m[:, None]), j, big), 1)
+    mn = tl.min(tl.where(ok, _key(s), big), 1)
+    r = race_values(s, ok, j, k1, k2, FAST_LOG)
+    rb = tl.max(r, 1)
+    ri = tl.min(tl.where(ok & (r == rb[:, None]), j, big), 1)
+    return m, z, rb, am, ri, mn
+
+
+@triton.jit
 def _head_partials_kernel(x_desc, w_desc, logits_ptr, stride_l, n, M, K, temp_ptr, seed_ptr, off_ptr, pf_ptr, pi_ptr,
                           BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                          F32_DOT: tl.constexpr, FAST_LOG: tl.constexpr, DEPENDENT: tl.constexpr):
-    """Program v: vocab rows [v * BLOCK_V, (v + 1) * BLOCK_V) for every batch row; the logits tile is
-    held transposed, (BLOCK_V, BLOCK_M), and reduced along axis 0 (the vocab)."""
+                          CHUNK: tl.constexpr, F32_DOT: tl.constexpr, FAST_LOG: tl.constexpr,
+                          DEPENDENT: tl.constexpr):
+    """Program v: vocab rows [v * BLOCK_V, (v + 1) * BLOCK_V) for every batch row. The GEMM holds the tile
+    transposed, (BLOCK_V, BLOCK_M), and writes it as logits; the partials are then made from those
+    logits read back (L2-hot, this program's own writes) CHUNK rows at a time, so the epilogue's
+    registers are a chunk's, not the tile's: two programs fit an SM and one streams while the other
+    hashes (the whole tile at once needed 128-255 registers a thread: one program an SM, the epilogue
+    never hidden; RESULTS.md session 24)."""
     sp = tl.program_id(0)
     S = tl.num_programs(0)
     v0 = sp * BLOCK_V
-    rows = tl.arange(0, BLOCK_M)
-    live = rows < M
-    t = tl.load(temp_ptr + rows, mask=live, other=1.0)  # static per call: read before the norm ends
-    inv_t = tl.math.div_rn(1.0, tl.where(t <= 0.0, 1.0, t))  # as `sampling._row_setup`
-    k1, k2 = row_keys(tl.load(seed_ptr + rows, mask=live, other=0), tl.load(off_ptr + rows, mask=live, other=0))
     if DEPENDENT:  # launched before the final norm that writes h ends: wait for its writes
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_V, BLOCK_M], tl.float32)
@@ -68,26 +87,28 @@ def _head_partials_kernel(x_desc, w_desc, logits_ptr, stride_l, n, M, K, temp_pt
         if F32_DOT:  # the CPU interpreter multiplies bf16's raw bits (`f32_dot`)
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(w, x.T, acc)
-    j = v0 + tl.arange(0, BLOCK_V)[:, None]  # (BV, 1) vocab ids
+    jt = v0 + tl.arange(0, BLOCK_V)[:, None]
+    rt = tl.arange(0, BLOCK_M)[None, :]
+    tl.store(logits_ptr + rt.to(tl.int64) * stride_l + jt, acc.to(logits_ptr.dtype.element_ty),
+             mask=(jt < n) & (rt < M))  # F.linear's rounding
+    tl.debug_barrier()  # every thread's logits written before any is read back
+    j = v0 + tl.arange(0, BLOCK_V)[None, :]  # (1, BV)
     ok = j < n
-    logit = acc.to(logits_ptr.dtype.element_ty)  # F.linear's rounding
-    tl.store(logits_ptr + rows[None, :].to(tl.int64) * stride_l + j, logit, mask=ok & live[None, :])
-    s = tl.where(ok, logit.to(tl.float32) * inv_t[None, :], float("-inf"))  # (BV, BM) scaled logits
-    m = tl.max(s, 0)  # (BM,): every slice holds a real column (the grid is cdiv(n, BLOCK_V))
-    z = tl.sum(tl.exp(s - m[None, :]), 0)
-    big = 2147483647
-    am = tl.min(tl.where(ok & (s == m[None, :]), j, big), 0)
-    mn = tl.min(tl.where(ok, _key(s), big), 0)
-    r = race_values(s, ok, j, k1[None, :], k2[None, :], FAST_LOG)
-    rb = tl.max(r, 0)
-    ri = tl.min(tl.where(ok & (r == rb[None, :]), j, big), 0)
-    o = rows * S + sp  # (3, M, S) partials, as `sampling._partials_kernel` writes them
-    tl.store(pf_ptr + o, m, mask=live)
-    tl.store(pf_ptr + M * S + o, z, mask=live)
-    tl.store(pf_ptr + 2 * M * S + o, rb, mask=live)
-    tl.store(pi_ptr + o, am, mask=live)
-    tl.store(pi_ptr + M * S + o, ri, mask=live)
-    tl.store(pi_ptr + 2 * M * S + o, mn, mask=live)
+    for r0 in range(0, M, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        live = rows < M
+        logit = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + j, mask=live[:, None] & ok, other=0.0)
+        t = tl.load(temp_ptr + rows, mask=live, other=1.0)
+        inv_t = tl.math.div_rn(1.0, tl.where(t <= 0.0, 1.0, t))  # as `sampling._row_setup`
+        k1, k2 = row_keys(tl.load(seed_ptr + rows, mask=live, other=0), tl.load(off_ptr + rows, mask=live, other=0))
+        m, z, rb, am, ri, mn = _slice_partials(logit, j, ok, inv_t[:, None], k1[:, None], k2[:, None], FAST_LOG)
+        o = rows * S + sp  # (3, M, S) partials, as `sampling._partials_kernel` writes them
+        tl.store(pf_ptr + o, m, mask=live)
+        tl.store(pf_ptr + M * S + o, z, mask=live)
+        tl.store(pf_ptr + 2 * M * S + o, rb, mask=live)
+        tl.store(pi_ptr + o, am, mask=live)
+        tl.store(pi_ptr + M * S + o, ri, mask=live)
+        tl.store(pi_ptr + 2 * M * S + o, mn, mask=live)
 
 
 def fits_kernel(h: torch.Tensor, w: torch.Tensor) -> bool:
@@ -100,14 +121,14 @@ def fits_kernel(h: torch.Tensor, w: torch.Tensor) -> bool:
     return 0 < m <= MAX_ROWS and k % BLOCK_K == 0 and dense and half  # 8: TMA's 16 B
 
 
-def head_partials(h, w, rows, n: int, tiles: tuple[int, int] | None = None):
+def head_partials(h, w, rows, n: int, tiles: tuple[int, int, int] | None = None):
     """The fused first launch: (M, n) logits in h.dtype and the sampler's (3, M, S) partials (pf, pi);
-    rows: `sampling.row_settings`; tiles = (STAGES, NUM_WARPS) (default `TILES`)."""
+    rows: `sampling.row_settings`; tiles = (STAGES, NUM_WARPS, CHUNK) (default `TILES`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = h.shape
     block_m = max(16, next_pow2(m))
-    stages, num_warps = tiles or TILES[block_m]
+    stages, num_warps, chunk = tiles or TILES[block_m]
     S = triton.cdiv(n, BLOCK_V)
     logits = h.new_empty((m, n))
     pf, pi = partials_buffers(m, S, h.device)
@@ -115,13 +136,13 @@ def head_partials(h, w, rows, n: int, tiles: tuple[int, int] | None = None):
     _head_partials_kernel[(S,)](
         TensorDescriptor.from_tensor(h, [block_m, BLOCK_K]), TensorDescriptor.from_tensor(w, [BLOCK_V, BLOCK_K]),
         logits, logits.stride(0), n, m, k, rows[0], rows[3], rows[4], pf, pi, BLOCK_M=block_m, BLOCK_V=BLOCK_V,
-        BLOCK_K=BLOCK_K, STAGES=stages, F32_DOT=f32_dot(h.dtype), FAST_LOG=not interpret_mode(),
-        DEPENDENT=dependent, num_warps=num_warps, launch_pdl=dependent)
+        BLOCK_K=BLOCK_K, STAGES=stages, CHUNK=chunk, F32_DOT=f32_dot(h.dtype),
+        FAST_LOG=not interpret_mode(), DEPENDENT=dependent, num_warps=num_warps, launch_pdl=dependent)
     return logits, pf, pi
 
 
 def sample_head_triton(h, w, temperature, top_k, top_p, seeds, offsets, n: int, out=None,
-                       tiles: tuple[int, int] | None = None):
+                       tiles: tuple[int, int, int] | None = None):
     """`head_partials`, then `sampling.finish` (two launches); out as in `sample_tokens`."""
     rows = row_settings(temperature, top_k, top_p, seeds, offsets)
     logits, pf, pi = head_partials(h, w, rows, n, tiles)

@@ -42,7 +42,7 @@ def _case(m, v, k, mode, seed=0):
 
 @needs_triton
 @pytest.mark.parametrize("mode", ["plain", "greedy", "mixed"])
-@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("m", [1, 7, 33, 65])
 def test_matches_spec(mode, m):
     h, w, *rows = _case(m, 2 * BLOCK_V + 45, 64, mode, seed=m)
     n = w.shape[0] - 3  # padding rows past n: never sampled, in no softmax
@@ -79,6 +79,17 @@ def test_logits_partials_and_out():
     assert alone[0].item() == tokens[4].item() and alone[1].item() == logprobs[4].item()
 
 
+@needs_triton
+def test_chunks_agree():
+    """65 rows: the epilogue's row chunks (16, or 32 with a partial last one) give the same bits."""
+    h, w, *rows = _case(65, 2 * BLOCK_V, 64, "mixed", seed=4)
+    settings = row_settings(*rows)
+    a = head_partials(h, w, settings, w.shape[0], tiles=(3, 4, 16))
+    b = head_partials(h, w, settings, w.shape[0], tiles=(3, 4, 32))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_falls_back_and_checks():
     """Shapes the kernel does not take (fp32, more than 128 rows) run the spec; bad shapes are refused."""
     g = torch.Generator().manual_seed(1)
@@ -105,6 +116,9 @@ def test_cuda_qwen_head(m):
     w = (torch.randn(151936, 1536, device="cuda", generator=g) * 0.05).bfloat16()
     rows = [t.cuda() for t in _settings(m, "mixed", 151936, torch.Generator().manual_seed(m))]
     logits, pf, pi = head_partials(h, w, row_settings(*rows), 151936)
+    if m >= 64:  # other stages, warps and chunks: the same logits (the same K order) and partials
+        other = head_partials(h, w, row_settings(*rows), 151936, tiles=(4, 4, 32))
+        assert all(torch.equal(a, b) for a, b in zip(other, (logits, pf, pi)))
     ref = torch.nn.functional.linear(h, w)
     assert ((logits.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-6).all()
     got = sample_head(h, w, *rows)

@@ -14,13 +14,14 @@ from megarl.kernels.host_copy import BLOCK, copy_words, copy_words_ref, kernel_u
 
 def _pairs(device, host_pinned=False):
     """Three pairs as a decode step has them: (7, B) int64 rows, a (B, pages) int32 table with a size
-    that is not a multiple of BLOCK and spans two programs, and (2, W) fp32 tokens."""
+    that is not a multiple of BLOCK and spans two programs, and (2, W) fp32 tokens; the sources pinned
+    (``host_pinned``) or on ``device``."""
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randint(-2**40, 2**40, (7, 300), generator=g),
             torch.randint(-1, 2**31 - 1, (97, 23), generator=g, dtype=torch.int64).int(),
             torch.randn(2, 256, generator=g)]
     assert srcs[1].numel() > BLOCK
-    host = [s.pin_memory() if host_pinned else s for s in srcs]
+    host = [s.pin_memory() if host_pinned else s.to(device) for s in srcs]  # on CUDA: pinned, or on the device
     return [(torch.full_like(s, -7, device=device), h) for s, h in zip(srcs, host)]
 
 
