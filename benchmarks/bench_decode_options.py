@@ -24,9 +24,6 @@
   `fc1_silu_mul`'s one kernel at some tiles; µs and the share of equal output elements.
 - norm: the add + RMSNorm after the split-K output projection and fc2 at M in {32, 128, 512}, the
   norm kernel's warps 1..16; µs per linear + norm and per norm alone.
-- head: the step's end, final add + RMSNorm -> output layer -> sampler (plain, temperature 1; V =
-  151,936) at M in {32, 64, 128}: cuBLAS `F.linear` + `sample_tokens` against `sample_head`'s fused
-  first launch at some (stages, warps); µs and how many tokens equal (the logits differ by rounding).
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -205,42 +202,6 @@ def fc1_fused_rows():
     return rows
 
 
-def head_rows():
-    """The step's end: add + RMSNorm, then the output layer and the sampler, as cuBLAS + `sample_tokens`
-    and as `sample_head_triton` at some tiles (`head_sampling.TILES`'s sweep); µs (the 467 MB head is
-    past the L2 by itself) and tokens equal to the cuBLAS form's."""
-    from megarl.kernels.head_sampling import sample_head_triton
-
-    h, V = 1536, 151936
-    w = torch.randn(V, h, device=DEV, dtype=torch.bfloat16) * 0.05
-    norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
-    tiles = [None, (4, 8, 16), (3, 8, 32), (2, 8, 16), (3, 4, 16), (4, 16, 16)]  # (stages, warps, chunk); None: TILES
-    rows = []
-    for m in (32, 64, 128):
-        parts = torch.randn(4, m, h, device=DEV)
-        res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
-        t, p = torch.ones(m, device=DEV), torch.ones(m, device=DEV)
-        k = torch.full((m,), -1, dtype=torch.int32, device=DEV)
-        seeds, offs = torch.arange(m, device=DEV) * 7919, torch.arange(m, device=DEV) + 3
-        forms = {"cublas+sample_tokens": lambda x: sample_tokens(F.linear(x, w), t, k, p, seeds, offs)}
-        forms.update({f"sample_head {tl_}": lambda x, tl_=tl_: sample_head_triton(x, w, t, k, p, seeds, offs, V,
-                                                                                   tiles=tl_) for tl_ in tiles})
-        x = add_rms_norm(parts, res, norm_w, 1e-6)[0]
-        want = forms["cublas+sample_tokens"](x)[0]
-        for name, form in forms.items():
-            try:
-                got = form(x)[0]
-            except Exception as e:  # noqa: BLE001  (a tile the compiler refuses)
-                print(f"    {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            fns = [lambda: form(add_rms_norm(parts, res, norm_w, 1e-6)[0])] * 4
-            row = dict(op="norm+head+sample", form=name, M=m, us=graph_ms(fns) * 1e3,
-                       tokens_equal=int((got == want).sum()))
-            print(row, flush=True)
-            rows.append(row)
-    return rows
-
-
 def norm_rows():
     """The add + RMSNorm after a split-K row-parallel linear, as the step runs the pair (proj: S = 3
     partials; fc2: S = 4 at 128 rows, `split_parts`), at M in {32, 128, 512} and the norm kernel's
@@ -380,7 +341,6 @@ def main():
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
                      "splitk": splitk_rows, "fc1": fc1_forms, "fc1-fused": fc1_fused_rows, "norm": norm_rows,
-                     "head": head_rows,
                      "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -237,17 +237,11 @@ def _log(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def race_values(s, keep, j, k1, k2, FAST_LOG: tl.constexpr):
-    """s - log E_j where keep, -inf elsewhere (any shape: k1, k2 broadcast against j)."""
-    u = uniform(k1, k2, j)  # E = -log1p(-u): a 4-term series below 1/32 (rel. error < u^4/5 <= 2e-7)
-    e = tl.where(u < 0.03125, u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))), -_log(1.0 - u, FAST_LOG))
-    return tl.where(keep, s - _log(e, FAST_LOG), float("-inf"))
-
-
-@triton.jit
 def _race_chunk(s, keep, j, k1, k2, FAST_LOG: tl.constexpr):
     """Chunk max of s - log E over keep and its lowest index (2^31 - 1 if none)."""
-    r = race_values(s, keep, j, k1, k2, FAST_LOG)
+    u = uniform(k1, k2, j)  # E = -log1p(-u): a 4-term series below 1/32 (rel. error < u^4/5 <= 2e-7)
+    e = tl.where(u < 0.03125, u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25))), -_log(1.0 - u, FAST_LOG))
+    r = tl.where(keep, s - _log(e, FAST_LOG), float("-inf"))
     cm = tl.max(r, 0)
     return cm, tl.min(tl.where(keep & (r == cm), j, 2147483647), 0)
 
@@ -426,34 +420,16 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, voca
     blk = block or min(BLOCK_V, next_pow2(n))
     split_len = _split_len(n, blk, splits)
     S = triton.cdiv(n, split_len)
-    pf, pi = partials_buffers(B, S, dev)
-    rows = row_settings(temperature, top_k, top_p, seeds, offsets)
-    _partials_kernel[(B, S)](x, x.stride(0), n, *rows, pf, pi, B, S, split_len, BLOCK=blk,
-                             FAST_LOG=not interpret_mode(), num_warps=NUM_WARPS)
-    finish(x, n, rows, pf, pi, tokens, logprobs, blk)
-    return tokens, logprobs
-
-
-def partials_buffers(B: int, S: int, device):
-    """The first launch's partials: (3, B, S) fp32 (max, sum exp, race max) and int32 (argmax, race
-    argmax, min key), row b's S slices at [:, b]."""
-    return (torch.empty(3, B, S, dtype=torch.float32, device=device),
-            torch.empty(3, B, S, dtype=torch.int32, device=device))
-
-
-def row_settings(temperature, top_k, top_p, seeds, offsets):
-    """The kernels' per-row inputs in their dtypes (no copy where they are already)."""
-    return (temperature.float().contiguous(), top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
+    pf = torch.empty(3, B, S, dtype=torch.float32, device=dev)
+    pi = torch.empty(3, B, S, dtype=torch.int32, device=dev)
+    rows = (temperature.float().contiguous(), top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
             seeds.long().contiguous(), offsets.long().contiguous())
-
-
-def finish(x, n: int, rows, pf, pi, tokens, logprobs, block: int | None = None) -> None:
-    """The second launch: merges the S slices of `partials_buffers` per row (filtered rows bisect
-    over ``x``'s (B, >= n) logits in chunks of ``block``, default BLOCK_V) into tokens and log-probs."""
-    B, S = pf.shape[1], pf.shape[2]
-    _finish_kernel[(B,)](x, x.stride(0), n, *rows, pf, pi, tokens, logprobs, B, S, S_BLOCK=next_pow2(S),
-                         BLOCK=block or min(BLOCK_V, next_pow2(n)), FAST_LOG=not interpret_mode(),
-                         num_warps=NUM_WARPS)
+    fast_log = not interpret_mode()
+    _partials_kernel[(B, S)](x, x.stride(0), n, *rows, pf, pi, B, S, split_len, BLOCK=blk, FAST_LOG=fast_log,
+                             num_warps=NUM_WARPS)
+    _finish_kernel[(B,)](x, x.stride(0), n, *rows, pf, pi, tokens, logprobs, B, S,
+                         S_BLOCK=next_pow2(S), BLOCK=blk, FAST_LOG=fast_log, num_warps=NUM_WARPS)
+    return tokens, logprobs
 
 
 def sample_tokens(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None, backend: str = "auto",

@@ -35,6 +35,7 @@ import torch
 
 from megarl.kernels.feed_tokens import feed_tokens
 from megarl.kernels.host_copy import copy_words
+from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.pages import pages_for
 from megarl.rollout.stage import ForwardBatch
 
@@ -115,12 +116,11 @@ class GraphShared:
             getattr(self, name).copy_(getattr(rows, name)[: self.temperature.shape[0]])
         self.rows_seen = rows
 
-    def sample(self, normed: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
-        """(S, h) final-normed rows -> [tokens; log-probs] into ``out`` (2, S) fp32, under the static
-        sampling rows (the output layer and the sampler: `StageForward.sample`)."""
-        s = normed.shape[0]
-        self.engine.stage.sample(normed, self.temperature[:s], self.top_k[:s], self.top_p[:s], seeds, offsets,
-                                 out=out)
+    def sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+        """(S, V) logits -> [tokens; log-probs] into ``out`` (2, S) fp32, under the static sampling rows."""
+        s = logits.shape[0]
+        sample_tokens(logits, self.temperature[:s], self.top_k[:s], self.top_p[:s], seeds, offsets,
+                      vocab_size=self.engine.vocab_size, out=out)
 
     def _weight_pointers(self) -> list[int]:
         return [t.data_ptr() for t in self.engine.stage.parameters()]

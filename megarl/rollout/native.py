@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megarl.cli import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
+from megarl.kernels.sampling import sample_tokens
 from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
@@ -352,7 +353,7 @@ class NativeEngine:
         )
 
     def _forward(self, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor | None:
-        """This stage's forward and its pipeline p2p; the (S, h) final-normed sampled rows on the last stage."""
+        """This stage's forward and its pipeline p2p; (S, V_padded) logits of the sampled rows on the last stage."""
         x = self.receive_hidden(batch.input_ids.shape[0])
         return self.send_hidden(self.compute(batch, x, sample_rows))
 
@@ -370,16 +371,17 @@ class NativeEngine:
 
         x: (T, h) from the previous stage, or None to embed ``batch.input_ids``; sample_rows: (S,)
         rows whose logits are wanted, None for every row (a decode step). Returns the (T, h) output on
-        an inner stage; on the last, the (S, h) final-normed rows that sample (the output layer's input:
-        `sample` applies it), None if S = 0.
+        an inner stage, (S, V_padded) logits on the last (None if S = 0).
         """
         st = self.stage
         x = st.layers_forward(st.embed(batch.input_ids) if x is None else x, batch, self.cache)
-        if not self.groups.is_last_stage or sample_rows is None:
+        if not self.groups.is_last_stage:
             return x
+        if sample_rows is None:
+            return st.logits(x)
         if sample_rows.shape[0] == 0:  # a prefill chunk that completes no prompt
             return None
-        return x[sample_rows]
+        return st.logits(x[sample_rows])
 
     def send_hidden(self, out: torch.Tensor | None) -> torch.Tensor | None:
         """Inner stages pass ``out`` on (and return None); the last stage returns its logits."""
@@ -389,11 +391,12 @@ class NativeEngine:
         dist.send(out, group=g.pp, group_dst=g.pp_rank + 1)
         return None
 
-    def sample(self, normed: torch.Tensor, rows: "_SamplingRows", seeds, offsets):
-        s = normed.shape[0]
-        return self.stage.sample(normed, rows.temperature[:s], rows.top_k[:s], rows.top_p[:s], seeds, offsets)
+    def sample(self, logits: torch.Tensor, rows: "_SamplingRows", seeds, offsets):
+        s = logits.shape[0]
+        return sample_tokens(logits, rows.temperature[:s], rows.top_k[:s], rows.top_p[:s], seeds, offsets,
+                             vocab_size=self.vocab_size)
 
-    def _sample_and_share(self, normed, plan: StepPlan, rows: "_SamplingRows"):
+    def _sample_and_share(self, logits, plan: StepPlan, rows: "_SamplingRows"):
         """Last stage samples; its pipeline group receives tokens and log-probs (numpy, (S,))."""
         s = len(plan.sampled)
         if s == 0:
@@ -402,7 +405,7 @@ class NativeEngine:
         if self.groups.is_last_stage:
             seeds = torch.as_tensor(plan.seeds, device=self.device)
             offsets = torch.as_tensor(plan.offsets, device=self.device)
-            packed = torch.stack(self.sample(normed, rows.grow(s), seeds, offsets))
+            packed = torch.stack(self.sample(logits, rows.grow(s), seeds, offsets))
         return self.share(packed, s)
 
     def share(self, sampled: torch.Tensor | None, s: int) -> tuple[np.ndarray, np.ndarray]:

@@ -40,11 +40,9 @@ import torch.nn.functional as F
 from megarl.kernels.decode_plan import decode_plan
 from megarl.kernels.dispatch import choose
 from megarl.kernels.fc1_swiglu import fc1_silu_mul
-from megarl.kernels.head_sampling import sample_head
 from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode
 from megarl.kernels.rms_norm import add_rms_norm
 from megarl.kernels.rope_cache import rope_cache
-from megarl.kernels.sampling import sample_tokens
 from megarl.kernels.swiglu import silu_mul
 from megarl.rollout.split_linear import split_k_linear, split_parts
 
@@ -311,17 +309,6 @@ class StageForward:
         if self.tp is not None:
             dist.all_reduce(x, group=self.tp)
         return x
-
-    def sample(self, normed, temperature, top_k, top_p, seeds, offsets, out=None):
-        """(S, h) final-normed rows -> tokens (S,) int64, log-probs (S,) fp32: `sample_tokens` of their
-        logits (the row settings as it takes them; out as there). Without TP the output layer and the
-        sampler's first pass are one kernel where it fits (`sample_head`: the (S, V) logits are not read
-        back, the noise is hashed while the weights stream); with TP the gathered logits are sampled."""
-        if self.tp is None:
-            return sample_head(normed, self.head, temperature, top_k, top_p, seeds, offsets,
-                               vocab_size=self.vocab_size, out=out)
-        return sample_tokens(self.logits(normed), temperature, top_k, top_p, seeds, offsets,
-                             vocab_size=self.vocab_size, out=out)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """(S, h) final-normed hidden states (`layers_forward` on the last stage) -> (S, V_padded) logits
