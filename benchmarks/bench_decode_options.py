@@ -24,6 +24,8 @@
   `fc1_silu_mul`'s one kernel at some tiles; µs and the share of equal output elements.
 - norm: the add + RMSNorm after the split-K output projection and fc2 at M in {32, 128, 512}, the
   norm kernel's warps 1..16; µs per linear + norm and per norm alone.
+- logits: the output layer after the final norm at M in {32, 128, 512}: `F.linear` (cuBLAS, cuBLASLt) against
+  vocab slices written by `torch.mm` into one output; µs, bits equal, memsets.
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -231,6 +233,46 @@ def norm_rows():
     return rows
 
 
+def logits_forms():
+    """The logits GEMM (151,936 x 1,536) after the final add + RMSNorm: `F.linear` (at M = 128 cuBLAS picks a
+    cooperative 192 x 128 kernel that zeroes a workspace first: a memset and ~4 us of idle a step,
+    RESULTS.md session 24) against 2 or 3 vocab slices each written by `torch.mm` straight into its
+    columns of one (M, V) output (no copy), and `F.linear` under cuBLASLt: µs, bits equal, memsets."""
+    h, V = 1536, 151936
+    w = torch.randn(V, h, device=DEV, dtype=torch.bfloat16) * 0.05
+    norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
+
+    def sliced(k):
+        bounds = [V * i // k // 128 * 128 for i in range(k)] + [V]
+
+        def form(x):
+            out = x.new_empty(x.shape[0], V)
+            for a, b in zip(bounds, bounds[1:]):
+                torch.mm(x, w[a:b].t(), out=out[:, a:b])
+            return out
+        return form
+
+    forms = {("linear", "cublas"): lambda x: F.linear(x, w), ("linear", "cublaslt"): lambda x: F.linear(x, w),
+             ("2 slices", "cublas"): sliced(2), ("3 slices", "cublas"): sliced(3)}
+    rows = []
+    for m in (32, 128, 512):
+        parts = torch.randn(4, m, h, device=DEV)
+        res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+        x = add_rms_norm(parts, res, norm_w, 1e-6)[0]
+        torch.backends.cuda.preferred_blas_library("cublas")
+        want = F.linear(x, w)
+        for (name, lib), form in forms.items():
+            torch.backends.cuda.preferred_blas_library(lib)
+            fns = [lambda: form(add_rms_norm(parts, res, norm_w, 1e-6)[0])] * 4
+            us = graph_ms(fns) * 1e3
+            row = dict(op="norm+logits", form=name, blas=lib, M=m, us=us, equal=bool(torch.equal(form(x), want)),
+                       memsets=memsets_in(fns[:1]))
+            print(row, flush=True)
+            rows.append(row)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return rows
+
+
 def memsets_in(fns) -> int:
     """Memsets (and memset-like fill kernels) one pass over ``fns`` launches, by torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -341,6 +383,7 @@ def main():
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
                      "splitk": splitk_rows, "fc1": fc1_forms, "fc1-fused": fc1_fused_rows, "norm": norm_rows,
+                     "logits": logits_forms,
                      "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
