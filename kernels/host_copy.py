@@ -9,7 +9,8 @@ follows a kernel, or is followed by one, waits for the copy engine and back: 17.
 device time per step at B = 128 (H200, `bench_rollout.py --busy 128`, benchmarks/RESULTS.md,
 session 22), 0.8% of the step. Pinned host memory is mapped into the GPU's address space (CUDA's
 unified addressing), so a kernel reads or writes it directly over the bus: the boundary becomes
-two kernel launches between the graphs. The kernel moves 32-bit words, so any dtype whose size
+two kernel launches between the graphs (~2 us each): B = 128 2.29 -> 2.28 ms a step, B = 32
+1.74 -> 1.72 (RESULTS.md, session 24). The kernel moves 32-bit words, so any dtype whose size
 is a multiple of 4 bytes goes through (int64 inputs, int32 tables, fp32 tokens).
 
 On the GPU the host side of a pair must be pinned (checked). Elsewhere (CPU tensors, or a CUDA
