@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from megarl.kernels.dispatch import next_pow2, tl, triton
@@ -149,26 +148,6 @@ def decode_plan_ref(seq_lens: torch.Tensor, block_n: int, target: int, segments:
         if has_rem[b]:
             segs[rem_seg[b]] = torch.tensor([b, full[b] * c, tiles[b]])
     return torch.stack([first_full, full, rem_seg, tiles], 1).int(), segs.int().to(seq_lens.device)
-
-
-def decode_plan_host(seq_lens: np.ndarray, block_n: int, target: int, segments: int):
-    """`decode_plan_ref` in numpy, vectorized (the host's copy of a step's plan, made while the previous
-    step runs: `megarl/rollout/graphs.py`): (rows (B, 4), segments (S, 3)) int32, for B >= 1 rows."""
-    tiles = np.maximum((np.asarray(seq_lens, dtype=np.int64) + block_n - 1) // block_n, 1)
-    c = max(1, -(-int(tiles.sum()) // target))
-    full, has_rem = tiles // c, tiles % c > 0
-    first_full = np.cumsum(full) - full
-    n_full = int(full.sum())
-    rem_seg = np.where(has_rem, n_full + np.cumsum(has_rem) - has_rem, -1)
-    segs = np.zeros((segments, 3), dtype=np.int64)
-    segs[:, 0] = -1
-    owner = np.repeat(np.arange(tiles.shape[0]), full)  # full segment i belongs to row owner[i], its k-th
-    k = np.arange(n_full) - first_full[owner]
-    segs[:n_full] = np.stack([owner, k * c, (k + 1) * c], 1)
-    rem_rows = np.nonzero(has_rem)[0]
-    segs[rem_seg[rem_rows]] = np.stack([rem_rows, full[rem_rows] * c, tiles[rem_rows]], 1)
-    rows = np.stack([first_full, full, rem_seg, tiles], 1)
-    return rows.astype(np.int32), segs.astype(np.int32)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_segs", "target"])  # one compiled plan kernel for every batch

@@ -33,8 +33,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megarl.kernels.decode_plan import DecodeLaunch, DecodePlan, decode_launch, decode_plan_host
-from megarl.kernels.dispatch import HAS_TRITON
 from megarl.kernels.feed_tokens import feed_tokens
 from megarl.kernels.host_copy import copy_words
 from megarl.kernels.sampling import sample_tokens
@@ -134,57 +132,6 @@ class GraphShared:
                                "the graphs would read stale weights (set rollout.cuda_graphs=false)")
 
 
-class HostPlans:
-    """The decode attention's work plan of each replay (`decode_plan`: which program reads which key
-    tiles), made on the host from the step's lengths (`decode_plan_host`, numpy) while the previous step
-    runs, and copied in with the inputs: no one-program plan kernel at the start of every replay (3.4 us
-    a step at B = 128, RESULTS.md session 24). One static device buffer [rows (b, 4) | segments (S, 3)]
-    int32 and a pinned copy of it per staging set; sized at first use for the largest bucket."""
-
-    def __init__(self, engine, buckets: list[int], pin: bool):
-        self.engine, self.buckets, self.pin = engine, buckets, pin
-        self.launches: dict[int, DecodeLaunch] = {}
-        self.words = None  # device (capacity,) int32
-        self.staging: list[torch.Tensor] = []
-
-    def launch(self, b: int) -> DecodeLaunch:
-        """The kernel's launch shape at bucket b (from shapes alone)."""
-        if b not in self.launches:
-            self.launches[b] = decode_launch(b, self.engine.cache.keys(0), self.engine.max_len)
-        return self.launches[b]
-
-    def _words(self, b: int) -> int:
-        return 4 * b + 3 * self.launch(b).segments
-
-    def _ensure(self) -> None:
-        if self.words is None:
-            n = max(self._words(b) for b in self.buckets)
-            self.words = torch.zeros(n, dtype=torch.int32, device=self.engine.device)
-            self.staging = [host_buffer((n,), torch.int32, self.pin) for _ in range(2)]
-
-    def plan(self, b: int) -> DecodePlan:
-        """Views of the device buffer as bucket b's plan (what the graph reads)."""
-        self._ensure()
-        launch = self.launch(b)
-        return DecodePlan(launch, self.words[: 4 * b].view(b, 4),
-                          self.words[4 * b: self._words(b)].view(launch.segments, 3))
-
-    def staged(self, turn: int, lens: np.ndarray, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan of ``lens`` (b,) into staging set ``turn``: the (device, pinned) pair to copy."""
-        self._ensure()
-        launch, n = self.launch(b), self._words(b)
-        rows, segs = decode_plan_host(lens, launch.block_n, launch.target, launch.segments)
-        host = self.staging[turn]
-        host.numpy()[: 4 * b] = rows.ravel()
-        host.numpy()[4 * b: n] = segs.ravel()
-        return self.words[:n], host[:n]
-
-    def load_empty(self, b: int) -> None:
-        """The plan of b rows without keys into the device buffer now (a capture's warm-up reads it)."""
-        dst, src = self.staged(0, np.zeros(b, dtype=np.int64), b)
-        dst.copy_(src)
-
-
 class DecodeGraphs:
     """Lazily captured decode graphs of one engine, sharing one memory pool."""
 
@@ -211,8 +158,6 @@ class DecodeGraphs:
         stage = engine.stage  # with PP: hidden states in from the previous stage, out to the next
         self.hidden_in = torch.zeros(b, stage.hidden, dtype=stage.dtype, device=dev)
         self.hidden_out = torch.zeros_like(self.hidden_in)
-        # the Triton decode attention's plan comes in with the inputs (the torch path, CPU, needs none)
-        self.plans = HostPlans(engine, self.buckets, pin) if dev.type == "cuda" and HAS_TRITON else None
 
     @property
     def captured(self) -> bool:
@@ -231,8 +176,7 @@ class DecodeGraphs:
         src = f("src_rows")  # tokens still on the device: rows of the step that sampled them
         ids = feed_tokens(src, self.outputs, f("input_ids"))
         batch = ForwardBatch(ids, f("positions"), f("slot_mapping"), self.table[:b], f("seq_lens"),
-                             self.cu[: b + 1], 1, True, self.engine.max_len,
-                             decode_plan=self.plans.plan(b) if self.plans is not None else None)
+                             self.cu[: b + 1], 1, True, self.engine.max_len)
         engine = self.engine
         x = None if engine.groups.is_first_stage else self.hidden_in[:b]
         out = engine.compute(batch, x, None)  # every row samples
@@ -245,8 +189,6 @@ class DecodeGraphs:
         self.inputs.zero_()  # warm-up writes land in the scratch page
         self.table.zero_()
         self.hidden_in.zero_()
-        if self.plans is not None:
-            self.plans.load_empty(b)
         return self.shared.capture(lambda: self._body(b))
 
     def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
@@ -282,8 +224,7 @@ class DecodeGraphs:
             self._body(b)
 
     def _load(self, plan, rows, b: int) -> None:
-        """The step's inputs into the static buffers (padded rows zero): host fills, then one `copy_words`
-        of the inputs, the block table and (CUDA) the decode plan of the padded lengths."""
+        """The step's inputs into the static buffers (padded rows zero): two host fills, two copies."""
         n, width = len(plan.seqs), plan.block_table.shape[1]
         self.turn ^= 1  # the other set's copies may still be queued
         host, host_table, _ = (t.numpy() for t in self.staging[self.turn])
@@ -294,8 +235,5 @@ class DecodeGraphs:
         host[_SRC, n:b] = -1
         host_table[:b] = 0
         host_table[:n, :width] = plan.block_table
-        pairs = [(self.inputs, self.staging[self.turn][0]), (self.table[:b], self.staging[self.turn][1][:b])]
-        if self.plans is not None:
-            pairs.append(self.plans.staged(self.turn, host[_ROW_FIELDS.index("seq_lens"), :b], b))
-        copy_words(pairs)
+        copy_words([(self.inputs, self.staging[self.turn][0]), (self.table[:b], self.staging[self.turn][1][:b])])
         self.shared.load_sampling(rows)

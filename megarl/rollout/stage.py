@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.kernels.decode_plan import DecodePlan, decode_plan
+from megarl.kernels.decode_plan import decode_plan
 from megarl.kernels.dispatch import choose
 from megarl.kernels.fc1_swiglu import fc1_silu_mul
 from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode
@@ -66,7 +66,6 @@ class ForwardBatch:
     decode_rows: int = 0
     prefill_from: int = 0
     cu_prefill: Optional[torch.Tensor] = None  # (N + 1,) int32
-    decode_plan: Optional[DecodePlan] = None  # a decode step's attention plan made by the caller (the graphs)
 
 
 def prefill_cu(cu_seqlens_q, decoding: int):
@@ -258,8 +257,6 @@ class StageForward:
         """Per step, once: the decode kernel's work plan (`decode_plan`: which program reads which key
         tiles, so a ragged batch's long rows spread over several) for the decode rows — a decode step's
         all, a mixed step's first ones —, shared by every layer; None on the torch path (CPU)."""
-        if batch.decode_plan is not None:
-            return batch.decode_plan
         lens = batch.seq_lens if batch.decode else mixed[0][1] if mixed is not None else None
         if lens is None or lens.shape[0] == 0 or choose("auto", lens, k_cache) != "triton":
             return None
