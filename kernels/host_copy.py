@@ -65,13 +65,9 @@ def _check(pairs) -> None:
 
 
 def kernel_usable(pairs) -> bool:
-    """The Triton path: on the GPU every tensor is on CUDA or pinned; on CPU the interpreter."""
-    if not HAS_TRITON:
-        return False
+    """The kernel can run on the GPU: some tensor is on CUDA and every other one is pinned."""
     tensors = [t for pair in pairs for t in pair]
-    if any(t.is_cuda for t in tensors):
-        return all(t.is_cuda or t.is_pinned() for t in tensors)
-    return interpret_mode()
+    return HAS_TRITON and any(t.is_cuda for t in tensors) and all(t.is_cuda or t.is_pinned() for t in tensors)
 
 
 def copy_words_triton(pairs) -> None:
@@ -96,10 +92,11 @@ def copy_words(pairs, backend: str = "auto") -> None:
     _check(pairs)
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"copy_words: backend={backend!r}; expected auto, triton or torch")
-    if backend == "triton" and not kernel_usable(pairs):
+    on_gpu = kernel_usable(pairs)
+    if backend == "triton" and not (on_gpu or (interpret_mode() and not any(d.is_cuda for d, _ in pairs))):
         raise RuntimeError("copy_words: backend='triton' needs CUDA tensors and pinned host tensors "
                            "(or CPU tensors under TRITON_INTERPRET=1)")
-    if backend == "triton" or (backend == "auto" and kernel_usable(pairs) and not interpret_mode()):
+    if backend == "triton" or (backend == "auto" and on_gpu):
         copy_words_triton(pairs)
         return
     for dst, src in pairs:
