@@ -20,8 +20,9 @@
   max |diff| of layer 0 against the torch backend.
 - fc1: fc1 after its add + RMSNorm at M in {128, 256, 512} as `F.linear` under cuBLAS and cuBLASLt, a
   one-batch `bmm` and two halves: µs, bits equal to `F.linear`'s, memsets launched.
-- fc1-fused: fc1 + SwiGLU after the norm at M in {32, 64, 96, 128}: cuBLAS + `silu_mul` against
-  `fc1_silu_mul`'s one kernel at some tiles; µs and the share of equal output elements.
+- fc1-fused: fc1 + SwiGLU after the norm at M in {32, 64, 128}: cuBLAS + `silu_mul` against
+  `fc1_silu_mul`'s one kernel asking the L2 for 0..8 K steps of weights during the norm; µs and
+  the share of equal output elements.
 - norm: the add + RMSNorm after the split-K output projection and fc2 at M in {32, 128, 512}, the
   norm kernel's warps 1..16; µs per linear + norm and per norm alone.
 - logits: the output layer after the final norm at M in {32, 128, 512}: `F.linear` (cuBLAS, cuBLASLt) against
@@ -172,7 +173,8 @@ def fc1_forms():
 
 def fc1_fused_rows():
     """fc1 + SwiGLU after its add + RMSNorm: cuBLAS `F.linear` then `silu_mul` against
-    `fc1_silu_mul`'s one kernel at some of its tiles (`TILES`'s sweep), µs per
+    `fc1_silu_mul`'s one kernel at its tiles, asking the L2 for 0..8 K steps of its weights
+    before it waits for the norm (`PREFETCH_STEPS`'s sweep), µs per
     norm + fc1 + SwiGLU (4 weight copies rotating) and the share of output elements equal between
     the two."""
     from megarl.kernels.fc1_swiglu import fc1_silu_mul_triton
@@ -181,11 +183,11 @@ def fc1_fused_rows():
     h, n = 1536, 17920
     ws = [torch.randn(n, h, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
     norm_w = torch.ones(h, device=DEV, dtype=torch.bfloat16)
-    tiles = [(128, 0, 4, 8), (64, 16, 5, 4), (64, 8, 5, 4), (64, 16, 4, 4), (64, 16, 6, 4)]  # (BLOCK_N, TAIL, stages, warps)
     forms = {"cublas+silu_mul": lambda x, w: silu_mul(F.linear(x, w))}
-    forms.update({f"fc1_silu_mul {t}": lambda x, w, t=t: fc1_silu_mul_triton(x, w, t) for t in tiles})
+    forms.update({f"fc1_silu_mul prefetch {p}": lambda x, w, p=p: fc1_silu_mul_triton(x, w, prefetch=p)
+                  for p in (0, 1, 2, 4, 8)})  # K steps of weights asked of the L2 during the norm
     rows = []
-    for m in (32, 64, 96, 128):
+    for m in (32, 64, 128):
         parts = torch.randn(3, m, h, device=DEV)
         res = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
         x = add_rms_norm(parts, res, norm_w, 1e-6)[0]

@@ -37,6 +37,9 @@ from megarl.kernels.swiglu import silu_mul, silu_mul_rounded
 TILES = {16: (128, 0, 4, 8), 32: (128, 0, 4, 8), 64: (64, 16, 5, 4), 128: (64, 16, 5, 4)}
 BLOCK_K = 64
 MAX_ROWS = 128  # 256 rows run at half cuBLAS's speed
+# K steps of each program's weight rows asked of the L2 before ``gdc_wait``, i.e. while the norm before
+# fc1 still runs (HBM is idle then: the norm reads its inputs from the L2). Unmeasured yet.
+PREFETCH_STEPS = 4
 
 
 def fc1_silu_mul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -44,15 +47,36 @@ def fc1_silu_mul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _fc1_silu_mul_kernel(x_desc, w_desc, t_desc, out_ptr, M, F, K, stride_out, BLOCK_M: tl.constexpr,
+def _prefetch_l2(ptrs):
+    """Ask the L2 for the 128-byte lines at ptrs (a hint: nothing comes back to registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, n0, F, K, stride_w, WIDTH: tl.constexpr, ROWS: tl.constexpr, STEPS: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """The first STEPS K steps of the program's WIDTH gate rows and WIDTH up rows into the L2.
+    ROWS >= WIDTH is a power of two; rows past WIDTH (or past F) repeat the last one."""
+    r = tl.minimum(n0 + tl.minimum(tl.arange(0, ROWS), WIDTH - 1), F - 1).to(tl.int64)[:, None]  # (ROWS, 1)
+    k = tl.minimum(tl.arange(0, STEPS) * BLOCK_K, K - 1)[None, :]  # (1, STEPS): a line's first element
+    _prefetch_l2(w_ptr + r * stride_w + k)
+    _prefetch_l2(w_ptr + (r + F) * stride_w + k)
+
+
+@triton.jit
+def _fc1_silu_mul_kernel(x_desc, w_desc, t_desc, w_ptr, out_ptr, M, F, K, stride_w, stride_out, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, TAIL: tl.constexpr, TAIL_BOX: tl.constexpr, BLOCK_K: tl.constexpr,
-                         STAGES: tl.constexpr, F32_DOT: tl.constexpr, DEPENDENT: tl.constexpr):
+                         STAGES: tl.constexpr, F32_DOT: tl.constexpr, DEPENDENT: tl.constexpr,
+                         PREFETCH: tl.constexpr, PREFETCH_ROWS: tl.constexpr):
     """Program n: output columns [n0, n0 + BLOCK_N + TAIL), n0 = n * (BLOCK_N + TAIL): a BLOCK_N tile
     with the weights on the MMA's M side, and a TAIL tile (0, 8 or 16 columns) with the rows on it.
     The tail tile is TAIL_BOX >= 16 columns wide (tl.dot's least); columns past TAIL are the next
     program's (read, not stored). Gate rows past F read up rows, up rows past 2F read zeros: both
     masked on store."""
     n0 = tl.program_id(0) * (BLOCK_N + TAIL)
+    if PREFETCH > 0:  # weights do not depend on the norm: their first tiles move while it runs
+        _prefetch_rows(w_ptr, n0, F, K, stride_w, BLOCK_N + TAIL, PREFETCH_ROWS, PREFETCH, BLOCK_K)
     if DEPENDENT:  # launched before the previous kernel (the norm that writes x) ends: wait for its writes
         tl.extra.cuda.gdc_wait()
     gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # the output tile, transposed
@@ -97,22 +121,27 @@ def fits_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     return 0 < m <= MAX_ROWS and f > 0 and k % BLOCK_K == 0 and dense and half  # 8: TMA's 16 B
 
 
-def fc1_silu_mul_triton(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int] | None = None):
-    """The kernel at ``tiles`` = (BLOCK_N, TAIL, STAGES, NUM_WARPS) (default: `TILES` by row tile)."""
+def fc1_silu_mul_triton(x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int, int] | None = None,
+                        prefetch: int | None = None):
+    """The kernel at ``tiles`` = (BLOCK_N, TAIL, STAGES, NUM_WARPS) (default: `TILES` by row tile), asking
+    the L2 for ``prefetch`` K steps of its weights before it waits for x (default `PREFETCH_STEPS` when
+    launched as a dependent; 0 under the interpreter, which has no L2)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     (m, k), f = x.shape, w.shape[0] // 2
     block_m = max(16, next_pow2(m))
     block_n, tail, stages, num_warps = tiles or TILES[block_m]
     dependent = hopper_or_newer(x)  # programmatic dependent launch: the kernel's start overlaps the norm's
+    steps = (PREFETCH_STEPS if dependent else 0) if prefetch is None else prefetch
     out = x.new_empty((m, f))
     w_desc = TensorDescriptor.from_tensor(w, [block_n, BLOCK_K])
     tail_box = max(16, tail)
     t_desc = TensorDescriptor.from_tensor(w, [tail_box, BLOCK_K]) if tail else w_desc
     _fc1_silu_mul_kernel[(triton.cdiv(f, block_n + tail),)](
-        TensorDescriptor.from_tensor(x, [block_m, BLOCK_K]), w_desc, t_desc, out, m, f, k, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, TAIL=tail, TAIL_BOX=tail_box, BLOCK_K=BLOCK_K, STAGES=stages,
-        F32_DOT=f32_dot(x.dtype), DEPENDENT=dependent, num_warps=num_warps, launch_pdl=dependent)
+        TensorDescriptor.from_tensor(x, [block_m, BLOCK_K]), w_desc, t_desc, w, out, m, f, k, w.stride(0),
+        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, TAIL=tail, TAIL_BOX=tail_box, BLOCK_K=BLOCK_K, STAGES=stages,
+        F32_DOT=f32_dot(x.dtype), DEPENDENT=dependent, PREFETCH=steps, PREFETCH_ROWS=next_pow2(block_n + tail),
+        num_warps=num_warps, launch_pdl=dependent)
     return out
 
 
