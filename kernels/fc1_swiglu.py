@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
+from megarl.kernels.l2_prefetch import prefetch_l2
 from megarl.kernels.paged_decode import f32_dot
 from megarl.kernels.swiglu import silu_mul, silu_mul_rounded
 
@@ -38,19 +39,15 @@ TILES = {16: (128, 0, 4, 8), 32: (128, 0, 4, 8), 64: (64, 16, 5, 4), 128: (64, 1
 BLOCK_K = 64
 MAX_ROWS = 128  # 256 rows run at half cuBLAS's speed
 # K steps of each program's weight rows asked of the L2 before ``gdc_wait``, i.e. while the norm before
-# fc1 still runs (HBM is idle then: the norm reads its inputs from the L2). Unmeasured yet.
-PREFETCH_STEPS = 4
+# fc1 still runs (HBM is idle then: the norm reads its inputs from the L2). H200, 2026-12-04
+# (`bench_decode_options.py --parts fc1-fused`, µs per norm + fc1 + SwiGLU at M = 32 / 64 / 128), steps
+# 0: 19.48 / 19.87 / 22.84, 1: 18.85 / 19.46 / 22.17, 2: 19.03 / 19.43 / 22.22, 4: 19.62 / 19.96 / 23.25,
+# 8: 20.28 / 20.84 / 24.70.
+PREFETCH_STEPS = 1
 
 
 def fc1_silu_mul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return silu_mul(F.linear(x, w), backend="torch")
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask the L2 for the 128-byte lines at ptrs (a hint: nothing comes back to registers)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -60,8 +57,8 @@ def _prefetch_rows(w_ptr, n0, F, K, stride_w, WIDTH: tl.constexpr, ROWS: tl.cons
     ROWS >= WIDTH is a power of two; rows past WIDTH (or past F) repeat the last one."""
     r = tl.minimum(n0 + tl.minimum(tl.arange(0, ROWS), WIDTH - 1), F - 1).to(tl.int64)[:, None]  # (ROWS, 1)
     k = tl.minimum(tl.arange(0, STEPS) * BLOCK_K, K - 1)[None, :]  # (1, STEPS): a line's first element
-    _prefetch_l2(w_ptr + r * stride_w + k)
-    _prefetch_l2(w_ptr + (r + F) * stride_w + k)
+    prefetch_l2(w_ptr + r * stride_w + k)
+    prefetch_l2(w_ptr + (r + F) * stride_w + k)
 
 
 @triton.jit
