@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
-from megarl.kernels.l2_prefetch import LINE, prefetch_share
 
 
 def sum_parts_ref(parts, dtype):
@@ -51,13 +50,11 @@ def add_rms_norm_torch(x, residual, weight, eps: float):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, stride_part, stride_r, stride_y,
-                         stride_s, pf_ptr, pf_lines, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr,
-                         BLOCK: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr):
+                         stride_s, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                         EARLY: tl.constexpr):
     row = tl.program_id(0)
     if EARLY:  # a successor launched as a dependent (`fc1_silu_mul`) may start now; it waits for our writes
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH > 0:  # the next linear's weights into the L2 while HBM idles (this kernel reads the L2)
-        prefetch_share(pf_ptr, pf_lines, row, tl.num_programs(0), PREFETCH)
     cols = tl.arange(0, BLOCK)
     ok = cols < h
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -88,7 +85,7 @@ def norm_warps(rows: int, block: int, num_warps: int | None = None) -> int:
     return num_warps or max(1, min(16, block // (128 if rows <= FEW_ROWS else 256)))
 
 
-def add_rms_norm_triton(x, residual, weight, eps: float, num_warps: int | None = None, prefetch=None):
+def add_rms_norm_triton(x, residual, weight, eps: float, num_warps: int | None = None):
     parts = x.shape[0] if x.dim() == 3 else 0
     t, h = x.shape[-2:]
     like = x if residual is None else residual
@@ -97,30 +94,22 @@ def add_rms_norm_triton(x, residual, weight, eps: float, num_warps: int | None =
     if t:
         r = residual if residual is not None else x
         block = next_pow2(h)
-        warps = norm_warps(t, block, num_warps)
-        ask = prefetch is not None and x.is_cuda  # the interpreter has no L2 to ask
-        pf = prefetch.view(-1).view(torch.uint8) if ask else x
         _add_rms_norm_kernel[(t,)](x, r, weight, y, s, h, eps, x.stride(-2), x.stride(0) if parts else 0,
-                                   r.stride(0), y.stride(0), s.stride(0), pf, pf.numel() // LINE if ask else 0,
-                                   HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=block,
-                                   EARLY=hopper_or_newer(x), PREFETCH=32 * warps if ask else 0, num_warps=warps)
+                                   r.stride(0), y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
+                                   PARTS=parts, BLOCK=block, EARLY=hopper_or_newer(x),
+                                   num_warps=norm_warps(t, block, num_warps))
     return y, s
 
 
-def add_rms_norm(x, residual, weight, eps: float, backend: str = "auto", prefetch=None):
+def add_rms_norm(x, residual, weight, eps: float, backend: str = "auto"):
     """(y, s) = (RMSNorm(residual + x), residual + x); see the module docstring.
 
-    x: (T, h), or (S, T, h) fp32 partial sums of one linear's output (then a residual is needed).
-    prefetch: a contiguous tensor the next kernels will read (the next linear's weight): on the GPU the
-    norm's programs ask the L2 for its bytes while they run (`l2_prefetch.py`); ignored elsewhere."""
+    x: (T, h), or (S, T, h) fp32 partial sums of one linear's output (then a residual is needed)."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("add_rms_norm: rows must be contiguous in the last dim")
     if x.dim() == 3 and (residual is None or x.dtype != torch.float32 or x.shape[1:] != residual.shape):
         raise ValueError(f"add_rms_norm: partial sums (S, T, h) must be fp32 beside a (T, h) residual; got x "
                          f"{tuple(x.shape)} {x.dtype}, residual {None if residual is None else tuple(residual.shape)}")
     tensors = (x, weight) if residual is None else (x, residual, weight)
-    impl = {"triton": add_rms_norm_triton, "torch": add_rms_norm_torch, "ref": add_rms_norm_ref}[
-        choose(backend, *tensors)]
-    if impl is add_rms_norm_triton:
-        return impl(x, residual, weight, eps, prefetch=prefetch)
-    return impl(x, residual, weight, eps)
+    impl = {"triton": add_rms_norm_triton, "torch": add_rms_norm_torch, "ref": add_rms_norm_ref}
+    return impl[choose(backend, *tensors)](x, residual, weight, eps)

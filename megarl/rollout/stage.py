@@ -197,12 +197,9 @@ class StageForward:
         stream, or on the last stage its final norm (the head's input, every row: a norm is per row).
 
         The residual stream and the next norm's output come from one fused add + RMSNorm
-        (``megarl.kernels.rms_norm``), the same numbers as ``x = x + f(x); h = rms_norm(x)``. On decode
-        steps the norm before each QKV projection asks the L2 for that projection's weights while it
-        runs (on the GPU; `l2_prefetch.py`).
+        (``megarl.kernels.rms_norm``), the same numbers as ``x = x + f(x); h = rms_norm(x)``.
         """
-        qkv = [lw.qkv if batch.decode else None for lw in self.layers] + [None]  # asked of the L2 by the norm before
-        h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps, prefetch=qkv[0])
+        h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
         mixed = self._mixed_rows(batch)
         plan = self._decode_plan(batch, mixed, cache.keys(0))
         for i, lw in enumerate(self.layers):
@@ -212,7 +209,7 @@ class StageForward:
             mlp = self._mlp(h, lw, batch.decode, split=batch.decode and norm is not None)  # split: summed by the norm
             if norm is None:  # an inner pipeline stage's last layer: the residual stream goes on
                 return residual + mlp
-            h, residual = add_rms_norm(mlp, residual, norm, self.eps, prefetch=qkv[i + 1])
+            h, residual = add_rms_norm(mlp, residual, norm, self.eps)
         return h
 
     def _attention(self, h, lw: LayerWeights, batch: ForwardBatch, k_cache, v_cache, mixed=None, plan=None):
