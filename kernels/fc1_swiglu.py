@@ -14,7 +14,10 @@ one MMA tile wide; the TAIL tile (rows on the M side) lets a program's width be 
 64 + 16 columns give 112 programs at F = 8,960 instead of 70 (128) or 140 (64, a second wave).
 On Hopper it is launched as a programmatic dependent of the add + RMSNorm before it (which lets its
 dependents start at once, `rms_norm.py`): its programs are placed and set up while the norm runs,
-and wait at ``gdc_wait`` for the norm's writes (B = 128 decode loop 2.31 -> 2.29 ms a step).
+and wait at ``gdc_wait`` for the norm's writes (B = 128 decode loop 2.31 -> 2.29 ms a step). Before
+that wait they ask the L2 for the first K step of their weight rows (`PREFETCH_STEPS`): the weights
+never depend on the norm, and HBM idles while it runs (it reads its inputs from the L2), so the
+loop's first loads find them there (B = 128 loop 2.27 -> 2.25 ms a step, RESULTS.md session 25).
 Against cuBLAS's fc1 then `silu_mul` (H200, the 1.5B shape, after the norm, weights past the L2,
 µs): M = 32 22.1 -> 19.8, 64 23.5 -> 20.0, 96 23.3 -> 23.2, 128 24.9 -> 23.5; 256 30.0 -> 59.6
 (one row tile no longer fits the registers), so above `MAX_ROWS` (and for shapes the kernel does
@@ -26,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from megarl.kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
-from megarl.kernels.l2_prefetch import prefetch_l2
 from megarl.kernels.paged_decode import f32_dot
 from megarl.kernels.swiglu import silu_mul, silu_mul_rounded
 
@@ -51,14 +53,22 @@ def fc1_silu_mul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask the L2 for the 128-byte lines holding ptrs: a hint (`prefetch.global.L2`) that brings nothing
+    back to registers and never faults. GPU only: the interpreter runs no inline assembly."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _prefetch_rows(w_ptr, n0, F, K, stride_w, WIDTH: tl.constexpr, ROWS: tl.constexpr, STEPS: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """The first STEPS K steps of the program's WIDTH gate rows and WIDTH up rows into the L2.
     ROWS >= WIDTH is a power of two; rows past WIDTH (or past F) repeat the last one."""
     r = tl.minimum(n0 + tl.minimum(tl.arange(0, ROWS), WIDTH - 1), F - 1).to(tl.int64)[:, None]  # (ROWS, 1)
     k = tl.minimum(tl.arange(0, STEPS) * BLOCK_K, K - 1)[None, :]  # (1, STEPS): a line's first element
-    prefetch_l2(w_ptr + r * stride_w + k)
-    prefetch_l2(w_ptr + (r + F) * stride_w + k)
+    _prefetch_l2(w_ptr + r * stride_w + k)
+    _prefetch_l2(w_ptr + (r + F) * stride_w + k)
 
 
 @triton.jit

@@ -55,6 +55,18 @@ def test_every_tile_equals_the_spec(tiles):
     _check(fc1_silu_mul_triton(x, w, tiles), fc1_silu_mul_ref(x, w))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the L2 prefetch is inline PTX: GPU only")
+@pytest.mark.parametrize("steps", [0, 1, 2, 8])
+def test_weights_asked_of_the_l2_change_no_bits(steps):
+    """The prefetch before ``gdc_wait`` is a hint: every depth (8 steps reach past a short K) gives
+    the same output as none."""
+    x, w = _inputs(MAX_ROWS, *SHAPE, seed=2)
+    want = fc1_silu_mul_triton(x, w, prefetch=0)
+    assert torch.equal(fc1_silu_mul_triton(x, w, prefetch=steps), want)
+    _check(want, fc1_silu_mul_ref(x, w))
+
+
 @pytest.mark.parametrize("case", ["rows", "depth", "fp32", "strided"])
 def test_outside_the_kernel_runs_the_two_ops(case):
     """More rows than MAX_ROWS, K not a multiple of BLOCK_K, fp32 (TF32 in the kernel), rows not
