@@ -186,6 +186,9 @@ def fc1_fused_rows():
     forms = {"cublas+silu_mul": lambda x, w: silu_mul(F.linear(x, w))}
     forms.update({f"fc1_silu_mul prefetch {p}": lambda x, w, p=p: fc1_silu_mul_triton(x, w, prefetch=p)
                   for p in (0, 1, 2, 4, 8)})  # K steps of weights asked of the L2 during the norm
+    tiles = [(128, 0, 4, 8), (64, 16, 5, 4), (64, 16, 4, 4), (64, 16, 6, 4), (64, 8, 5, 4)]  # (BLOCK_N, TAIL, stages, warps)
+    forms.update({f"fc1_silu_mul {t} prefetch 1": lambda x, w, t=t: fc1_silu_mul_triton(x, w, t, prefetch=1)
+                  for t in tiles})
     rows = []
     for m in (32, 64, 128):
         parts = torch.randn(3, m, h, device=DEV)

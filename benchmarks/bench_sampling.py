@@ -104,14 +104,16 @@ def _fmt(r):
 
 
 def _sweep(reps):
-    """Tuning evidence for sampling.py's constants: graph ms per setting at the benchmark shapes."""
+    """Tuning evidence for sampling.py's first-launch constants (the second keeps FINISH_*): graph ms per
+    setting at the benchmark shapes."""
     mod = importlib.import_module("megarl.kernels.sampling")
     saved = {k: getattr(mod, k) for k in ("BLOCK_V", "NUM_WARPS", "SPLIT_CHUNKS")}
     grid = [dict(BLOCK_V=b, NUM_WARPS=w, SPLIT_CHUNKS=c) for b, w, c in [(1024, 4, 16), (2048, 4, 8), (2048, 8, 8),
                                                                        (4096, 8, 4), (4096, 16, 4), (8192, 16, 2)]]
-    grid += [dict(BLOCK_V=4096, NUM_WARPS=8, SPLIT_CHUNKS=c) for c in (1, 2, 8, 64)]
+    grid += [dict(BLOCK_V=4096, NUM_WARPS=8, SPLIT_CHUNKS=c) for c in (1, 2, 3, 5, 8, 64)]
+    grid += [dict(BLOCK_V=2048, NUM_WARPS=w, SPLIT_CHUNKS=c) for w, c in ((4, 2), (4, 4), (8, 2), (8, 4))]
     out = []
-    for B in (32, 512):
+    for B in (32, 128, 512):
         for setting in ("plain", "top_p0.9"):
             logits, rows, _ = _inputs(B, 151936, torch.bfloat16, setting, 4 if B == 32 else 1)
             for cfg in grid:

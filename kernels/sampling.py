@@ -50,21 +50,24 @@ import torch
 from megarl.kernels.dispatch import choose, interpret_mode, libdevice, next_pow2, tl, triton
 from megarl.kernels.sampling_noise import noise_i32, row_keys, row_keys_ref, to_i32, uniform, uniform_noise_ref, weyl_i32
 
-# Vocab chunk per loop step and warps per program. H200 sweep (bf16, V=151936, CUDA-graph ms,
-# `bench_sampling.py --sweep`, 2026-12-01), BLOCK_V/NUM_WARPS at 4 programs per SM:
-#   plain  B=32:  2048/4 .031  4096/8 .030  8192/8 .051  8192/16 .038
-#   plain  B=512: 2048/4 .387  4096/8 .358  8192/8 .603  8192/16 .443
-#   top-p  B=32:  2048/4 1.51  4096/8 0.92  8192/8 0.83  8192/16 0.66
-#   top-p  B=512: 2048/4 2.61  4096/8 2.70  8192/8 3.40  8192/16 2.64
-# 4096/8 is best on plain sampling, the common RL case; top-p rows would prefer 8192/16 at small B.
-BLOCK_V = 4096
-NUM_WARPS = 8
-# Chunks per program in the first launch: a row is split into cdiv(n, SPLIT_CHUNKS * BLOCK_V)
-# slices, from the vocab size alone, so a row's partials (and the order they merge in) never
-# depend on the batch: tokens and logprobs are bit-identical alone or in any batch. V=151936
-# -> 10 slices. Evidence (same sweep, plain, where the split came from B instead): B=32 with
-# 5/8/13/19 slices .038/.030/.030/.029 ms; B=512 with 1/2/3 slices .384/.358/.351 ms.
+# Vocab chunk per loop step and warps per program of the first launch (`_partials_kernel`), and its
+# chunks per program: a row is split into cdiv(n, SPLIT_CHUNKS * BLOCK_V) slices, from the vocab size
+# alone, so a row's partials (and the order they merge in) never depend on the batch: tokens and
+# logprobs are bit-identical alone or in any batch. H200 sweep (bf16, V = 151,936, CUDA-graph µs,
+# `bench_sampling.py --sweep`, 2026-12-04, fast logs), plain sampling at B = 32 / 128 / 512,
+# BLOCK_V/NUM_WARPS/SPLIT_CHUNKS:
+#   2048/4/4 (19 slices) 17.2 / 47.4 / 163   2048/4/2 17.9 / 48.4 / 169   2048/4/8 24.2 / 54.1 / 162
+#   2048/8/4 18.2 / 53.3 / 192   4096/8/4 (10 slices; before) 19.6 / 52.0 / 192   4096/8/2 17.5 / 55.0 / 199
+#   4096/8/5 19.0 / 52.4 / 192   4096/16/4 23.6 / 61.5 / 236   1024/4/16 29.2 / 55.7 / 176
+BLOCK_V = 2048
+NUM_WARPS = 4
 SPLIT_CHUNKS = 4
+# The second launch (`_finish_kernel`): one program per row; filtered rows bisect over the whole row
+# there, so it wants wide chunks. Same sweep, top_p = 0.9 at B = 32 / 128 / 512, ms (the first
+# launch's share is < 0.07): 8192/16 0.63 / 0.66 / 2.52, 4096/16 0.77 / 0.80 / 2.32, 4096/8 0.89 /
+# 0.91 / 2.58, 2048/8 1.05 / 1.08 / 2.12, 2048/4 1.44 / 1.48 / 2.45.
+FINISH_BLOCK_V = 8192
+FINISH_WARPS = 16
 # torch backend: rows per chunk so an (R, n) fp32 temporary is <= 2^22 elements (16 MiB); the
 # hash runs on row blocks of <= 2^20 elements (4 MiB int32). 2-core EPYC, B=64, V=151936, plain,
 # hash blocks of 2^16/2^18/2^20/2^22 elements: 96/87/82/83 ms (1 thread: 133/113/107/174).
@@ -405,7 +408,7 @@ def _split_len(n: int, block: int, splits=None) -> int:
 
 def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, vocab_size=None,
                          block=None, splits=None, out=None):
-    """Triton: two launches, no host sync. block / splits override BLOCK_V and the row split (tests);
+    """Triton: two launches, no host sync. block / splits override both launches' chunk and the row split (tests);
     out as in `sample_tokens` (the second launch stores there: no copies after it)."""
     B, n = logits.shape[0], logits.shape[1] if vocab_size is None else vocab_size
     dev = logits.device
@@ -418,6 +421,7 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, voca
     if B == 0:
         return tokens, logprobs
     blk = block or min(BLOCK_V, next_pow2(n))
+    finish_blk = block or min(FINISH_BLOCK_V, next_pow2(n))
     split_len = _split_len(n, blk, splits)
     S = triton.cdiv(n, split_len)
     pf = torch.empty(3, B, S, dtype=torch.float32, device=dev)
@@ -428,7 +432,7 @@ def sample_tokens_triton(logits, temperature, top_k, top_p, seeds, offsets, voca
     _partials_kernel[(B, S)](x, x.stride(0), n, *rows, pf, pi, B, S, split_len, BLOCK=blk, FAST_LOG=fast_log,
                              num_warps=NUM_WARPS)
     _finish_kernel[(B,)](x, x.stride(0), n, *rows, pf, pi, tokens, logprobs, B, S,
-                         S_BLOCK=next_pow2(S), BLOCK=blk, FAST_LOG=fast_log, num_warps=NUM_WARPS)
+                         S_BLOCK=next_pow2(S), BLOCK=finish_blk, FAST_LOG=fast_log, num_warps=FINISH_WARPS)
     return tokens, logprobs
 
 
