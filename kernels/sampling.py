@@ -39,10 +39,11 @@ Kernels (no host sync, outputs sized from shapes: CUDA-graph capturable).
   size: tests/test_kernel_sampling.py, B = 512 in benchmarks/RESULTS.md).
 The torch backend vectorizes the same steps (topk, and a histogram for flat
 top-p rows, for the thresholds; the int32 hash) and gives the ref's tokens.
-Measured (H200, V=151936, bf16 logits, CUDA graph, 2026-12-03): plain sampling
-B = 32 / 128 / 512 in 20 / 53 / 191 us (with correctly rounded logs 34 / 90 / 335),
-greedy 13 / 35 / 120 us; filtered rows are single-program bisections: top_p=0.9
-1.75 / 5.4 ms fp32 at B = 32 / 512 (torch sort + multinomial 1.05 / 10.2 ms).
+Measured (H200, V=151936, bf16 logits, CUDA graph, 2026-12-04): plain sampling
+B = 32 / 128 / 512 in 17 / 47 / 163 us (with correctly rounded logs and 4096-column
+chunks 34 / 90 / 335), greedy 13 / 35 / 120 us (2026-12-03); filtered rows are
+single-program bisections: top_p=0.9 in bf16 0.63 / 0.66 / 2.5 ms at B = 32 / 128 / 512
+(fp32, 2026-12-03: torch sort + multinomial 1.05 / 10.2 ms at B = 32 / 512).
 `benchmarks/bench_sampling.py` has the full table.
 """
 import torch
