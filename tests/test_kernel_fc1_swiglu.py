@@ -59,8 +59,7 @@ def test_every_tile_equals_the_spec(tiles):
 @pytest.mark.skipif(DEVICE != "cuda", reason="the L2 prefetch is inline PTX: GPU only")
 @pytest.mark.parametrize("steps", [0, 1, 2, 8])
 def test_weights_asked_of_the_l2_change_no_bits(steps):
-    """The prefetch before ``gdc_wait`` is a hint: every depth (8 steps reach past a short K) gives
-    the same output as none."""
+    """The prefetch before ``gdc_wait`` is a hint: every depth gives the same output as none."""
     x, w = _inputs(MAX_ROWS, *SHAPE, seed=2)
     want = fc1_silu_mul_triton(x, w, prefetch=0)
     assert torch.equal(fc1_silu_mul_triton(x, w, prefetch=steps), want)
