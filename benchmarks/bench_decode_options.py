@@ -27,10 +27,6 @@
   norm kernel's warps 1..16; µs per linear + norm and per norm alone.
 - logits: the output layer after the final norm at M in {32, 128, 512}: `F.linear` (cuBLAS, cuBLASLt) against
   vocab slices written by `torch.mm` into one output; µs, bits equal, memsets.
-- overlap: 28 layers' attention (B = 512, 384 keys) and linears (QKV, output projection, fc1, fc2) in
-  one graph: one batch in sequence, two halves of 256 rows in sequence, and two halves overlapped
-  (one half's attention on a side stream beside the other half's linears, as a two-batch-overlap
-  step would run them), with cuBLAS / cuBLASLt told to leave 0..48 SMs to the attention; ms a step.
 - sampling: the fused sampler (plain at temperature 1, and greedy; V = 151,936, bf16 logits) against
   its byte floor, and how many tokens equal the torch backend's.
 Prints one line per measurement and writes them all to --out. To compare two trees in one device
@@ -379,93 +375,6 @@ def step_attention_rows(orders: tuple[str, ...] = (), fills: tuple[float, ...] =
     return rows
 
 
-def overlap_rows():
-    """Two-batch overlap of a B = 512 decode step, measured without the engine (module docstring)."""
-    torch.manual_seed(0)
-    B, keys, layers, max_k, h = 512, 384, 28, 640, 1536
-    g, width = HQ // HKV, -(-max_k // PAGE)
-    shapes = {"qkv": (2048, h), "proj": (h, h), "fc1": (17920, h), "fc2": (h, 8960)}
-    ws = [{n: torch.randn(*s, device=DEV, dtype=torch.bfloat16) * 0.02 for n, s in shapes.items()}
-          for _ in range(layers)]
-    bias = torch.randn(2048, device=DEV, dtype=torch.bfloat16) * 0.1
-    caches = [(torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16),
-               torch.randn(1 + B * width, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)) for _ in range(layers)]
-    table = page_table(B, width, "random")
-    lens = torch.full((B,), keys, dtype=torch.int32, device=DEV)
-    pos = (lens - 1).long()
-    slot = table.gather(1, (pos // PAGE)[:, None])[:, 0].long() * PAGE + pos % PAGE
-    cos = torch.randn(4096, D, device=DEV, dtype=torch.bfloat16)
-    sin = torch.randn_like(cos)
-    qkv_rows = torch.randn(B, 2048, device=DEV, dtype=torch.bfloat16) * 0.3
-    x = torch.randn(B, h, device=DEV, dtype=torch.bfloat16)
-    u = torch.randn(B, 8960, device=DEV, dtype=torch.bfloat16)
-    whole, halves = [slice(0, B)], [slice(0, B // 2), slice(B // 2, B)]
-    side = torch.cuda.Stream()
-
-    def attention(layer, rows, plans):
-        kc, vc = caches[layer]
-        PD.rope_paged_decode(qkv_rows[rows], cos, sin, pos[rows], slot[rows], kc, vc, table[rows], lens[rows],
-                             SCALE, g, max_seqlen_k=max_k, bias=bias, plan=plans[rows.start])
-
-    def linears(layer, rows):
-        w = ws[layer]
-        F.linear(x[rows], w["proj"])
-        F.linear(x[rows], w["fc1"])
-        F.linear(u[rows], w["fc2"])
-        F.linear(x[rows], w["qkv"], bias)
-
-    def make_plans(parts):
-        return {r.start: decode_plan(lens[r], caches[0][0], max_k) for r in parts}
-
-    def in_sequence(parts):
-        plans = make_plans(parts)
-        for layer in range(layers):
-            for r in parts:
-                attention(layer, r, plans)
-                linears(layer, r)
-
-    def overlapped():  # half A's linears beside half B's attention, then B's linears beside A's next attention
-        plans, (a, b) = make_plans(halves), halves
-        attention(0, a, plans)
-        main = torch.cuda.current_stream()
-        for layer in range(layers):
-            for mine, theirs, their_layer in ((a, b, layer), (b, a, layer + 1)):
-                side.wait_stream(main)
-                if their_layer < layers:
-                    with torch.cuda.stream(side):
-                        attention(their_layer, theirs, plans)
-                linears(layer, mine)
-                main.wait_stream(side)
-
-    def attention_only(parts):
-        plans = make_plans(parts)
-        for layer in range(layers):
-            for r in parts:
-                attention(layer, r, plans)
-
-    rows = []
-    for name, fn in (("attention 512", lambda: attention_only(whole)),
-                     ("attention 2 x 256", lambda: attention_only(halves)),
-                     ("linears 512", lambda: [linears(i, whole[0]) for i in range(layers)]),
-                     ("linears 2 x 256", lambda: [linears(i, r) for i in range(layers) for r in halves]),
-                     ("one batch", lambda: in_sequence(whole)), ("two halves in sequence", lambda: in_sequence(halves))):
-        row = dict(schedule=name, ms=graph_ms([fn], reps=5))
-        print(row, flush=True)
-        rows.append(row)
-    for lib in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(lib)
-        for carveout in (0, 16, 32, 48):
-            torch._C._set_sm_carveout_experimental(carveout or None)
-            alone = graph_ms([lambda: [linears(i, r) for i in range(layers) for r in halves]], reps=5)
-            row = dict(schedule="two halves overlapped", lib=lib, sm_carveout=carveout,
-                       ms=graph_ms([overlapped], reps=5), linears_alone_ms=alone)
-            print(row, flush=True)
-            rows.append(row)
-    torch._C._set_sm_carveout_experimental(None)
-    torch.backends.cuda.preferred_blas_library("cublas")
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -479,7 +388,7 @@ def main():
     for part in a.parts.split(","):
         out[part] = {"attention": attention_rows, "gemm": gemm_rows, "sampling": sampling_rows,
                      "splitk": splitk_rows, "fc1": fc1_forms, "fc1-fused": fc1_fused_rows, "norm": norm_rows,
-                     "logits": logits_forms, "overlap": overlap_rows,
+                     "logits": logits_forms,
                      "step-attention": lambda: step_attention_rows(orders, fills)}[part]()
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
