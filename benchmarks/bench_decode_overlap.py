@@ -110,8 +110,8 @@ def overlapped(s: Step, side: torch.cuda.Stream):
             main.wait_stream(side)
 
 
-def measure(**row) -> dict:
-    fn = row.pop("fn")
+def measure(fn, **row) -> dict:
+    """row with the ms of one graph replay of fn, printed."""
     row["ms"] = graph_ms([fn], reps=5)
     print(row, flush=True)
     return row
@@ -119,19 +119,19 @@ def measure(**row) -> dict:
 
 def overlap_rows() -> list[dict]:
     s, side = make_step(), torch.cuda.Stream()
-    rows = [measure(schedule="attention 512", fn=lambda: in_sequence(s, WHOLE, with_linears=False)),
-            measure(schedule="attention 2 x 256", fn=lambda: in_sequence(s, HALVES, with_linears=False)),
-            measure(schedule="linears 512", fn=lambda: in_sequence(s, WHOLE, with_attention=False)),
-            measure(schedule="linears 2 x 256", fn=lambda: in_sequence(s, HALVES, with_attention=False)),
-            measure(schedule="one batch", fn=lambda: in_sequence(s, WHOLE)),
-            measure(schedule="two halves in sequence", fn=lambda: in_sequence(s, HALVES))]
+    rows = [measure(lambda: in_sequence(s, WHOLE, with_linears=False), schedule="attention 512"),
+            measure(lambda: in_sequence(s, HALVES, with_linears=False), schedule="attention 2 x 256"),
+            measure(lambda: in_sequence(s, WHOLE, with_attention=False), schedule="linears 512"),
+            measure(lambda: in_sequence(s, HALVES, with_attention=False), schedule="linears 2 x 256"),
+            measure(lambda: in_sequence(s, WHOLE), schedule="one batch"),
+            measure(lambda: in_sequence(s, HALVES), schedule="two halves in sequence")]
     for lib in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(lib)
         for carveout in (0, 16, 32, 48):
             torch._C._set_sm_carveout_experimental(carveout or None)
             alone = graph_ms([lambda: in_sequence(s, HALVES, with_attention=False)], reps=5)
-            rows.append(measure(schedule="two halves overlapped", lib=lib, sm_carveout=carveout,
-                                linears_alone_ms=alone, fn=lambda: overlapped(s, side)))
+            rows.append(measure(lambda: overlapped(s, side), schedule="two halves overlapped", lib=lib,
+                                sm_carveout=carveout, linears_alone_ms=alone))
     torch._C._set_sm_carveout_experimental(None)
     torch.backends.cuda.preferred_blas_library("cublas")
     return rows
