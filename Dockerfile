@@ -52,7 +52,7 @@ RUN pip install -e . \
 RUN if [ "$WITH_SGLANG" = 1 ]; then PIP_CONSTRAINT="" pip install "$SGLANG_SPEC"; fi
 
 # Smoke test: imports, the entry script's --help, and which extras the image has.
-RUN python -c "import importlib.util as u, torch, megatron.core, megarl.kernels, mpi4py; \
+RUN python -c "import importlib.util as u, torch, megatron.core, megarl_kernels, mpi4py; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', megatron.core.__version__); \
 print({m: u.find_spec(m) is not None for m in ('transformer_engine', 'apex', 'sglang', 'triton')})"
 RUN python launch/ppo.py --help > /dev/null

@@ -13,8 +13,14 @@ setup(
     version="0.1.0",
     description="RL post-training for large language models on megatron-core",
     python_requires=">=3.10",
-    packages=find_packages(include=["megarl", "megarl.*"]) + ["megarl.kernels"],
-    package_dir={"megarl.kernels": "kernels"},
+    # The Triton kernels keep their top-level folder, kernels/, and are imported as
+    # `megarl_kernels` from kernels/megarl_kernels/: the bare name `kernels` belongs to
+    # Hugging Face's `kernels` distribution, which transformers imports, and a folder named
+    # after its import name lets a reader (and any import-graph tool) follow
+    # `from megarl_kernels.gae import gae` to kernels/megarl_kernels/gae.py. Without an
+    # install, put kernels/ on the path: PYTHONPATH=$PWD:$PWD/kernels.
+    packages=find_packages(include=["megarl", "megarl.*"]) + find_packages("kernels"),
+    package_dir={"megarl_kernels": "kernels/megarl_kernels"},
     package_data={"megarl": ["assets/**/*"]},
     include_package_data=True,
     install_requires=[

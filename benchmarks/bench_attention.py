@@ -1,4 +1,4 @@
-"""Benchmark paged KV-cache attention (megarl.kernels.paged_attention) at the Qwen2.5-1.5B layer shape.
+"""Benchmark paged KV-cache attention (megarl_kernels.paged_attention) at the Qwen2.5-1.5B layer shape.
 
     python benchmarks/bench_attention.py --out $OUT/attention.json         # CUDA (H200), ~3 min with sweeps
     python benchmarks/bench_attention.py --small --out /tmp/att.json       # CPU smoke run, seconds
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import HBM_BYTES_PER_S, L2_DEFEAT_BYTES, eager_ms, graph_ms  # noqa: E402
 
-from megarl.kernels.dispatch import triton_usable  # noqa: E402
-from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode  # noqa: E402
-from megarl.kernels.rope_cache import rope_cache  # noqa: E402
+from megarl_kernels.dispatch import triton_usable  # noqa: E402
+from megarl_kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode  # noqa: E402
+from megarl_kernels.rope_cache import rope_cache  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -174,10 +174,10 @@ def sweeps(reps):
 
         def timed():
             return graph_ms(fns) or eager_ms(fns, reps)
-        result[f"decode_B{B}_tiles"] = sweep("megarl.kernels.decode_plan",
+        result[f"decode_B{B}_tiles"] = sweep("megarl_kernels.decode_plan",
                                              dict(BLOCK_N=[32, 64, 128], NUM_WARPS=[2, 4, 8], NUM_STAGES=[1, 2, 3]),
                                              timed)
-        result[f"decode_B{B}_splits"] = sweep("megarl.kernels.decode_plan",
+        result[f"decode_B{B}_splits"] = sweep("megarl_kernels.decode_plan",
                                               dict(PROGRAMS_PER_SM=[1, 2, 4, 8], MIN_TILES_PER_SPLIT=[1, 2, 4]), timed)
     for N, L in ((16, 128), (16, 1024)):
         kc, vc, sets = paged_setup([L] * N, 1, HQ, HKV, D, dtype)
@@ -185,7 +185,7 @@ def sweeps(reps):
         cu = torch.arange(0, N * L + 1, L, dtype=torch.int32, device=DEV)
         fn = [lambda: paged_prefill_attention(qp, kc, vc, sets[0][1], cu, sets[0][2], SCALE, max_seqlen_q=L,
                                               backend="triton")]
-        result[f"prefill_{N}x{L}"] = sweep("megarl.kernels.paged_prefill",
+        result[f"prefill_{N}x{L}"] = sweep("megarl_kernels.paged_prefill",
                                            dict(BLOCK_R=[64, 128], BLOCK_N=[32, 64, 128], NUM_WARPS=[4, 8],
                                                 NUM_STAGES=[1, 2, 3]),
                                            lambda: graph_ms(fn) or eager_ms(fn, reps))

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import graph_ms  # noqa: E402
 
-from megarl.kernels import paged_decode as PD  # noqa: E402
-from megarl.kernels.decode_plan import decode_launch, decode_plan  # noqa: E402
-from megarl.kernels.rms_norm import add_rms_norm  # noqa: E402
-from megarl.kernels.sampling import sample_tokens  # noqa: E402
+from megarl_kernels import paged_decode as PD  # noqa: E402
+from megarl_kernels.decode_plan import decode_launch, decode_plan  # noqa: E402
+from megarl_kernels.rms_norm import add_rms_norm  # noqa: E402
+from megarl_kernels.sampling import sample_tokens  # noqa: E402
 from megarl.rollout.split_linear import split_k_linear  # noqa: E402
 
 DEV = "cuda"
@@ -177,8 +177,8 @@ def fc1_fused_rows():
     before it waits for the norm (`PREFETCH_STEPS`'s sweep), µs per
     norm + fc1 + SwiGLU (4 weight copies rotating) and the share of output elements equal between
     the two."""
-    from megarl.kernels.fc1_swiglu import fc1_silu_mul_triton
-    from megarl.kernels.swiglu import silu_mul
+    from megarl_kernels.fc1_swiglu import fc1_silu_mul_triton
+    from megarl_kernels.swiglu import silu_mul
 
     h, n = 1536, 17920
     ws = [torch.randn(n, h, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
@@ -214,7 +214,7 @@ def norm_rows():
     partials; fc2: S = 4 at 128 rows, `split_parts`), at M in {32, 128, 512} and the norm kernel's
     warps 1..16 (default: `norm_warps`); µs per linear + norm, weights rotating past the L2, and
     per norm alone (28 in a graph on the same partials)."""
-    from megarl.kernels.rms_norm import add_rms_norm_triton
+    from megarl_kernels.rms_norm import add_rms_norm_triton
     from megarl.rollout.split_linear import split_parts
 
     h = 1536

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_options import DEV, HKV, HQ, PAGE, SCALE, D, page_table  # noqa: E402
 from bench_kernels import graph_ms  # noqa: E402
 
-from megarl.kernels import paged_decode as PD  # noqa: E402
-from megarl.kernels.decode_plan import decode_plan  # noqa: E402
+from megarl_kernels import paged_decode as PD  # noqa: E402
+from megarl_kernels.decode_plan import decode_plan  # noqa: E402
 
 B, KEYS, LAYERS, MAX_K, HIDDEN, FFN = 512, 384, 28, 640, 1536, 8960
 WHOLE, HALVES = [slice(0, B)], [slice(0, B // 2), slice(B // 2, B)]

@@ -9,8 +9,7 @@ wheels, fetched here from the checkout's root (~5.4 MB with megatron-core)::
 and the command there (``$OUT`` gets e2e.json, e2e.megarl.log, e2e.trl.log)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \\
-      && { [ -e megarl/kernels ] || ln -s ../kernels megarl/kernels; } \\
-      && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \\
+      && export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \\
       && python3 benchmarks/bench_e2e.py --out $OUT/e2e.json
 
 (datasets 4.8.5, not 5.x: 5.x needs huggingface-hub >= 1.31 and the machine's is only known to be
@@ -23,7 +22,7 @@ CPU smoke test (tiny model, 2 prompts x 4 samples, 8 tokens, fp32, 2 steps)::
         multiprocess==0.70.19 xxhash fsspec==2026.2.0 accelerate pandas python-dateutil six \\
         requests urllib3 certifi charset-normalizer "httpx<1" httpcore transformers==5.17.0 huggingface-hub==1.5.0
     pip install --no-deps --target /tmp/trl-site /tmp/trlwheels/*.whl
-    PYTHONPATH=/tmp/trl-site:$PWD python benchmarks/bench_e2e.py --tiny --out /tmp/e2e_tiny.json
+    PYTHONPATH=/tmp/trl-site:$PWD:$PWD/kernels python benchmarks/bench_e2e.py --tiny --out /tmp/e2e_tiny.json
 
 Workload (defaults): a random-weight Qwen2.5-1.5B-shape checkpoint from
 benchmarks/make_checkpoint.py (tokenizer with a chat template, prompts of

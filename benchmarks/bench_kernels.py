@@ -1,4 +1,4 @@
-"""Benchmark megarl.kernels: one setup per op, shared by every provider (ref / torch / triton).
+"""Benchmark megarl_kernels: one setup per op, shared by every provider (ref / torch / triton).
 
     python benchmarks/bench_kernels.py --out $OUT/kernels.json        # CUDA, full sizes (H200: < 2 min)
     python benchmarks/bench_kernels.py --small --out /tmp/kernels.json  # CPU smoke run
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-import megarl.kernels as K
+import megarl_kernels as K
 
 CUDA = torch.cuda.is_available()
 
@@ -259,7 +259,7 @@ def gae_sweep(reps):
     out = []
     for whiten, settings in ((False, GAE_SWEEP), (True, GAE_SWEEP[:GAE_SWEEP_WHITEN])):
         fns = [lambda s=s, w=whiten: K.gae(*s, 0.99, 0.95, whiten=w, backend="triton") for s in sets]
-        rows = _sweep("gae" + ("_whiten" if whiten else ""), "megarl.kernels.gae",
+        rows = _sweep("gae" + ("_whiten" if whiten else ""), "megarl_kernels.gae",
                       [dict(zip(keys, c)) for c in settings], lambda: graph_ms(fns) or eager_ms(fns, reps))
         nbytes = B * T * (26 if whiten else 17)
         for r in rows:
@@ -285,7 +285,7 @@ def sweeps(reps):
     def lp_step():
         lp, ent = K.logprob_entropy(x, tgt, backend="triton")
         return torch.autograd.grad([lp, ent], [x], [torch.ones_like(lp), torch.ones_like(ent)])[0]
-    out["logprob_fwd_bwd"] = _sweep("logprob", "megarl.kernels.logprob",
+    out["logprob_fwd_bwd"] = _sweep("logprob", "megarl_kernels.logprob",
                                     [dict(BLOCK_V=b, NUM_WARPS=w) for b, w in [(2048, 4), (4096, 8), (8192, 8),
                                                                                (8192, 16)]],
                                     lambda: eager_ms([lp_step], reps))
@@ -293,7 +293,7 @@ def sweeps(reps):
     ts = [torch.randn(s, device=DEV, dtype=torch.bfloat16) for s in llama_shapes(False)]
     layout = K.bucket_layout(ts)
     bucket = torch.empty(layout.numel, device=DEV, dtype=torch.bfloat16)
-    out["pack"] = _sweep("pack", "megarl.kernels.bucket",
+    out["pack"] = _sweep("pack", "megarl_kernels.bucket",
                          [dict(BLOCK=b, NUM_WARPS=w) for b in (4096, 8192, 16384) for w in (4, 8)],
                          lambda: eager_ms([lambda: K.pack(ts, layout, out=bucket, backend="triton")], reps))
     return out

@@ -1,4 +1,4 @@
-"""Benchmark megarl.kernels.sampling: fused Triton sampling vs torch softmax + multinomial vs argmax.
+"""Benchmark megarl_kernels.sampling: fused Triton sampling vs torch softmax + multinomial vs argmax.
 
     python benchmarks/bench_sampling.py --out $OUT/sampling.json           # CUDA, full sizes (H200: ~1 min)
     python benchmarks/bench_sampling.py --out $OUT/sampling.json --sweep   # + BLOCK_V / NUM_WARPS / split sweep
@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-from megarl.kernels import triton_usable
-from megarl.kernels.sampling import sample_tokens
+from megarl_kernels import triton_usable
+from megarl_kernels.sampling import sample_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import HBM_BYTES_PER_S, eager_ms, graph_ms  # noqa: E402
@@ -106,7 +106,7 @@ def _fmt(r):
 def _sweep(reps):
     """Tuning evidence for sampling.py's first-launch constants (the second keeps FINISH_*): graph ms per
     setting at the benchmark shapes."""
-    mod = importlib.import_module("megarl.kernels.sampling")
+    mod = importlib.import_module("megarl_kernels.sampling")
     saved = {k: getattr(mod, k) for k in ("BLOCK_V", "NUM_WARPS", "SPLIT_CHUNKS")}
     grid = [dict(BLOCK_V=b, NUM_WARPS=w, SPLIT_CHUNKS=c) for b, w, c in [(1024, 4, 16), (2048, 4, 8), (2048, 8, 8),
                                                                        (4096, 8, 4), (4096, 16, 4), (8192, 16, 2)]]

@@ -16,11 +16,9 @@ export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -f base.tar ] || { echo "gpu_ab.sh: no base.tar in $PWD; make it with 'git archive <commit> -o base.tar'"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 trees=(new); roots=("$PWD")
-[ -e megarl/kernels ] || ln -s ../kernels megarl/kernels
 for tar in base.tar ${VARIANTS:-}; do  # each archive unpacked into its own root, named by its file
   name=$(basename "$tar" .tar); root=/tmp/ab_$name
   rm -rf "$root"; mkdir -p "$root" && tar -xf "$tar" -C "$root" || exit 1
-  [ -e "$root/megarl/kernels" ] || ln -s ../kernels "$root/megarl/kernels"
   trees+=("$name"); roots+=("$root")
 done
 nvidia-smi -L | tee "$OUT/gpu.txt"
@@ -31,7 +29,7 @@ for cmd in "$@"; do
     tree=${trees[$i]}; root=${roots[$i]}
     log="$OUT/${n}_$tree.log"
     echo "== $n $tree: ${cmd//\{tree\}/$tree}"
-    (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "${T:-240}" bash -c "${cmd//\{tree\}/$tree}") > "$log" 2>&1
+    (cd "$root" && PYTHONPATH=/tmp/site:$root:$root/kernels timeout "${T:-240}" bash -c "${cmd//\{tree\}/$tree}") > "$log" 2>&1
     echo "== $n $tree exit $?"; tail -n "${TAILN:-12}" "$log"
   done
 done

@@ -14,8 +14,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-[ -e megarl/kernels ] || ln -s ../kernels megarl/kernels   # what setup.py's package_dir does
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 run() { local name=$1; shift; echo "== $name: $*"; timeout "${T:-300}" "$@" > "$OUT/$name.log" 2>&1; echo "== $name exit $?"; tail -n "${TAILN:-25}" "$OUT/$name.log"; }

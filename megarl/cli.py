@@ -19,15 +19,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from megarl.errors import UserInputError
+from megarl.errors import ConfigError, UserInputError
 
 QUIET_EXIT_PAUSE_S = 5.0  # a silent process's wait before its exit 2 (the first one prints meanwhile)
-
-
-class ConfigError(UserInputError):
-    """A user mistake in the config; printed as one line, exit code 2."""
-
-    kind = "config error"
 
 
 def _suggest(key: str, choices) -> str:

@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 from megarl.config import LORA_TARGETS, REDIS_URL, Config
 from megarl.algos.advantages import get_advantage
 from megarl.algos.losses import get_policy_loss

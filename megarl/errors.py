@@ -7,6 +7,12 @@ class UserInputError(ValueError):
     kind = "input error"
 
 
+class ConfigError(UserInputError):
+    """A user mistake in the config; printed as one line, exit code 2."""
+
+    kind = "config error"
+
+
 class DataError(UserInputError):
     """A prompt or SFT data file that cannot be read as asked; the message names file and line."""
 

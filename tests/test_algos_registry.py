@@ -126,7 +126,8 @@ def test_nan_outside_the_mask_is_allowed(bad_module):
 def test_extension_paths_fail_at_config_time(bad_module, monkeypatch, key, value, needle):
     import os
 
-    from megarl.cli import ConfigError, load_config
+    from megarl.errors import ConfigError
+    from megarl.cli import load_config
     from megarl.config import Config
     from megarl.config_checks import validate
 

@@ -30,7 +30,8 @@ TINY = os.path.join(ROOT, "megarl", "assets", "tiny", "sft")
 
 
 def _validate(*overrides, sft: bool = False) -> str:
-    from megarl.cli import ConfigError, load_config
+    from megarl.errors import ConfigError
+    from megarl.cli import load_config
     from megarl.config import Config
     from megarl.config_checks import validate, validate_sft
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.cli import ConfigError, build, help_text, load_config, parse_override
+from megarl.errors import ConfigError
+from megarl.cli import build, help_text, load_config, parse_override
 from megarl.config import Config, OptimConfig
 from megarl.config_checks import validate, validate_sft
 

@@ -43,7 +43,7 @@ def _cfg(**actor):
     (lambda c: setattr(c.model, "dtype", "float32"), "actor.optim.cpu_offload=true needs model.dtype=bfloat16"),
 ])
 def test_unsupported_combinations_are_config_errors(change, message):
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.config_checks import check_actor
 
     cfg = _cfg()
@@ -55,7 +55,7 @@ def test_unsupported_combinations_are_config_errors(change, message):
 
 @pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
 def test_offload_fits_a_bf16_actor_and_critic(lora_rank):
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.config_checks import check_actor, check_critic
 
     cfg = _cfg()

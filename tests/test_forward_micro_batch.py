@@ -73,7 +73,7 @@ def test_prepare_gives_each_forward_its_size(sizes, expected, monkeypatch):
 
 
 def test_negative_size_is_a_config_error():
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.config import Config
     from megarl.config_checks import check_actor
 

@@ -1,4 +1,4 @@
-"""megarl.kernels add_rms_norm, rope_cache, silu_mul (and swiglu's backward), feed_tokens: Triton against the specs
+"""megarl_kernels add_rms_norm, rope_cache, silu_mul (and swiglu's backward), feed_tokens: Triton against the specs
 on odd shapes.
 
 Shapes: rows 1 and 7, hidden 100 (not a power of two), head dims 32 and 64,
@@ -18,11 +18,11 @@ from kernel_backends import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INT
 
 import pytest  # noqa: E402
 
-from megarl.kernels import interpret_mode  # noqa: E402
-from megarl.kernels.feed_tokens import feed_tokens, feed_tokens_ref  # noqa: E402
-from megarl.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, sum_parts_ref  # noqa: E402
-from megarl.kernels.rope_cache import rope_cache, rope_cache_ref  # noqa: E402
-from megarl.kernels.swiglu import silu_mul, silu_mul_ref, swiglu  # noqa: E402
+from megarl_kernels import interpret_mode  # noqa: E402
+from megarl_kernels.feed_tokens import feed_tokens, feed_tokens_ref  # noqa: E402
+from megarl_kernels.rms_norm import add_rms_norm, add_rms_norm_ref, sum_parts_ref  # noqa: E402
+from megarl_kernels.rope_cache import rope_cache, rope_cache_ref  # noqa: E402
+from megarl_kernels.swiglu import silu_mul, silu_mul_ref, swiglu  # noqa: E402
 
 pytestmark = needs_triton
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}

@@ -1,4 +1,4 @@
-"""megarl.kernels.fc1_silu_mul: fc1 and SwiGLU in one kernel against the two-op spec.
+"""megarl_kernels.fc1_silu_mul: fc1 and SwiGLU in one kernel against the two-op spec.
 
 The kernel takes bf16 / fp16 batches of up to MAX_ROWS rows with K a multiple of BLOCK_K; anything
 else runs the spec's two ops. F need not divide into the kernel's column tiles (the last program's
@@ -14,11 +14,11 @@ from kernel_backends import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INT
 
 import pytest  # noqa: E402
 
-from megarl.kernels import interpret_mode  # noqa: E402
-from megarl.kernels.fc1_swiglu import (  # noqa: E402
+from megarl_kernels import interpret_mode  # noqa: E402
+from megarl_kernels.fc1_swiglu import (  # noqa: E402
     BLOCK_K, MAX_ROWS, TILES, fc1_silu_mul, fc1_silu_mul_ref, fc1_silu_mul_triton, fits_kernel,
 )
-from megarl.kernels.swiglu import silu_mul  # noqa: E402
+from megarl_kernels.swiglu import silu_mul  # noqa: E402
 
 pytestmark = needs_triton
 SHAPE = (8960, 1536) if DEVICE == "cuda" else (200, 2 * BLOCK_K)  # (F, K): the 1.5B shape on the GPU
@@ -96,7 +96,7 @@ def test_bad_shapes_are_one_line_errors():
 def test_no_tma_or_dependent_launch_off_hopper():
     """The kernel's TMA descriptors and its dependent launch need sm_90+: never chosen on CPU tensors
     outside the interpreter's tests, nor (by `fits_kernel`) on an older GPU."""
-    from megarl.kernels.dispatch import hopper_or_newer
+    from megarl_kernels.dispatch import hopper_or_newer
 
     assert not hopper_or_newer(torch.empty(1))
     if DEVICE == "cuda":

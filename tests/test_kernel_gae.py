@@ -1,7 +1,7 @@
-"""megarl.kernels.gae: Triton and vectorized torch against the per-timestep spec.
+"""megarl_kernels.gae: Triton and vectorized torch against the per-timestep spec.
 
 On CPU the Triton path runs in the interpreter (TRITON_INTERPRET=1 must be set
-before megarl.kernels is imported, hence the top of this file). Shapes are
+before megarl_kernels is imported, hence the top of this file). Shapes are
 small and odd: prime T, ragged row blocks and T chunks, empty and all-masked
 rows, masked runs across chunk edges; both scan kernels (KERNEL "grouped", with
 and without PREFETCH, and "rev") and thread-group widths VEC 1..16. Not covered
@@ -17,11 +17,11 @@ import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from megarl.kernels import gae, gae_ref  # noqa: E402
-from megarl.kernels.dispatch import tl, triton  # noqa: E402
+from megarl_kernels import gae, gae_ref  # noqa: E402
+from megarl_kernels.dispatch import tl, triton  # noqa: E402
 
-gae_mod = importlib.import_module("megarl.kernels.gae")  # the module (the package attribute is the function)
-# (KERNEL, PREFETCH) of megarl.kernels.gae
+gae_mod = importlib.import_module("megarl_kernels.gae")  # the module (the package attribute is the function)
+# (KERNEL, PREFETCH) of megarl_kernels.gae
 VARIANTS = [("grouped", False), ("grouped", True), ("rev", False)]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-5, rtol=1e-5)}
 
@@ -75,7 +75,7 @@ def test_bf16_inputs(backend):
 
 
 def _use(monkeypatch, variant, **consts):
-    """Point megarl.kernels.gae at one scan kernel and tiling for this test."""
+    """Point megarl_kernels.gae at one scan kernel and tiling for this test."""
     kernel, prefetch = variant
     for k, v in dict(KERNEL=kernel, PREFETCH=prefetch, **consts).items():
         monkeypatch.setattr(gae_mod, k, v)

@@ -1,4 +1,4 @@
-"""megarl.kernels.group_advantage: Triton and vectorized torch against the per-group spec.
+"""megarl_kernels.group_advantage: Triton and vectorized torch against the per-group spec.
 
 Group ids are unsorted, non-contiguous, negative and > 2^32; group sizes
 include 1; B crosses the kernel's 32-sample and 128-sample tiles. On CPU the
@@ -11,7 +11,7 @@ from kernel_backends import BACKENDS, DEVICE  # noqa: E402  (sets TRITON_INTERPR
 
 import pytest  # noqa: E402
 
-from megarl.kernels import group_advantage, group_advantage_ref  # noqa: E402
+from megarl_kernels import group_advantage, group_advantage_ref  # noqa: E402
 
 MODES = ["grpo", "drgrpo", "rloo"]
 

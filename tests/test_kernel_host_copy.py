@@ -1,4 +1,4 @@
-"""megarl.kernels.copy_words: one launch copying (dst, src) pairs of 32-bit words, the graphs' step boundary.
+"""megarl_kernels.copy_words: one launch copying (dst, src) pairs of 32-bit words, the graphs' step boundary.
 
 On CPU the kernel runs in the interpreter on CPU tensors; on the GPU (marked gpu) it reads and writes
 pinned host memory directly, in both directions, as the decode graphs use it.
@@ -9,7 +9,7 @@ from kernel_backends import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INT
 
 import pytest  # noqa: E402
 
-from megarl.kernels.host_copy import BLOCK, copy_words, copy_words_ref, kernel_usable  # noqa: E402
+from megarl_kernels.host_copy import BLOCK, copy_words, copy_words_ref, kernel_usable  # noqa: E402
 
 
 def _pairs(device, host_pinned=False):

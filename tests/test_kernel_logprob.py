@@ -1,4 +1,4 @@
-"""megarl.kernels.logprob / linear_logprob: values and gradients against the spec, TP2 == TP1.
+"""megarl_kernels.logprob / linear_logprob: values and gradients against the spec, TP2 == TP1.
 
 Forward and backward (random weights on both outputs) of the Triton and
 chunked torch paths against log_softmax + gather + entropy in fp32, on odd
@@ -19,9 +19,9 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from dist_helpers import spawn  # noqa: E402
 
-from megarl.kernels import linear_logprob, logprob_entropy, logprob_entropy_ref  # noqa: E402
+from megarl_kernels import linear_logprob, logprob_entropy, logprob_entropy_ref  # noqa: E402
 
-logprob_mod = importlib.import_module("megarl.kernels.logprob")
+logprob_mod = importlib.import_module("megarl_kernels.logprob")
 # bf16 grads: the interpreter rounds fp32 -> bf16 toward zero (GPU: nearest), so allow 2 bf16 ulps.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2)}
 

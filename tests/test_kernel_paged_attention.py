@@ -1,4 +1,4 @@
-"""megarl.kernels.paged_attention: Triton and torch backends against the per-row spec.
+"""megarl_kernels.paged_attention: Triton and torch backends against the per-row spec.
 
 Every cache is filled with NaN and only live keys (position < seq_len of some row) are
 written, so a read of page 0, of an unused page, of a ragged last page's tail or of a
@@ -19,8 +19,8 @@ from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets 
 
 import pytest  # noqa: E402
 
-from megarl.kernels.decode_plan import decode_launch, decode_plan, decode_plan_ref  # noqa: E402
-from megarl.kernels.paged_attention import (  # noqa: E402
+from megarl_kernels.decode_plan import decode_launch, decode_plan, decode_plan_ref  # noqa: E402
+from megarl_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
@@ -121,7 +121,7 @@ def test_decode_matches_ref(backend, dtype, page, hq, hkv):
 def test_decode_torch_plan_follows_the_table():
     """The torch backend keeps the last (block table, lengths) gather plan: every layer of a step passes the
     same two tensors. An in-place change to either (the next step's), or new tensors, must not reuse it."""
-    from megarl.kernels.paged_decode import paged_decode_attention_torch
+    from megarl_kernels.paged_decode import paged_decode_attention_torch
 
     kc, vc, table, sl = paged([5, 20, 33], 8, 2, 16, torch.float32)
     q = queries((3, 4, 16), torch.float32)

@@ -1,4 +1,4 @@
-"""megarl.kernels.reshard / bucket: layout conversions are bitwise exact.
+"""megarl_kernels.reshard / bucket: layout conversions are bitwise exact.
 
 Triton == ref bitwise, round trips are the identity bitwise, and the refs
 match the layouts written out by hand (Megatron QKV interleave, [gate; up]
@@ -15,7 +15,7 @@ import importlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from megarl.kernels import (  # noqa: E402
+from megarl_kernels import (  # noqa: E402
     bucket_layout,
     fc1_merge,
     fc1_split,
@@ -35,7 +35,7 @@ from megarl.kernels import (  # noqa: E402
     unpad_vocab,
 )
 
-bucket_mod = importlib.import_module("megarl.kernels.bucket")
+bucket_mod = importlib.import_module("megarl_kernels.bucket")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

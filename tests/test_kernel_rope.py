@@ -1,4 +1,4 @@
-"""megarl.kernels.rope: the spec is megatron's RoPE op for op; Triton forward and backward equal it.
+"""megarl_kernels.rope: the spec is megatron's RoPE op for op; Triton forward and backward equal it.
 
 The spec (``rope_ref``) must give megatron-core's ``_apply_rotary_pos_emb_bshd`` bitwise (same ops);
 the Triton kernels must give the spec's output and, through autograd, its gradient (fp32 to 1e-5, bf16 to
@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from megatron.core.models.common.embeddings import rope_utils  # noqa: E402
 
-from megarl.kernels.rope import rope, rope_ref, rope_tables  # noqa: E402
+from megarl_kernels.rope import rope, rope_ref, rope_tables  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 

@@ -1,4 +1,4 @@
-"""megarl.kernels.paged_decode.rope_paged_decode: a decode step's RoPE, K/V cache write and attention
+"""megarl_kernels.paged_decode.rope_paged_decode: a decode step's RoPE, K/V cache write and attention
 in one launch, against its spec (`rope_cache`, then paged decode attention).
 
 Each case: a NaN-filled paged cache holding every row's earlier keys (`paged`, shuffled pages), one
@@ -19,13 +19,13 @@ from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets 
 
 import pytest  # noqa: E402
 
-from megarl.kernels.paged_decode import (  # noqa: E402
+from megarl_kernels.paged_decode import (  # noqa: E402
     paged_decode_attention_triton,
     qkv_rows_ref,
     rope_paged_decode,
     split_semaphores,
 )
-from megarl.kernels.rope_cache import rope_cache  # noqa: E402
+from megarl_kernels.rope_cache import rope_cache  # noqa: E402
 from test_kernel_paged_attention import TOL, check, paged, poisoned_empty, queries  # noqa: E402
 
 LENS = [1, 0, 7, 16, 64, 65, 131, 53]  # one key (the new one), a padded row, page and tile edges

@@ -1,4 +1,4 @@
-"""megarl.kernels.sampling: Triton and vectorized torch against the per-row spec.
+"""megarl_kernels.sampling: Triton and vectorized torch against the per-row spec.
 
 Vocab sizes are odd (57, 1000, 5003) with padding columns past vocab_size; rows
 in one batch mix greedy, temperature-only, top-k, top-p, both, and off-values
@@ -14,14 +14,14 @@ from kernel_backends import BACKENDS, DEVICE, needs_triton  # noqa: E402  (sets 
 
 import pytest  # noqa: E402
 
-from megarl.kernels import triton_usable  # noqa: E402
-from megarl.kernels.sampling import (  # noqa: E402
+from megarl_kernels import triton_usable  # noqa: E402
+from megarl_kernels.sampling import (  # noqa: E402
     _keep_ref,
     sample_tokens,
     sample_tokens_ref,
     sample_tokens_triton,
 )
-from megarl.kernels.sampling_noise import uniform_noise, uniform_noise_ref  # noqa: E402
+from megarl_kernels.sampling_noise import uniform_noise, uniform_noise_ref  # noqa: E402
 
 MODES = ["greedy", "temperature", "top_k", "top_p", "top_k_top_p", "mixed"]
 
@@ -291,7 +291,7 @@ def test_cuda_full_size_and_graph(dtype):
 @pytest.mark.parametrize("mode", ["top_p", "top_k_top_p", "mixed"])
 def test_torch_flat_rows_histogram(monkeypatch, mode):
     """torch top-p rows whose prefix exceeds TOP_P_CANDIDATES (flat rows) take the histogram path."""
-    import megarl.kernels.sampling as sampling
+    import megarl_kernels.sampling as sampling
 
     calls = []
     hist = sampling._top_p_hist

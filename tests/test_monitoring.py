@@ -23,7 +23,8 @@ import types
 import psutil
 import pytest
 
-from megarl.cli import ConfigError, load_config
+from megarl.errors import ConfigError
+from megarl.cli import load_config
 from megarl.config import Config, WandbConfig
 from megarl.config_checks import check_trainer
 from megarl.monitor.curves import panels_present, plot_curves

@@ -87,7 +87,7 @@ def test_lpt_exact_and_bounded():
 
 
 def test_packing_config_errors():
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.config import Config
     from megarl.config_checks import check_packing
 

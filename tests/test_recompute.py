@@ -137,7 +137,8 @@ def test_recompute_equal_gradients_tp2():
 
 
 def test_recompute_is_a_config_key():
-    from megarl.cli import ConfigError, load_config
+    from megarl.errors import ConfigError
+    from megarl.cli import load_config
     from megarl.config import Config
 
     cfg = load_config(["actor.recompute=full", "critic.recompute=selective"], Config)

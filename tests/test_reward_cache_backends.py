@@ -153,7 +153,8 @@ def test_redis_dies_then_the_disk_serves(redis_server, tmp_path, caplog):
 
 
 def test_cache_config_errors(tmp_path, monkeypatch):
-    from megarl.cli import ConfigError, load_config
+    from megarl.errors import ConfigError
+    from megarl.cli import load_config
     from megarl.config import Config
     from megarl.config_checks import check_reward_cache
 

@@ -204,7 +204,7 @@ def test_a_multi_token_tool_call_end_is_a_config_error():
     from transformers import AutoTokenizer
 
     from megarl.assets import TINY_DIR
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.rollout.turns import single_token_id
 
     tiny = AutoTokenizer.from_pretrained(str(TINY_DIR / "tokenizer"))

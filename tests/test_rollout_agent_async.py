@@ -216,7 +216,7 @@ def test_overlapped_samples_equal_turn_by_turn_tp1(tp1):
 
 
 def test_overlap_needs_an_engine_that_serves():
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.config import Config
     from megarl.config_checks import check_multi_turn
     from megarl.rollout.agent import AgentLoop, AgentOptions

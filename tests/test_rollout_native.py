@@ -50,7 +50,7 @@ def _engine(actor, groups, eos, pages: int, max_batch: int):
 
 
 def _rollout(rank, ckpt, tp, pp, eos):
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.trainer.rollout import to_sample_batch
 

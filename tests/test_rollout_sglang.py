@@ -248,7 +248,7 @@ def test_requests_and_outputs_edge_cases():
 
 
 def test_pipeline_parallel_is_refused():
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.rollout.sglang import SGLangEngine, SGLangOptions
 
     with pytest.raises(ConfigError, match="parallel.pp=1"):
@@ -258,7 +258,7 @@ def test_pipeline_parallel_is_refused():
 def test_missing_sglang_is_a_config_error():
     import importlib.util
 
-    from megarl.cli import ConfigError
+    from megarl.errors import ConfigError
     from megarl.rollout.sglang import NOT_INSTALLED, SGLangEngine, SGLangOptions, load_engine_class
 
     if importlib.util.find_spec("sglang") is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megarl.kernels.rms_norm import sum_parts_ref
+from megarl_kernels.rms_norm import sum_parts_ref
 from megarl.rollout.graphs import BUCKETS
 from megarl.rollout.split_linear import SPLITS, split_k_linear, split_parts
 

@@ -1,7 +1,7 @@
 """Hermes tool-call blocks parse to exact calls; every malformed block gives one exact problem line."""
 import pytest
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 from megarl.tools import TOOL_CALL_END, ToolCall, parse_hermes, resolve_parser
 
 

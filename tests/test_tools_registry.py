@@ -1,7 +1,7 @@
 """Tool specs resolve to Tools or fail with one ConfigError line; argument checks are exact."""
 import pytest
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 from megarl.tools import Tool, check_arguments, resolve_tool, resolve_tools
 from megarl.tools.calculator import calculator
 from megarl.tools.sandbox import python_tool

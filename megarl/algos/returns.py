@@ -1,6 +1,6 @@
 """Numerical cores of the advantage estimators, in plain PyTorch.
 
-These are the functions the fused kernels in `megarl.kernels` (gae,
+These are the functions the fused kernels in `megarl_kernels` (gae,
 group_advantage) replace; keep their signatures in step with those.
 
 Masking convention (all functions): positions with mask 0 are skipped. They
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megarl.kernels import gae as fused_gae
-from megarl.kernels import group_advantage as fused_group_advantage
+from megarl_kernels import gae as fused_gae
+from megarl_kernels import group_advantage as fused_group_advantage
 
 GROUP_MODES = ("std", "mean", "rloo")
 
@@ -31,8 +31,8 @@ def gae_advantages(
         A_t     = delta_t + gamma * lam * A'
     returns = A + values (before whitening). whiten: masked whitening of A.
     Returns (advantages (B, T), returns (B, T)), 0 at masked positions.
-    Runs the fused scan of ``megarl.kernels.gae`` (Triton on CUDA, a vectorized
-    scan on CPU); ``megarl.kernels.gae_ref`` is the per-timestep loop it replaces.
+    Runs the fused scan of ``megarl_kernels.gae`` (Triton on CUDA, a vectorized
+    scan on CPU); ``megarl_kernels.gae_ref`` is the per-timestep loop it replaces.
     """
     adv, ret = fused_gae(rewards, values, mask, gamma, lam, whiten=whiten)  # fp32
     return adv.to(values.dtype), ret.to(values.dtype)
@@ -95,7 +95,7 @@ def group_advantages(
 ) -> Tensor:
     """group_normalized_scores broadcast over the response: (B,) -> (B, T) * mask.
 
-    Runs ``megarl.kernels.group_advantage`` (two Triton launches on CUDA).
+    Runs ``megarl_kernels.group_advantage`` (two Triton launches on CUDA).
     """
     if mode not in GROUP_MODES:
         raise ValueError(f"unknown group mode {mode!r}; available: {', '.join(GROUP_MODES)}")

@@ -14,7 +14,7 @@ import glob
 import json
 import os
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 
 _GENERIC = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # files that hold a vocabulary (tokenizer_config.json alone gives transformers an empty tokenizer)

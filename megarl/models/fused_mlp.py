@@ -6,7 +6,7 @@ megatron-core's ``MLP`` without transformer-engine computes
 (Qwen2.5-1.5B shape, 16k-token micro-batches, 2026-12-01) the activation and
 its backward took ~13% of an actor update. :class:`FusedSwiGLUMLP` is the same
 module (same submodules, parameters, checkpoint keys and forward contract)
-whose forward sends the fc1 output through ``megarl.kernels.swiglu`` — one
+whose forward sends the fc1 output through ``megarl_kernels.swiglu`` — one
 Triton launch each way, the same numbers as the unfused ops. Anything else
 (CPU tensors, another activation, clamping, an offset, per-token scales) takes
 megatron's own forward unchanged.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import torch
 from megatron.core.transformer.mlp import MLP
 
-from megarl.kernels.swiglu import swiglu
+from megarl_kernels.swiglu import swiglu
 
 
 class FusedSwiGLUMLP(MLP):

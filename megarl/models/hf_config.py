@@ -77,7 +77,7 @@ class ModelInfo:
 
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
         """Vocab rounded up to a multiple of ``divisible_by * tp`` (rows past vocab_size are zero)."""
-        from megarl.kernels import padded_vocab_size  # lazy: keeps config reading light
+        from megarl_kernels import padded_vocab_size  # lazy: keeps config reading light
 
         return padded_vocab_size(self.vocab_size, divisible_by, tp)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.kernels import fc1_split, qkv_merge, qkv_split
+from megarl_kernels import fc1_split, qkv_merge, qkv_split
 
 
 def chunk_range(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -29,7 +29,7 @@ def chunk_range(total: int, rank: int, size: int) -> tuple[int, int]:
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """q ``[G*h*d, ...]``, k, v ``[G*d, ...]`` -> Megatron's fused ``[G*(h+2)*d, ...]``
-    (one pass: ``megarl.kernels.qkv_merge``; ``qkv_merge_ref`` is its torch.cat reference)."""
+    (one pass: ``megarl_kernels.qkv_merge``; ``qkv_merge_ref`` is its torch.cat reference)."""
     return qkv_merge(q, k, v, groups)
 
 

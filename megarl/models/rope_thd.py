@@ -13,10 +13,10 @@ s padded.
 queries and keys), gathers its frequencies and
 applies megatron's own ``_apply_rotary_pos_emb_bshd`` once: the same element
 ops, so the same bits (tests/test_rope_thd.py). On CUDA (full, non-interleaved
-rotary, mscale 1) the rotation is ``megarl.kernels.rope`` instead, forward and
+rotary, mscale 1) the rotation is ``megarl_kernels.rope`` instead, forward and
 backward in one launch each, on cos / sin tables of megatron's angles rounded
 as megatron rounds them: the same numbers up to one rounding (see
-``megarl/kernels/rope.py``; the unfused ops took ~6% of a 1.5B actor update on
+``kernels/megarl_kernels/rope.py``; the unfused ops took ~6% of a 1.5B actor update on
 an H200). The tables are made once per forward: megatron hands
 every layer the same (cached) ``freqs`` tensor. Context parallel ranks (cp > 1)
 keep megatron's function. Padded rows (``actor.packing=false``: megatron's
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from megarl.kernels.memo import remembered
-from megarl.kernels.rope import rope, rope_tables
+from megarl_kernels.memo import remembered
+from megarl_kernels.rope import rope, rope_tables
 
 _MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
 _MEGATRON_BSHD = rope_utils._apply_rotary_pos_emb_bshd

@@ -10,7 +10,7 @@ import math
 import os
 import uuid
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 
 ID_FILE = "wandb_run_id"
 

@@ -1,6 +1,6 @@
 """Actor and reference: token log-probs and entropy from vocab-parallel logits; the policy update.
 
-Log-probs never gather the vocabulary: ``megarl.kernels.logprob_entropy``
+Log-probs never gather the vocabulary: ``megarl_kernels.logprob_entropy``
 reduces max and sum-exp over the TP group. Vocabulary padding rows (zeros in
 the output layer) are masked out, so the distribution is the checkpoint's.
 """
@@ -10,7 +10,7 @@ import torch
 
 from megarl.algos import Aggregation, PolicyLossConfig, entropy_loss, get_policy_loss, kl_loss, masked_sum
 from megarl.config import ActorConfig
-from megarl.kernels import logprob_entropy
+from megarl_kernels import logprob_entropy
 from megarl.roles.base import ModelRole, imbalance
 from megarl.roles.batch import SampleBatch
 from megarl.roles.inputs import ModelInputs

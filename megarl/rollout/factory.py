@@ -1,7 +1,7 @@
 """The rollout engine a run asks for (``rollout.engine``), wrapped for multi-turn when enabled."""
 from __future__ import annotations
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 from megarl.config import Config
 from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.native import EngineOptions, NativeEngine

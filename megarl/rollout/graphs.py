@@ -33,9 +33,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megarl.kernels.feed_tokens import feed_tokens
-from megarl.kernels.host_copy import copy_words
-from megarl.kernels.sampling import sample_tokens
+from megarl_kernels.feed_tokens import feed_tokens
+from megarl_kernels.host_copy import copy_words
+from megarl_kernels.sampling import sample_tokens
 from megarl.rollout.pages import pages_for
 from megarl.rollout.stage import ForwardBatch
 

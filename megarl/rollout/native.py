@@ -7,7 +7,7 @@ prompt is prefilled once and whose other members fork its pages;
 each step it plans a chunked prefill (which also decodes the running
 sequences: a mixed step, ``rollout.mixed_prefill``) or a decode, the stage forward
 (:mod:`megarl.rollout.stage`) runs it, and the fused sampler
-(``megarl.kernels.sampling``) picks each request's next token from its seed and
+(``megarl_kernels.sampling``) picks each request's next token from its seed and
 token index alone — so a request's tokens do not depend on the batch it ran
 in. Decode steps and small prefills replay CUDA graphs where CUDA is used
 (``graphs.py``, ``prefill_graphs.py``); every other step, and every step on
@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
-from megarl.kernels.sampling import sample_tokens
+from megarl_kernels.sampling import sample_tokens
 from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages

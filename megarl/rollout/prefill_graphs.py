@@ -35,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megarl.kernels.feed_tokens import feed_tokens
-from megarl.kernels.host_copy import copy_words
+from megarl_kernels.feed_tokens import feed_tokens
+from megarl_kernels.host_copy import copy_words
 from megarl.rollout.graphs import Launched, buckets_up_to, host_buffer
 from megarl.rollout.stage import ForwardBatch, prefill_cu
 

@@ -49,7 +49,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 from megarl.distributed import ParallelGroups
 from megarl.models.hf_config import ModelInfo
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams

@@ -3,8 +3,8 @@
 At decode batch sizes a linear's M is small (32..512 rows), so cuBLAS gets few output tiles:
 it leaves SMs idle or splits K itself, with one more launch for its reduction. Here the S partial products
 come out of one strided batched GEMM as fp32, (S, T, N), and the kernel that reads the
-linear's output anyway (the residual add + RMSNorm, `megarl.kernels.rms_norm`; for QKV the
-decode attention, `megarl.kernels.paged_decode`) sums them in order and rounds once: what the
+linear's output anyway (the residual add + RMSNorm, `megarl_kernels.rms_norm`; for QKV the
+decode attention, `megarl_kernels.paged_decode`) sums them in order and rounds once: what the
 linear's own bf16 output would hold, one launch fewer.
 
 Reference: ``F.linear(x, weight)`` == ``sum_parts_ref(split_k_linear(x, weight, S), dtype)``

@@ -16,7 +16,7 @@ modules are built for [s, b, h] training batches with their own static KV
 cache, and each call walks ~15 modules per layer in Python. Here one decode
 step is a fixed sequence of tensor ops on fixed-shape inputs, which is what a
 CUDA graph captures, and the elementwise work between the GEMMs is fused
-(``megarl.kernels``: residual add + RMSNorm, RoPE + K/V cache write — inside the
+(``megarl_kernels``: residual add + RMSNorm, RoPE + K/V cache write — inside the
 decode attention's launch on decode steps —, SiLU-mul;
 on CPU the same calls run their torch specs). On CUDA decode steps at TP1 the
 QKV projection, the output projection and fc2 run split-K into fp32 partials
@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.kernels.decode_plan import decode_plan
-from megarl.kernels.dispatch import choose
-from megarl.kernels.fc1_swiglu import fc1_silu_mul
-from megarl.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode
-from megarl.kernels.rms_norm import add_rms_norm
-from megarl.kernels.rope_cache import rope_cache
-from megarl.kernels.swiglu import silu_mul
+from megarl_kernels.decode_plan import decode_plan
+from megarl_kernels.dispatch import choose
+from megarl_kernels.fc1_swiglu import fc1_silu_mul
+from megarl_kernels.paged_attention import paged_decode_attention, paged_prefill_attention, rope_paged_decode
+from megarl_kernels.rms_norm import add_rms_norm
+from megarl_kernels.rope_cache import rope_cache
+from megarl_kernels.swiglu import silu_mul
 from megarl.rollout.split_linear import split_k_linear, split_parts
 
 @dataclass
@@ -197,7 +197,7 @@ class StageForward:
         stream, or on the last stage its final norm (the head's input, every row: a norm is per row).
 
         The residual stream and the next norm's output come from one fused add + RMSNorm
-        (``megarl.kernels.rms_norm``), the same numbers as ``x = x + f(x); h = rms_norm(x)``.
+        (``megarl_kernels.rms_norm``), the same numbers as ``x = x + f(x); h = rms_norm(x)``.
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
         mixed = self._mixed_rows(batch)

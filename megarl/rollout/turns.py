@@ -18,7 +18,7 @@ not start with the one without) is refused with a one-line error.
 """
 from __future__ import annotations
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 
 SENTINEL = "\u2063megarl-assistant-content\u2063"  # invisible separators: no template rewrites them
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]

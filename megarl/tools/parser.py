@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 from megarl.tools.registry import load_attr, one_line
 
 TOOL_CALL_START = "<tool_call>"

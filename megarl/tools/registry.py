@@ -11,7 +11,7 @@ Configs name tools by spec (:func:`resolve_tool`):
 * ``"pkg.module:attr"`` where ``attr`` is a Tool, or a zero-argument function
   returning one.
 
-Mistakes in a spec are :class:`megarl.cli.ConfigError` one-liners naming the spec
+Mistakes in a spec are :class:`megarl.errors.ConfigError` one-liners naming the spec
 and the fix.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megarl.cli import ConfigError
+from megarl.errors import ConfigError
 
 BUILTIN_TOOLS = {
     "calculator": "megarl.tools.calculator:calculator",

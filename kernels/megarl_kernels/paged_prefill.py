@@ -21,9 +21,9 @@ per row. Query blocks past q_len_i exit at once, so the grid needs only a bound 
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
-from megarl.kernels.decode_plan import fit_keys
-from megarl.kernels.paged_decode import (LOG2E, _attend_span, check_paged, f32_dot, sdpa_fp32, sequence_keys,
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
+from megarl_kernels.decode_plan import fit_keys
+from megarl_kernels.paged_decode import (LOG2E, _attend_span, check_paged, f32_dot, sdpa_fp32, sequence_keys,
                                          unit_last_stride)
 
 # (query x head) rows and keys per program step. Swept on an H200 (2026-12-01,

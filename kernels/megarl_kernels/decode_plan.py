@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.kernels.dispatch import next_pow2, tl, triton
+from megarl_kernels.dispatch import next_pow2, tl, triton
 
 # Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
 # `benchmarks/bench_attention.py`), Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16),

@@ -20,7 +20,7 @@ from itertools import accumulate
 
 import torch
 
-from megarl.kernels.dispatch import choose, tl, triton
+from megarl_kernels.dispatch import choose, tl, triton
 
 # Elements per program: 8192 bf16 = 16 KiB, 32 per thread at 8 warps (four
 # 16 B accesses). Unswept on H200; `benchmarks/bench_kernels.py` sweeps 4096/8192/16384.

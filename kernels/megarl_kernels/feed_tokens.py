@@ -11,7 +11,7 @@ gaps between them (H200, B = 128, `benchmarks/results/rollout_1p5b_b128_profile_
 """
 import torch
 
-from megarl.kernels.dispatch import choose, tl, triton
+from megarl_kernels.dispatch import choose, tl, triton
 
 BLOCK = 1024  # rows per program: a decode graph's batch (<= 1024) in one program; unswept
 

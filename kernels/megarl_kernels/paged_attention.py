@@ -17,8 +17,8 @@ Each comes as `<op>_ref` (the spec), `<op>_torch`, `<op>_triton` and the public 
 backend="auto")` (see `dispatch.py`). The Triton kernels take any D (padded to a power of two
 >= 16 in registers; D <= 256 keeps them in registers) and any power-of-two page size.
 """
-from megarl.kernels.decode_plan import decode_plan
-from megarl.kernels.paged_decode import (
+from megarl_kernels.decode_plan import decode_plan
+from megarl_kernels.paged_decode import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_torch,
@@ -26,7 +26,7 @@ from megarl.kernels.paged_decode import (
     rope_paged_decode,
     rope_paged_decode_ref,
 )
-from megarl.kernels.paged_prefill import (
+from megarl_kernels.paged_prefill import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
     paged_prefill_attention_torch,

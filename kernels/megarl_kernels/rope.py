@@ -25,7 +25,7 @@ queries and keys of every layer.
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 
 def _rotate_half(x):

@@ -17,7 +17,7 @@ int64 (spec) or int32 (fast) tensors, the kernels on uint32, bit-identically
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 M32 = 0xFFFFFFFF
 GOLD, FMIX_C1, FMIX_C2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35

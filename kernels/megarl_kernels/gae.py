@@ -45,7 +45,7 @@ real value, then one for A.
 """
 import torch
 
-from megarl.kernels.dispatch import HAS_TRITON, choose, next_pow2, tl, triton
+from megarl_kernels.dispatch import HAS_TRITON, choose, next_pow2, tl, triton
 
 WHITEN_EPS = 1e-8
 
@@ -412,7 +412,7 @@ def _log_vec(block_b: int, block_t: int) -> int:
 def gae_triton(rewards, values, mask, gamma: float, lam: float, whiten: bool = False):
     """Triton GAE: one scan launch, plus one whitening launch when whiten=True."""
     if KERNEL not in ("grouped", "rev"):
-        raise ValueError(f"megarl.kernels.gae.KERNEL={KERNEL!r}; expected 'grouped' or 'rev'")
+        raise ValueError(f"megarl_kernels.gae.KERNEL={KERNEL!r}; expected 'grouped' or 'rev'")
     B, T = values.shape
     r, v = rewards.contiguous(), values.contiguous()
     m = mask.contiguous()

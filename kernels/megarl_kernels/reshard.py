@@ -18,7 +18,7 @@ one pass at copy bandwidth, so they have no Triton kernel.
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 # Tile of fused rows x columns per program: 8 x 1024 bf16 = 16 KiB moved, 16
 # per thread at 4 warps (two 16 B accesses). Unswept.

@@ -18,7 +18,7 @@ tensor paired with pageable memory) `copy_words` falls back to `Tensor.copy_`.
 """
 import torch
 
-from megarl.kernels.dispatch import HAS_TRITON, interpret_mode, tl, triton
+from megarl_kernels.dispatch import HAS_TRITON, interpret_mode, tl, triton
 
 MAX_PAIRS = 3
 BLOCK = 2048  # 32-bit words per program (8 KiB); a decode step's inputs are 2-5 programs; unswept

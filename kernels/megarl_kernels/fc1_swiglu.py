@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megarl.kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
-from megarl.kernels.paged_decode import f32_dot
-from megarl.kernels.swiglu import silu_mul, silu_mul_rounded
+from megarl_kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
+from megarl_kernels.paged_decode import f32_dot
+from megarl_kernels.swiglu import silu_mul, silu_mul_rounded
 
 # (BLOCK_N, TAIL, STAGES, NUM_WARPS) by the row tile (the next power of two >= M, at least 16), K
 # steps of BLOCK_K. H200 sweeps (2026-12-04, the 1.5B shape, RESULTS.md session 23; µs per norm +

@@ -20,7 +20,7 @@ elementwise launches and two index copies per layer.
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 
 def _rotate_half(x):

@@ -21,7 +21,7 @@ x and residual, one write of y and s. The decode step calls it twice per layer
 import torch
 import torch.nn.functional as F
 
-from megarl.kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
+from megarl_kernels.dispatch import choose, hopper_or_newer, next_pow2, tl, triton
 
 
 def sum_parts_ref(parts, dtype):

@@ -1,4 +1,4 @@
-"""Backend choice shared by every op in `megarl.kernels`.
+"""Backend choice shared by every op in `megarl_kernels`.
 
 Each public op takes `backend=`:
     "auto"   Triton when every tensor is on CUDA (and Triton imports), else "torch"
@@ -7,7 +7,7 @@ Each public op takes `backend=`:
     "ref"    the `<op>_ref` spec (slow, for tests and benchmarks)
 
 TRITON_INTERPRET is read by `triton.jit` when a kernel module is imported, so it
-must be in the environment before `megarl.kernels` is first imported.
+must be in the environment before `megarl_kernels` is first imported.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def interpret_mode() -> bool:
 
     # any kernel module will do: all were built the same way (the package's `gae`
     # attribute is the function, hence import_module for the module)
-    module = importlib.import_module("megarl.kernels.gae")
+    module = importlib.import_module("megarl_kernels.gae")
     return isinstance(module._gae_scan_kernel, InterpretedFunction)
 
 
@@ -69,7 +69,7 @@ def choose(backend: str, *tensors: torch.Tensor) -> str:
         return "triton" if cuda else "torch"
     if backend == "triton" and not triton_usable(*tensors):
         why = "triton is not installed" if not HAS_TRITON else (
-            "tensors are not on CUDA; on CPU set TRITON_INTERPRET=1 before importing megarl.kernels"
+            "tensors are not on CUDA; on CPU set TRITON_INTERPRET=1 before importing megarl_kernels"
             f" (now TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
         raise RuntimeError(f"backend='triton' unavailable: {why}")
     return backend

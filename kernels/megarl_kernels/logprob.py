@@ -22,7 +22,7 @@ in the logits' dtype. Nothing (N, V) in fp32 is ever allocated.
 import torch
 import torch.distributed as dist
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 # Vocab chunk per loop step: 4096 bf16 = 16 per thread at 8 warps (two 16 B
 # loads). Unswept on H200; `benchmarks/bench_kernels.py` sweeps 2048/4096/8192.

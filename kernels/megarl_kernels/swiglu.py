@@ -19,7 +19,7 @@ dout once, the memory traffic the op needs.
 import torch
 import torch.nn.functional as F
 
-from megarl.kernels.dispatch import choose, tl, triton
+from megarl_kernels.dispatch import choose, tl, triton
 
 BLOCK = 1024  # columns per program (8960 = 9 programs per row at the 1.5B shape); unswept
 

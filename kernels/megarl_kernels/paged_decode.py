@@ -36,11 +36,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megarl.kernels.decode_plan import DecodePlan, decode_plan
-from megarl.kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
-from megarl.kernels.memo import remembered
-from megarl.kernels.rms_norm import sum_parts_ref
-from megarl.kernels.rope_cache import check_rope_inputs, qkv_values, rope_cache_ref, rope_rows, rope_tables
+from megarl_kernels.decode_plan import DecodePlan, decode_plan
+from megarl_kernels.dispatch import choose, interpret_mode, next_pow2, tl, triton
+from megarl_kernels.memo import remembered
+from megarl_kernels.rms_norm import sum_parts_ref
+from megarl_kernels.rope_cache import check_rope_inputs, qkv_values, rope_cache_ref, rope_rows, rope_tables
 
 LOG2E = math.log2(math.e)
 MIN_SEMAPHORES = 1 << 16  # split counters allocated at first use: B * Hkv up to 65,536 (256 KiB)

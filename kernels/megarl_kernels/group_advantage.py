@@ -28,7 +28,7 @@ only) for the sum of squared deviations. A second launch broadcasts over (B, T).
 """
 import torch
 
-from megarl.kernels.dispatch import choose, next_pow2, tl, triton
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 MODES = {"grpo": 0, "drgrpo": 1, "rloo": 2}
 ALIASES = {"std": "grpo", "mean": "drgrpo"}

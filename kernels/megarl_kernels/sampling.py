@@ -48,8 +48,8 @@ single-program bisections: top_p=0.9 in bf16 0.63 / 0.66 / 2.5 ms at B = 32 / 12
 """
 import torch
 
-from megarl.kernels.dispatch import choose, interpret_mode, libdevice, next_pow2, tl, triton
-from megarl.kernels.sampling_noise import noise_i32, row_keys, row_keys_ref, to_i32, uniform, uniform_noise_ref, weyl_i32
+from megarl_kernels.dispatch import choose, interpret_mode, libdevice, next_pow2, tl, triton
+from megarl_kernels.sampling_noise import noise_i32, row_keys, row_keys_ref, to_i32, uniform, uniform_noise_ref, weyl_i32
 
 # Vocab chunk per loop step and warps per program of the first launch (`_partials_kernel`), and its
 # chunks per program: a row is split into cdiv(n, SPLIT_CHUNKS * BLOCK_V) slices, from the vocab size

@@ -13,8 +13,8 @@ torch by backend); the matmuls are torch.
 import torch
 import torch.distributed as dist
 
-from megarl.kernels.dispatch import choose
-from megarl.kernels.logprob import (local_grad, local_stats, logprob_entropy_ref, reduce_over_tp, tp_size,
+from megarl_kernels.dispatch import choose
+from megarl_kernels.logprob import (local_grad, local_stats, logprob_entropy_ref, reduce_over_tp, tp_size,
                                     vocab_start)
 
 # Logits bytes per token chunk: 512 MiB -> 1765 tokens at V=152064 bf16, a
