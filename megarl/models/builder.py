@@ -6,7 +6,9 @@ stage) inside megatron-core. Layer specs: the transformer-engine spec when
 ``transformer_engine`` imports (``layer_spec="auto"``), else megatron-core's
 local spec, whose unfused ``core_attention`` is swapped for
 :class:`~megarl.models.sdpa_attention.SDPAAttention` unless
-``attention_backend="local"``.
+``attention_backend="local"``. A mixture of experts (``info.moe``) gets
+megatron-core's MoE layer (router, alltoall token dispatcher over the EP
+group, experts; :mod:`megarl.models.moe` says which experts module and why).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megarl.distributed.groups import ParallelGroups
 from megarl.models.fused_mlp import fuse_swiglu
 from megarl.models.hf_config import ModelInfo, sliding_window_check
+from megarl.models import moe
 from megarl.models.sdpa_attention import SDPAAttention
 from megarl.models.value_head import ValueHead
 from megarl.models import rope_thd
@@ -52,6 +55,8 @@ class ModelOptions:
     seq_length: Optional[int] = None  # longest sequence of the run; None: max_position_embeddings
     sequence_parallel: bool = False  # needs the TE spec (torch norms do not support it)
     recompute: str = "none"  # activation recompute in training mode: "none" | "selective" | "full"
+    moe_aux_loss_coef: float = 0.0  # MoE load-balancing loss weight (0: off)
+    moe_z_loss_coef: float = 0.0  # MoE router z-loss weight (0: off)
 
     def validate(self) -> None:
         if self.attention_backend not in ("sdpa", "local"):
@@ -68,6 +73,8 @@ class ModelOptions:
             raise ValueError("model.make_vocab_size_divisible_by must be >= 1")
         if self.recompute not in _RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: use one of {sorted(_RECOMPUTE)}")
+        if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
+            raise ValueError("actor.moe_aux_loss_coef and actor.moe_z_loss_coef must be >= 0")
 
 
 def have_te() -> bool:
@@ -88,6 +95,7 @@ def transformer_config(info: ModelInfo, groups: ParallelGroups, opts: ModelOptio
     if info.num_layers % groups.pp_size:
         raise ValueError(f"pp={groups.pp_size} must divide num_hidden_layers={info.num_layers}")
     dtype = _DTYPES[opts.params_dtype]
+    moe_fields = moe.transformer_config_fields(info, groups, opts, dtype) if info.moe else {}
     return TransformerConfig(
         num_layers=info.num_layers, hidden_size=info.hidden_size,
         num_attention_heads=info.num_heads, num_query_groups=info.num_groups,
@@ -102,21 +110,24 @@ def transformer_config(info: ModelInfo, groups: ParallelGroups, opts: ModelOptio
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         variable_seq_lengths=groups.pp_size > 1,  # the schedule sends shapes before tensors
-        moe_token_dispatcher_type="alltoall",  # no MoE; the default "allgather" rejects the line above
+        moe_token_dispatcher_type="alltoall",  # MoE: tokens to their experts' EP ranks; dense: the
+        # default "allgather" rejects variable_seq_lengths
         use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False,
-        **_RECOMPUTE[opts.recompute],
+        **_RECOMPUTE[opts.recompute], **moe_fields,
     )
 
 
 def layer_spec(info: ModelInfo, opts: ModelOptions) -> ModuleSpec:
     """The per-layer module spec: TE's, or the local one with the chosen core attention."""
+    experts = dict(num_experts=info.moe.num_experts, moe_grouped_gemm=moe.use_grouped_gemm(opts.params_dtype)
+                   ) if info.moe else {}
     if uses_te(opts):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=info.qk_norm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=info.qk_norm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=info.qk_norm, **experts)
+    spec = get_gpt_layer_local_spec(qk_layernorm=info.qk_norm, normalization="RMSNorm", **experts)
     if opts.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     return spec

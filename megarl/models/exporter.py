@@ -28,7 +28,10 @@ from megarl.models import layouts
 from megarl.models.hf_config import ModelInfo
 from megarl.models.safetensors_io import (
     INDEX, default_mode, plan_shards, save_tensors, shard_file_name, write_index)
-from megarl.models.weight_map import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, model_rules
+from megarl.models.weight_map import (
+    EXPERT_DOWN, EXPERT_GATE_UP, EXPERT_KINDS, GATE_UP, GROUPED_DOWN, GROUPED_GATE_UP, QKV, REPLICATED, ROW,
+    VOCAB, Rule, model_rules,
+)
 
 SIDE_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -45,12 +48,46 @@ class ExportSummary:
     bytes: int
 
 
-def _gather(param: torch.Tensor, groups: ParallelGroups) -> list[torch.Tensor]:
-    if groups.tp_size == 1:
+def _gather(param: torch.Tensor, groups: ParallelGroups, group=None, size=None) -> list[torch.Tensor]:
+    """``param`` of every rank of ``group`` (default: the TP group), in rank order."""
+    group, size = (groups.tp, groups.tp_size) if group is None else (group, size)
+    if size == 1:
         return [param.detach()]
-    shards = [torch.empty_like(param) for _ in range(groups.tp_size)]
-    dist.all_gather(shards, param.detach().contiguous(), group=groups.tp)
+    shards = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=group)
     return shards
+
+
+def merge_expert_shards(kind: str, names: tuple[str, ...], shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Expert-TP shards of one expert parameter (one EP rank's) -> its HF tensors."""
+    if kind in (GROUPED_GATE_UP, GROUPED_DOWN):  # -> per expert, then as the one-expert kinds
+        ungroup = layouts.ungroup_fc1 if kind == GROUPED_GATE_UP else layouts.ungroup_fc2
+        experts = len(names) // 2 if kind == GROUPED_GATE_UP else len(names)
+        per_shard = [ungroup(s, experts) for s in shards]  # [etp][expert]
+        one = EXPERT_GATE_UP if kind == GROUPED_GATE_UP else EXPERT_DOWN
+        width = 2 if one == EXPERT_GATE_UP else 1
+        out = {}
+        for e in range(experts):
+            out.update(merge_expert_shards(one, names[e * width:(e + 1) * width], [s[e] for s in per_shard]))
+        return out
+    if kind == EXPERT_DOWN:
+        return {names[0]: torch.cat(shards, dim=1)}
+    return dict(zip(names, layouts.split_gate_up(shards)))
+
+
+def gather_expert_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
+                          dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """Collective over every rank of this stage: the HF tensors of all experts (every EP rank's), on every rank."""
+    params = model.state_dict(keep_vars=True)
+    out = {}
+    for name, rule in model_rules(model, info).items():
+        if rule.kind not in EXPERT_KINDS:
+            continue
+        for ep_rank, param in enumerate(_gather(params[name], groups, groups.ep, groups.ep_size)):
+            shards = _gather(param, groups, groups.etp, groups.etp_size)
+            for hf_name, t in merge_expert_shards(rule.kind, rule.ep_hf_names[ep_rank], shards).items():
+                out[hf_name] = t.to("cpu", dtype or t.dtype).clone()
+    return out
 
 
 def merge_shards(rule: Rule, shards: list[torch.Tensor], info: ModelInfo) -> dict[str, torch.Tensor]:
@@ -75,7 +112,7 @@ def gather_hf_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
     params = model.state_dict(keep_vars=True)
     out = {}
     for name, rule in model_rules(model, info).items():
-        if not rule.export:
+        if not rule.export or rule.kind in EXPERT_KINDS:  # experts: gather_expert_tensors
             continue
         shards = [params[name].detach()] if rule.kind == REPLICATED else _gather(params[name], groups)
         if groups.tp_rank == 0:
@@ -166,9 +203,11 @@ def export_hf(
     dtype = _export_dtype(info, dtype)
     check_finite(model, info, dtype, out_dir)
     summary = None
+    experts = gather_expert_tensors(model, info, groups, dtype) if info.moe else {}
     if groups.dp_rank == 0 and groups.cp_rank == 0:
         tensors = gather_hf_tensors(model, info, groups, dtype)
         if groups.tp_rank == 0:
+            tensors.update(experts)
             os.makedirs(out_dir, exist_ok=True)
             weight_map, total_bytes = _write_stage(tensors, out_dir, groups, max_shard_bytes)
             if groups.pp_rank == 0:

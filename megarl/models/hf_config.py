@@ -1,9 +1,11 @@
 """Reads a Hugging Face ``config.json`` into :class:`ModelInfo`, megarl's model metadata.
 
 Supported architectures are one table, :data:`FAMILIES`: each family
-(llama, mistral, qwen2, qwen3) says whether its attention has a QKV bias and
-a per-head RMSNorm on queries and keys (Qwen3's ``q_norm``/``k_norm``), and
-which keys switch its sliding-window attention on. ``*ForCausalLM`` builds a
+(llama, mistral, qwen2, qwen3, and the mixtures of experts mixtral, qwen2_moe,
+qwen3_moe) says whether its attention has a QKV bias and a per-head RMSNorm on
+queries and keys (Qwen3's ``q_norm``/``k_norm``), which keys switch its
+sliding-window attention on, and, for a mixture of experts, how its router
+and experts read (:class:`MoeFamily`, :class:`MoeInfo`). ``*ForCausalLM`` builds a
 language model, ``*ForSequenceClassification`` (num_labels 1) a value model.
 
 Everything here works on the plain JSON dict, not on ``transformers`` config
@@ -34,13 +36,34 @@ class Family:
     qkv_bias: bool  # q/k/v projections carry a bias (o_proj does not)
     qk_norm: bool  # RMSNorm over head_dim on queries and keys
     window_switch: str | None  # config key that must be true for sliding_window to apply
+    moe: MoeFamily | None = None  # a mixture of experts: how config.json names its router and experts
 
 
+@dataclass(frozen=True)
+class MoeFamily:
+    """How a mixture-of-experts family's config.json and HF tensors name its parts."""
+
+    experts_keys: tuple[str, ...]  # config keys of the expert count, first present wins
+    ffn_key: str  # config key of one expert's FFN width
+    norm_topk_default: bool | None  # norm_topk_prob when absent; None: always renormalized (no key)
+    block: str  # HF module of the sparse block inside a layer ("mlp." / "block_sparse_moe.")
+    expert_names: tuple[str, str, str]  # gate, up, down projection names inside experts.N.
+    shared_expert: bool  # a shared expert beside the routed ones, scaled by sigmoid(shared_expert_gate)
+
+
+_QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+_QWEN_COUNT = ("num_experts", "num_local_experts")  # the Hub's configs / transformers 5's save_pretrained
 FAMILIES = {
     "Llama": Family(qkv_bias=False, qk_norm=False, window_switch=None),
     "Mistral": Family(qkv_bias=False, qk_norm=False, window_switch=None),
     "Qwen2": Family(qkv_bias=True, qk_norm=False, window_switch="use_sliding_window"),
     "Qwen3": Family(qkv_bias=False, qk_norm=True, window_switch="use_sliding_window"),
+    "Mixtral": Family(qkv_bias=False, qk_norm=False, window_switch=None, moe=MoeFamily(
+        ("num_local_experts",), "intermediate_size", None, "block_sparse_moe.", ("w1", "w3", "w2"), False)),
+    "Qwen2Moe": Family(qkv_bias=True, qk_norm=False, window_switch="use_sliding_window", moe=MoeFamily(
+        _QWEN_COUNT, "moe_intermediate_size", False, "mlp.", _QWEN_EXPERTS, True)),
+    "Qwen3Moe": Family(qkv_bias=False, qk_norm=True, window_switch="use_sliding_window", moe=MoeFamily(
+        _QWEN_COUNT, "moe_intermediate_size", False, "mlp.", _QWEN_EXPERTS, False)),
 }
 HEADS = {"ForCausalLM": False, "ForSequenceClassification": True}  # suffix -> value head
 SUPPORTED = tuple(f + h for f in FAMILIES for h in HEADS)
@@ -48,6 +71,25 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # megatron-core's llama3 RoPE scaling hard-codes these three numbers.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class MoeInfo:
+    """A mixture of experts' shape and routing, in the terms megatron-core's MoE layer uses.
+
+    Routing: ``renormalize`` (Mixtral; Qwen with norm_topk_prob) picks the top-k router
+    logits and softmaxes over those k (= softmax over all, top-k, divided by their sum);
+    otherwise (Qwen2-MoE's default) the softmax over all experts is taken before the top-k
+    and the k probabilities are used as they are.
+    """
+
+    num_experts: int
+    topk: int  # experts per token
+    ffn_hidden_size: int  # one expert's FFN width
+    renormalize: bool  # top-k probabilities sum to 1
+    shared_ffn_hidden_size: int | None  # the shared expert's FFN width (with its sigmoid gate); None: none
+    block: str  # HF module name of the sparse block ("mlp." or "block_sparse_moe.")
+    expert_names: tuple[str, str, str]  # HF gate, up, down names inside ``experts.N.``
 
 
 @dataclass(frozen=True)
@@ -74,6 +116,7 @@ class ModelInfo:
     qk_norm: bool
     init_std: float  # initializer_range
     hf_config: dict  # config.json as read; the exporter writes it back
+    moe: MoeInfo | None = None  # the mixture of experts every layer's MLP is; None: dense MLPs
 
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
         """Vocab rounded up to a multiple of ``divisible_by * tp`` (rows past vocab_size are zero)."""
@@ -180,7 +223,36 @@ def _info(cfg: dict) -> ModelInfo:
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not value_head,
         qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
         init_std=float(cfg.get("initializer_range", 0.02)), hf_config=cfg,
+        moe=_moe_info(cfg, family.moe) if family.moe else None,
     )
+
+
+def _moe_info(cfg: dict, family: MoeFamily) -> MoeInfo:
+    """The MoE fields of config.json; variants megatron-core's MoE layer would not compute alike are refused."""
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ModelConfigError(
+            f"config.json decoder_sparse_step={cfg.get('decoder_sparse_step', 1)} "
+            f"mlp_only_layers={cfg.get('mlp_only_layers')}: dense layers between MoE layers are not "
+            "supported; need decoder_sparse_step=1 and mlp_only_layers=[]")
+    if cfg.get("router_jitter_noise"):
+        raise ModelConfigError(f"config.json router_jitter_noise={cfg['router_jitter_noise']} is not "
+                               "supported (megatron-core's router has no such noise); need 0")
+    key = next((k for k in family.experts_keys if k in cfg), family.experts_keys[0])
+    num_experts, topk = cfg[key], cfg["num_experts_per_tok"]
+    if not 1 <= topk <= num_experts:
+        raise ModelConfigError(f"config.json num_experts_per_tok={topk} must be in [1, "
+                               f"{key}={num_experts}]")
+    renormalize = True if family.norm_topk_default is None else bool(
+        cfg.get("norm_topk_prob", family.norm_topk_default))
+    if renormalize and topk == 1:  # softmax over one logit is 1: megatron-core refuses this routing
+        raise ModelConfigError("config.json num_experts_per_tok=1 with renormalized top-k weights "
+                               "(norm_topk_prob) is not supported; every weight would be 1")
+    shared = cfg.get("shared_expert_intermediate_size") if family.shared_expert else None
+    if family.shared_expert and not shared:
+        raise ModelConfigError("config.json shared_expert_intermediate_size must be > 0 for a Qwen2-MoE model")
+    return MoeInfo(num_experts=num_experts, topk=topk, ffn_hidden_size=cfg[family.ffn_key],
+                   renormalize=renormalize, shared_ffn_hidden_size=shared,
+                   block=family.block, expert_names=family.expert_names)
 
 
 def sliding_window_check(info: ModelInfo, seq_length: int) -> None:

@@ -57,3 +57,28 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
         return t
     pad = t.new_zeros(rows - t.shape[0], *t.shape[1:])
     return torch.cat([t, pad])
+
+
+# Mixture-of-experts: megatron-core's GroupedMLP keeps all E local experts in two tensors that
+# its grouped GEMM views per expert: ``weight1.view(E, h, 2F/etp)[e]`` is expert e's fc1
+# (``x @ it``: gate then up columns), ``weight2.view(E, F/etp, h)[e]`` its fc2. In the
+# per-expert (SequentialMLP) terms: ``fc1_e`` [2F/etp, h] and ``fc2_e`` [h, F/etp] transposed.
+def group_fc1(fc1: list[torch.Tensor]) -> torch.Tensor:
+    """Per-expert ``fc1_e`` [2F/etp, h] -> GroupedMLP ``weight1`` [h, E*2F/etp] (same bytes as [E, h, 2F/etp])."""
+    stacked = torch.stack([w.t() for w in fc1])  # (E, h, 2F/etp)
+    return stacked.reshape(stacked.shape[1], -1)
+
+
+def ungroup_fc1(weight1: torch.Tensor, num_experts: int) -> list[torch.Tensor]:
+    """Inverse of :func:`group_fc1`."""
+    return [w.t() for w in weight1.reshape(num_experts, weight1.shape[0], -1)]
+
+
+def group_fc2(fc2: list[torch.Tensor]) -> torch.Tensor:
+    """Per-expert ``fc2_e`` [h, F/etp] -> GroupedMLP ``weight2`` [E*F/etp, h]."""
+    return torch.cat([w.t() for w in fc2])
+
+
+def ungroup_fc2(weight2: torch.Tensor, num_experts: int) -> list[torch.Tensor]:
+    """Inverse of :func:`group_fc2`."""
+    return [w.t() for w in weight2.reshape(num_experts, -1, weight2.shape[1])]

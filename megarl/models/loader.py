@@ -19,7 +19,8 @@ from megarl.models import layouts
 from megarl.models.hf_config import ModelConfigError, ModelInfo
 from megarl.models.safetensors_io import CheckpointReader
 from megarl.models.weight_map import (
-    GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, expected_hf_names, model_rules,
+    EXPERT_DOWN, EXPERT_GATE_UP, EXPERT_KINDS, GATE_UP, GROUPED_DOWN, GROUPED_GATE_UP, QKV, REPLICATED, ROW,
+    VOCAB, Rule, expected_hf_names, model_rules,
 )
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,27 @@ def _read_vocab(reader: CheckpointReader, name: str, rows_per_rank: int, info: M
     return layouts.pad_rows(reader.read(name, rows=(start, end)), rows_per_rank)
 
 
+def _read_experts(reader: CheckpointReader, rule: Rule, groups: ParallelGroups) -> torch.Tensor:
+    """This expert-TP rank's slice of an expert parameter (one expert, or all local ones grouped)."""
+    r, n = groups.etp_rank, groups.etp_size
+    names = rule.hf_names
+    if rule.kind in (EXPERT_DOWN, GROUPED_DOWN):
+        fc2 = [reader.read(d, cols=layouts.chunk_range(reader.shape(d)[1], r, n)) for d in names]
+        return fc2[0] if rule.kind == EXPERT_DOWN else layouts.group_fc2(fc2)
+    fc1 = []
+    for gate, up in zip(names[::2], names[1::2]):
+        rows = layouts.chunk_range(reader.shape(gate)[0], r, n)
+        fc1.append(torch.cat([reader.read(gate, rows=rows), reader.read(up, rows=rows)]))
+    return fc1[0] if rule.kind == EXPERT_GATE_UP else layouts.group_fc1(fc1)
+
+
 def read_shard(reader: CheckpointReader, rule: Rule, info: ModelInfo, groups: ParallelGroups,
                local_rows: int) -> torch.Tensor:
     """This TP rank's slice of the parameter ``rule`` describes."""
     r, n = groups.tp_rank, groups.tp_size
     names = rule.hf_names
+    if rule.kind in EXPERT_KINDS:
+        return _read_experts(reader, rule, groups)
     if rule.kind == REPLICATED:
         return reader.read(names[0])
     if rule.kind == ROW:
@@ -78,8 +95,22 @@ def _checked_shard(reader: CheckpointReader, rule: Rule, info: ModelInfo, groups
         raise ModelConfigError(
             f"{reader.path!r}: {shapes} do not fit its config.json (hidden_size={info.hidden_size}, "
             f"vocab_size={info.vocab_size}, heads={info.num_heads}/{info.num_groups} kv, "
-            f"intermediate_size={info.ffn_hidden_size}); the weights and config.json are of different models")
+            f"intermediate_size={info.ffn_hidden_size}{_moe_shape(info)}); the weights and config.json are of different models")
     return shard
+
+
+def _moe_shape(info: ModelInfo) -> str:
+    m = info.moe
+    return "" if m is None else f", experts={m.num_experts} of {m.ffn_hidden_size}"
+
+
+def _check_expert_count(unused: list[str], info: ModelInfo, hf_dir: str) -> None:
+    """Expert tensors past config.json's expert count: the weights are of a model with more experts."""
+    extra = [n for n in unused if info.moe and f"{info.moe.block}experts." in n]
+    if extra:
+        raise ModelConfigError(
+            f"{hf_dir!r} holds expert tensors its config.json (num_experts={info.moe.num_experts}) has no "
+            f"place for, e.g. {extra[0]}; the weights and config.json are of different models")
 
 
 def _missing(rules: dict[str, Rule], available: set[str]) -> dict[str, list[str]]:
@@ -104,8 +135,10 @@ def load_hf_checkpoint(
         listed = ", ".join(f"{', '.join(v)} (for {k})" for k, v in sorted(fatal.items()))
         raise ModelConfigError(f"{hf_dir!r} lacks tensors the {info.arch} of its config.json needs: {listed}; "
                                f"the weights are of another model, or the files are incomplete")
+    unused = sorted(reader.names() - expected_hf_names(info))
+    _check_expert_count(unused, info, hf_dir)
     params = model.state_dict(keep_vars=True)
-    report = LoadReport(skipped=sorted(missing))
+    report = LoadReport(skipped=sorted(missing), unused=unused)
     with torch.no_grad():
         for name, rule in rules.items():
             if name in missing:
@@ -114,7 +147,6 @@ def load_hf_checkpoint(
             param.copy_(_checked_shard(reader, rule, info, groups, param))
             report.loaded.append(name)
     reader.close()
-    report.unused = sorted(reader.names() - expected_hf_names(info))
     if report.unused and groups.tp_rank == groups.pp_rank == groups.dp_rank == 0:
         log.warning("checkpoint tensors not used by %s: %s", info.hf_architecture(), ", ".join(report.unused))
     return report

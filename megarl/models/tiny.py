@@ -21,13 +21,19 @@ VARIANTS = {
     "Mistral": dict(sliding_window=None, rope_theta=20000.0),
     "Qwen2": dict(tie_word_embeddings=True),
     "Qwen3": dict(head_dim=32),  # heads * head_dim = 128 != hidden 64; QK norm is built in
+    # mixtures of experts: 4 experts (2 per rank at EP2), top-2
+    "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, rope_theta=20000.0),
+    "Qwen2Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True),
+    "Qwen3Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                     head_dim=32),
 }
 
 
 def tiny_config(arch: str, **overrides):
     import transformers
 
-    family = next(f for f in VARIANTS if arch.startswith(f))
+    family = max((f for f in VARIANTS if arch.startswith(f)), key=len)  # Qwen2Moe, not Qwen2
     config_cls = getattr(transformers, f"{family}Config")
     kwargs = {**BASE, **VARIANTS[family], **overrides}
     if arch.endswith("ForSequenceClassification"):

@@ -1,0 +1,161 @@
+"""Mixture-of-experts pieces of the builder: megatron-core's MoE fields, the experts' GEMMs, expert load.
+
+Routing (:class:`~megarl.models.hf_config.MoeInfo`) maps onto megatron-core's top-k
+router (``moe/router.py``, ``moe_utils.topk_routing_with_score_function``):
+``renormalize`` (Mixtral; Qwen with norm_topk_prob) is ``moe_router_pre_softmax=False``,
+a softmax over the k largest logits, which equals HF's softmax over all experts, top-k,
+divided by their sum; otherwise ``moe_router_pre_softmax=True``, softmax over all
+experts and the k largest probabilities as they are (Qwen2-MoE's default). Qwen2-MoE's
+shared expert scaled by ``sigmoid(shared_expert_gate(x))`` is megatron-core's
+``SharedExpertMLP`` with ``moe_shared_expert_gate=True`` (``gate_weight`` [1, hidden]).
+The router computes its logits in fp32 (``moe_router_dtype``) whatever the parameter
+dtype, so bf16 runs pick experts from fp32 scores.
+
+Experts' GEMMs. Without transformer-engine, megatron-core offers ``SequentialMLP``
+(one ``MLP`` per local expert, a Python loop) and the legacy ``GroupedMLP`` (all
+local experts' weights in two tensors, one grouped GEMM each way) whose GEMM comes
+from the ``grouped_gemm`` package, which has no wheel on PyPI (CUDA source build).
+On CUDA in bf16 megarl therefore uses ``GroupedMLP`` with
+:func:`grouped_gemm_torch` installed as its ``gmm``: ``torch._grouped_mm``, one
+launch for all local experts, forward and backward (its CUDA kernel needs bf16 and
+16-byte aligned rows, which every real expert shape has). Everywhere else (CPU, fp32,
+fp16: ``GroupedMLP`` asserts bf16) ``SequentialMLP`` runs; its loop over a handful of
+tiny experts is no cost on CPU. :func:`grouped_gemm_ref` is the loop the grouped GEMM
+must equal.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+from torch import nn
+
+from megarl.models.hf_config import ModelInfo
+
+# megatron-core 0.16.1's router gating (moe_utils.RouterGatingLinearFunction) tests
+# ``te_general_gemm is not None``, a name bound only when transformer-engine imports:
+# without TE every MoE forward raised NameError. None selects its plain torch.mm branch.
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
+
+def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's ``maybe_move_tensor_to_cpu`` for CPU tensors too: the alltoall dispatcher's
+    split sizes become numpy arrays (its CUDA path); left as CPU tensors, ``all_to_all_single``
+    rejects them as split sizes."""
+    if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+        return tensor.numpy()
+    return moe_utils.maybe_move_tensor_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+
+if not torch.cuda.is_available():  # the CPU runs (tests, tiny tasks) over gloo
+    token_dispatcher.maybe_move_tensor_to_cpu = _splits_to_host
+
+
+def transformer_config_fields(info: ModelInfo, groups, opts, dtype: torch.dtype) -> dict:
+    """megatron-core ``TransformerConfig`` keyword arguments of ``info.moe`` over ``groups``."""
+    m = info.moe
+    if m.num_experts % groups.ep_size:
+        raise ValueError(f"parallel.ep={groups.ep_size} must divide the expert count {m.num_experts} "
+                         f"of {info.arch}; use an ep that divides {m.num_experts}")
+    for name, width in (("moe_intermediate_size", m.ffn_hidden_size),
+                        ("shared_expert_intermediate_size", m.shared_ffn_hidden_size or 0)):
+        if width % groups.etp_size or (name.startswith("shared") and width % groups.tp_size):
+            raise ValueError(f"config.json {name}={width} does not split over parallel.etp="
+                             f"{groups.etp_size} / tp={groups.tp_size}; lower them")
+    aux = opts.moe_aux_loss_coef
+    return dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.topk, moe_ffn_hidden_size=m.ffn_hidden_size,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not m.renormalize,
+        moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=m.shared_ffn_hidden_size,
+        moe_shared_expert_gate=m.shared_ffn_hidden_size is not None,
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux, moe_z_loss_coeff=opts.moe_z_loss_coef or None,
+        moe_grouped_gemm=use_grouped_gemm(opts.params_dtype),
+        expert_model_parallel_size=groups.ep_size, expert_tensor_parallel_size=groups.etp_size,
+    )
+
+
+def use_grouped_gemm(params_dtype: str) -> bool:
+    """GroupedMLP (one grouped GEMM for all local experts) on CUDA in bf16; SequentialMLP elsewhere.
+
+    Installs :func:`grouped_gemm_torch` as megatron-core's ``grouped_gemm`` backend when it
+    is chosen and the ``grouped_gemm`` package is absent.
+    """
+    if not (torch.cuda.is_available() and params_dtype == "bf16" and hasattr(torch, "_grouped_mm")):
+        return False
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    if gg.grouped_gemm is None:
+        gg.grouped_gemm = _TorchGroupedGemm
+        gg.ops = _TorchGroupedGemm.ops
+    return True
+
+
+def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, batch_sizes: torch.Tensor,
+                     trans_b: bool = False) -> torch.Tensor:
+    """The spec: rows of ``x`` [T, K] in expert order times each expert's ``w[e]`` [K, N]
+    (``trans_b``: [N, K]); ``batch_sizes`` [E] rows per expert, sum T. -> [T, N]."""
+    outs, start = [], 0
+    for e, n in enumerate(batch_sizes.tolist()):
+        we = w[e].t() if trans_b else w[e]
+        outs.append(x[start:start + n] @ we)
+        start += n
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1 if trans_b else 2])
+
+
+def grouped_gemm_torch(x: torch.Tensor, w: torch.Tensor, batch_sizes: torch.Tensor,
+                       trans_b: bool = False) -> torch.Tensor:
+    """:func:`grouped_gemm_ref` in one ``torch._grouped_mm`` launch (offsets: cumulative rows)."""
+    offs = torch.cumsum(batch_sizes.to(device=x.device, dtype=torch.int32), 0, dtype=torch.int32)
+    return torch._grouped_mm(x, w.transpose(1, 2) if trans_b else w, offs=offs)
+
+
+class _TorchGroupedGemm:
+    """Stands in for the ``grouped_gemm`` package: ``ops.gmm(a, b, batch_sizes, trans_b)``."""
+
+    class ops:  # noqa: N801 - the package's attribute name
+        gmm = staticmethod(grouped_gemm_torch)
+
+
+class ExpertLoad:
+    """Tokens routed to each expert, per MoE layer, summed over the forwards since the last read.
+
+    A forward hook on every router (``routing_map`` [tokens, experts], True = routed) adds
+    ``routing_map.sum(0)``; :meth:`read` returns per layer ``max / mean`` tokens per expert
+    (1.0 = perfectly balanced, ``num_experts / topk`` = every token on the same k experts),
+    over the tokens this rank routed, and clears the counts.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.counts: dict[int, torch.Tensor] = {}  # global layer index -> [experts] int64
+        self._hooks = []
+        for module in model.modules():
+            router = getattr(module, "router", None)
+            if router is not None and hasattr(module, "token_dispatcher"):
+                self._hooks.append(router.register_forward_hook(self._hook(router)))
+
+    def _hook(self, router):
+        def record(_module, _inputs, output):
+            routing_map = output[1]  # [tokens, experts] bool
+            layer = router.layer_number - 1  # 1-based, global
+            counts = routing_map.detach().sum(0, dtype=torch.int64)  # stays on the device: no sync here
+            self.counts[layer] = self.counts.get(layer, 0) + counts
+        return record
+
+    def read(self) -> dict[str, float]:
+        """``{"moe/load_max_over_mean/layer_N": value, "moe/load_max_over_mean": max over layers}``."""
+        out = {}
+        for layer, counts in sorted(self.counts.items()):
+            counts = counts.cpu()
+            mean = counts.double().mean().item()
+            out[f"moe/load_max_over_mean/layer_{layer}"] = counts.max().item() / mean if mean else 0.0
+        if out:
+            out["moe/load_max_over_mean"] = max(out.values())
+        self.counts.clear()
+        return out
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
