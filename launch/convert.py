@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 launch/convert.py hf-to-mcore --hf DIR --out DIR --tp 2
     torchrun --nproc_per_node 2 launch/convert.py mcore-to-hf --ckpt DIR --out DIR --tp 2
+    torchrun --nproc_per_node 2 launch/convert.py hf-to-mcore --hf DIR --out DIR --ep 2   (experts over 2 ranks)
 
 The world size must be a multiple of tp * pp. mcore-to-hf reads the model's
 metadata (megarl_model.json) from the checkpoint; tokenizer files are copied
@@ -31,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--out", required=True, help="output directory")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+        p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     return parser.parse_args(argv)
 
 
@@ -43,24 +46,34 @@ def check_layout(args, world_size: int) -> None:
     if world_size % (args.tp * args.pp):
         raise ModelConfigError(f"world size {world_size} is not a multiple of --tp {args.tp} x --pp {args.pp}; "
                                f"start {args.tp * args.pp} processes (torchrun --nproc_per_node {args.tp * args.pp})")
+    etp = args.tp if args.etp is None else args.etp
+    if args.ep < 1 or etp < 1 or (world_size // args.pp) % (args.ep * etp):
+        raise ModelConfigError(f"--ep {args.ep} x --etp {etp} must divide the {world_size // args.pp} ranks of a "
+                               f"pipeline stage (world size {world_size} / --pp {args.pp})")
 
 
 def check_input(args) -> "ModelInfo":  # noqa: F821 - imported lazily below
     """The model to build; raises ModelConfigError on bad input (before any process group)."""
-    from megarl.models.hf_config import ModelInfo, read_hf_config
-    from megarl.models.mcore_ckpt import load_mcore_meta
+    from megarl.models.hf_config import ModelConfigError, ModelInfo, read_hf_config
+    from megarl.models.mcore_ckpt import check_same_experts, load_mcore_meta
 
     if args.command == "hf-to-mcore":
         info = read_hf_config(args.hf)
         from megarl.models.safetensors_io import CheckpointReader  # imports torch
 
         CheckpointReader(args.hf).close()  # safetensors present and readable
-        return info
-    meta = load_mcore_meta(args.ckpt)
-    if args.hf_config_from:
-        info = read_hf_config(args.hf_config_from)
-        return info.as_value_model() if meta["value_head"] and not info.value_head else info
-    return ModelInfo.from_json(meta)
+    else:
+        meta = load_mcore_meta(args.ckpt)
+        info = ModelInfo.from_json(meta)
+        if args.hf_config_from:
+            saved, info = info, read_hf_config(args.hf_config_from)
+            check_same_experts(saved, info, args.ckpt)
+            info = info.as_value_model() if meta["value_head"] and not info.value_head else info
+    if info.moe is None and (args.ep > 1 or args.etp not in (None, args.tp)):
+        raise ModelConfigError(f"--ep {args.ep} / --etp {args.etp} need a mixture-of-experts model; {info.arch} is dense")
+    if info.moe and info.moe.num_experts % args.ep:
+        raise ModelConfigError(f"--ep {args.ep} must divide the model's {info.moe.num_experts} experts")
+    return info
 
 
 def main(args) -> str:
@@ -76,13 +89,13 @@ def main(args) -> str:
     start = time.perf_counter()
     info = check_input(args)
     init_distributed()
-    groups = build_parallel_groups(tp=args.tp, pp=args.pp)
+    groups = build_parallel_groups(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     model_parallel_cuda_manual_seed(0)
     if args.command == "hf-to-mcore":
         model = build_gpt_model(info, groups, ModelOptions(params_dtype=args.dtype))
         load_hf_checkpoint(model, args.hf, info, groups)
         save_mcore(model, info, groups, args.out, source=os.path.abspath(args.hf), params_dtype=args.dtype)
-        what = f"megatron-core checkpoint (tp={args.tp}, pp={args.pp}, {args.dtype})"
+        what = f"megatron-core checkpoint (tp={args.tp}, pp={args.pp}, ep={args.ep}, {args.dtype})"
     else:
         meta = load_mcore_meta(args.ckpt)
         model = build_gpt_model(info, groups, ModelOptions(params_dtype=meta["params_dtype"]))

@@ -44,6 +44,8 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel size")
     pp: int = opt(1, "pipeline-parallel size")
     cp: int = opt(1, "context-parallel (Ulysses sequence-parallel) size")
+    ep: int = opt(1, "expert-parallel size (mixture-of-experts models): each of ep ranks holds num_experts / ep experts; tokens reach them by alltoall")
+    etp: Optional[int] = opt(None, "expert tensor-parallel size: each expert's FFN split over etp ranks; default: parallel.tp (ep * etp must divide world / pp)")
     sequence_parallel: bool = opt(False, "megatron sequence parallelism inside the TP group")
     distributed_optimizer: bool = opt(True, "shard optimizer state over data-parallel ranks")
     dp_balance: bool = opt(True, "deal each training forward's and mini-batch's rows over the DP ranks by token count (LPT) so every rank runs about as many tokens; false: each rank keeps its own rows")
@@ -151,6 +153,8 @@ class ActorConfig:
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt("token-mean", "how token losses become one number")
     kl_loss_coef: float = opt(0.0, "weight of KL(policy || ref) added to the loss; 0 disables")
     kl_loss_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = opt("low_var_kl", "KL estimator for the loss term")
+    moe_aux_loss_coef: float = opt(0.0, "mixture of experts: load-balancing loss weight (megatron's aux_loss); RL recipes keep 0: it pulls the router toward uniform load against the policy gradient, and the router must keep routing as the policy that generated the rollouts did")
+    moe_z_loss_coef: float = opt(0.0, "mixture of experts: router z-loss weight (penalizes large router logits); 0: off")
 
 
 @dataclass

@@ -130,6 +130,50 @@ def check_parallel(cfg: Config, world_size: int, hf: dict) -> None:
     layers = hf.get("num_hidden_layers", 1)
     if layers % p.pp:
         raise ConfigError(f"parallel.pp={p.pp} must divide num_hidden_layers ({layers})")
+    check_experts(cfg, world_size, hf)
+
+
+def moe_experts(hf: dict) -> int | None:
+    """The expert count of a mixture-of-experts config.json (None for a dense model)."""
+    from megarl.models.hf_config import FAMILIES
+
+    arch = (hf.get("architectures") or [""])[0]
+    family = next((f for f in FAMILIES if arch in (f + "ForCausalLM", f + "ForSequenceClassification")), None)
+    moe = FAMILIES[family].moe if family else None
+    return next((hf[k] for k in moe.experts_keys if k in hf), None) if moe else None
+
+
+def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
+    """parallel.ep / parallel.etp fit the model's experts and the ranks of a pipeline stage."""
+    p = cfg.parallel
+    etp = p.tp if p.etp is None else p.etp
+    if p.ep < 1 or etp < 1:
+        raise ConfigError(f"parallel.ep={p.ep} and parallel.etp={p.etp} must be >= 1")
+    experts = moe_experts(hf)
+    if experts is None:
+        if p.ep > 1 or p.etp not in (None, p.tp):
+            raise ConfigError(f"parallel.ep={p.ep} / parallel.etp={p.etp} need a mixture-of-experts model; "
+                              f"{cfg.model.path} is dense: set parallel.ep=1 and leave parallel.etp unset")
+        return
+    if experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide the model's {experts} experts; use a divisor of {experts}")
+    stage = world_size // p.pp
+    if stage % (p.ep * etp):
+        raise ConfigError(f"parallel.ep={p.ep} x parallel.etp={etp} must divide the {stage} ranks of a pipeline stage "
+                          f"(world size {world_size} / parallel.pp={p.pp}); change them or the number of processes")
+    if cfg.actor.lora.rank > 0:
+        raise ConfigError("actor.lora.rank > 0 with a mixture-of-experts model is not supported yet; set actor.lora.rank=0")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} with a mixture-of-experts model is not supported yet; "
+                          "set parallel.cp=1")
+
+
+def check_moe_rollout(cfg: Config, hf: dict) -> None:
+    """Neither rollout engine generates with a mixture of experts yet (launch/sft.py trains without one)."""
+    if moe_experts(hf) is not None:
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine} cannot generate with the mixture-of-experts model "
+                          f"{cfg.model.path} yet (native: no MoE decode path; sglang: its weight stream sends no "
+                          "expert weights); train it with launch/sft.py or use a dense model")
 
 
 def check_ulysses_heads(p, heads: int, kv_heads: int) -> None:
@@ -201,7 +245,7 @@ def check_actor(cfg: Config) -> None:
     check_cpu_offload(cfg, act.optim, "actor.optim")
     check_counts(act, "actor", ["ppo_epochs"])
     check_counts(act, "actor", ["forward_micro_batch_size"], low=0)
-    check_numbers(act, "actor", ["kl_loss_coef", "entropy_coef"], low=0)
+    check_numbers(act, "actor", ["kl_loss_coef", "entropy_coef", "moe_aux_loss_coef", "moe_z_loss_coef"], low=0)
     check_lora(cfg)
 
 
@@ -426,6 +470,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
+    check_moe_rollout(cfg, hf)
     check_model_inputs(cfg, hf, "rollout.max_new_tokens", cfg.rollout.max_new_tokens, room=1)
     check_multi_turn(cfg)
     check_sglang(cfg)

@@ -42,7 +42,7 @@ def save_mcore(model: "nn.Module", info: ModelInfo, groups: "ParallelGroups", ou
     dist_checkpointing.save(state, out_dir)
     if dist.get_rank() == 0:
         meta = dict(info.to_json(), source=source, params_dtype=params_dtype,
-                    saved_tp=groups.tp_size, saved_pp=groups.pp_size)
+                    saved_tp=groups.tp_size, saved_pp=groups.pp_size, saved_ep=groups.ep_size)
         with open(os.path.join(out_dir, META), "w") as f:
             json.dump(meta, f, indent=2)
     dist.barrier()
@@ -57,6 +57,18 @@ def load_mcore_meta(ckpt_dir: str) -> dict:
         raise ModelConfigError(f"{ckpt_dir!r} has no {META}; was it written by megarl (launch/convert.py)?")
     with open(path) as f:
         return json.load(f)
+
+
+def check_same_experts(saved: ModelInfo, info: ModelInfo, ckpt_dir: str) -> None:
+    """Raises unless ``info`` (the config a run builds) has the experts and top-k the checkpoint was saved with."""
+    def shape(i: ModelInfo):
+        return (i.moe.num_experts, i.moe.topk) if i.moe else (None, None)
+
+    (saved_e, saved_k), (e, k) = shape(saved), shape(info)
+    if (saved_e, saved_k) != (e, k):
+        raise ModelConfigError(
+            f"{ckpt_dir!r} was saved with num_experts={saved_e} top-k={saved_k} but the config asks for "
+            f"num_experts={e} top-k={k}; use the config.json the checkpoint was converted from")
 
 
 def load_mcore(model: "nn.Module", groups: "ParallelGroups", ckpt_dir: str) -> None:

@@ -19,8 +19,9 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 VALUE_HEAD_INIT_STD = 1e-3  # a value head started from a causal LM: small, seeded, same on every rank
 
 
-def model_options(cfg: Config, recompute: str = "none") -> ModelOptions:
-    """How to build a role's model; ``recompute`` only for the trained roles (actor, critic)."""
+def model_options(cfg: Config, recompute: str = "none", moe_losses: bool = False) -> ModelOptions:
+    """How to build a role's model; ``recompute`` only for the trained roles (actor, critic),
+    ``moe_losses`` (actor.moe_aux_loss_coef / moe_z_loss_coef) only for the actor."""
     return ModelOptions(
         attention_backend=cfg.model.attention_backend,
         layer_spec=cfg.model.layer_spec,
@@ -29,14 +30,16 @@ def model_options(cfg: Config, recompute: str = "none") -> ModelOptions:
         seq_length=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
         sequence_parallel=cfg.parallel.sequence_parallel,
         recompute=recompute,
+        moe_aux_loss_coef=cfg.actor.moe_aux_loss_coef if moe_losses else 0.0,
+        moe_z_loss_coef=cfg.actor.moe_z_loss_coef if moe_losses else 0.0,
     )
 
 
 def build_module(path: str, cfg: Config, groups: ParallelGroups, value_head: bool = False,
-                 recompute: str = "none"):
+                 recompute: str = "none", moe_losses: bool = False):
     """(module, info): this rank's stage of the checkpoint at ``path``, weights loaded."""
     info = read_hf_config(path)
-    opts = model_options(cfg, recompute)
+    opts = model_options(cfg, recompute, moe_losses)
     if value_head:
         info = info.as_value_model() if not info.value_head else info
         module = build_gpt_model(info, groups, opts)
@@ -80,7 +83,8 @@ def _output_requires_grad(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
 
 
 def build_actor(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Policy:
-    module, info = build_module(cfg.model.path, cfg, groups, recompute=cfg.actor.recompute)
+    module, info = build_module(cfg.model.path, cfg, groups, recompute=cfg.actor.recompute,
+                                moe_losses=True)
     if cfg.actor.lora.rank:  # base frozen before DDP: only the adapters get grad buffers and Adam state
         lo = cfg.actor.lora
         apply_lora(module, LoraOptions(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), seed=cfg.trainer.seed))

@@ -52,7 +52,7 @@ class PPOTrainer:
         started = time.time()  # wall time of this session, for events.jsonl (megarl.report)
         self.cfg = cfg
         p = cfg.parallel
-        self.groups = g = build_parallel_groups(p.tp, p.pp, p.cp)
+        self.groups = g = build_parallel_groups(p.tp, p.pp, p.cp, p.ep, p.etp)
         model_parallel_cuda_manual_seed(cfg.trainer.seed)
         self.device = device()
         self.rank0 = torch.distributed.get_rank() == 0

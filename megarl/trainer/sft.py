@@ -77,7 +77,7 @@ def build_policy(cfg: Config, groups, total_steps: int) -> Policy:
 def run_sft(cfg: Config, log) -> Policy:
     """Trains ``cfg.sft.epochs`` over ``cfg.sft.train_path``; exports to ``cfg.sft.out_dir``."""
     s, p = cfg.sft, cfg.parallel
-    groups = build_parallel_groups(p.tp, p.pp, p.cp)
+    groups = build_parallel_groups(p.tp, p.pp, p.cp, p.ep, p.etp)
     model_parallel_cuda_manual_seed(cfg.trainer.seed)
     tokenizer_dir = cfg.model.tokenizer or cfg.model.path
     tokenizer = load_tokenizer(tokenizer_dir)
