@@ -166,6 +166,10 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
     if cfg.parallel.cp > 1:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp} with a mixture-of-experts model is not supported yet; "
                           "set parallel.cp=1")
+    if p.tp > 1 and not p.sequence_parallel:  # megatron-core's MoELayer refuses to train so
+        raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
+                          "(megatron-core's MoE layer trains TP only with it; it needs transformer-engine); "
+                          "or use parallel.tp=1 and spread the experts with parallel.ep")
 
 
 def check_moe_rollout(cfg: Config, hf: dict) -> None:

@@ -119,16 +119,19 @@ class _TorchGroupedGemm:
 
 
 class ExpertLoad:
-    """Tokens routed to each expert, per MoE layer, summed over the forwards since the last read.
+    """Tokens routed to each expert, per MoE layer, summed over the training forwards since the last read.
 
     A forward hook on every router (``routing_map`` [tokens, experts], True = routed) adds
-    ``routing_map.sum(0)``; :meth:`read` returns per layer ``max / mean`` tokens per expert
-    (1.0 = perfectly balanced, ``num_experts / topk`` = every token on the same k experts),
-    over the tokens this rank routed, and clears the counts.
+    ``routing_map.sum(0)`` while the model is in training mode (the update's forwards, not
+    the forward-only log-prob passes). :meth:`read` (collective over the world) sums the
+    counts over dp x cp, collects every pipeline stage's layers, clears them and returns per
+    layer ``max / mean`` tokens per expert: 1.0 is a perfectly balanced layer, ``num_experts /
+    topk`` one where every token went to the same k experts.
     """
 
-    def __init__(self, model: nn.Module):
-        self.counts: dict[int, torch.Tensor] = {}  # global layer index -> [experts] int64
+    def __init__(self, model: nn.Module, groups):
+        self.groups = groups
+        self.counts: dict[int, torch.Tensor] = {}  # global layer index -> [experts] int64, on the device
         self._hooks = []
         for module in model.modules():
             router = getattr(module, "router", None)
@@ -137,6 +140,8 @@ class ExpertLoad:
 
     def _hook(self, router):
         def record(_module, _inputs, output):
+            if not router.training:
+                return
             routing_map = output[1]  # [tokens, experts] bool
             layer = router.layer_number - 1  # 1-based, global
             counts = routing_map.detach().sum(0, dtype=torch.int64)  # stays on the device: no sync here
@@ -144,15 +149,24 @@ class ExpertLoad:
         return record
 
     def read(self) -> dict[str, float]:
-        """``{"moe/load_max_over_mean/layer_N": value, "moe/load_max_over_mean": max over layers}``."""
+        """``{"moe/load_max_over_mean/layer_N": .., "moe/load_max_over_mean": max over layers}``."""
+        import torch.distributed as dist
+
+        layers = sorted(self.counts)
+        local = {}
+        if layers:
+            stacked = torch.stack([self.counts[i] for i in layers])  # (layers of this stage, experts)
+            dist.all_reduce(stacked, group=self.groups.dp_cp)
+            local = dict(zip(layers, stacked.cpu()))
+        stages = [None] * self.groups.pp_size
+        dist.all_gather_object(stages, local, group=self.groups.pp)
+        self.counts.clear()
         out = {}
-        for layer, counts in sorted(self.counts.items()):
-            counts = counts.cpu()
+        for layer, counts in sorted((k, v) for stage in stages for k, v in stage.items()):
             mean = counts.double().mean().item()
             out[f"moe/load_max_over_mean/layer_{layer}"] = counts.max().item() / mean if mean else 0.0
         if out:
             out["moe/load_max_over_mean"] = max(out.values())
-        self.counts.clear()
         return out
 
     def remove(self) -> None:

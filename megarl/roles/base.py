@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config
 
 from megarl.distributed import ParallelGroups, device
+from megarl.models.moe import ExpertLoad
 from megarl.models.pipeline import run_pipeline
 from megarl.roles.batch import SampleBatch, cat_rows
 from megarl.roles.dp_balance import Dealt, deal_rows
@@ -61,6 +62,8 @@ class ModelRole:
         self.trainable = trainable
         self.options = options
         self.backoff = MemoryBackoff(name)  # CUDA OOM: smaller micro-batches, retried (roles/memory.py)
+        # mixture of experts, trained: tokens per expert of the update's forwards (moe/load_* metrics)
+        self.expert_load = ExpertLoad(module, groups) if trainable and getattr(info, "moe", None) else None
 
     @property
     def chunks(self) -> list:
@@ -175,4 +178,6 @@ class ModelRole:
                 metrics[k] = metrics.get(k, 0.0) + float(v)
         loss = metrics.pop(LOSS_KEY)  # on every stage: run() broadcasts the last stage's results
         metrics.update(self.trainable.step(loss_finite=math.isfinite(loss)))
+        if self.expert_load:
+            metrics.update(self.expert_load.read())
         return {**metrics, **self.backoff.metrics()}

@@ -126,6 +126,8 @@ def _record_steps(tr, rollout, role: str, steps: list[dict]) -> None:
             # the same on every rank: the max over the step's updates
             if key in s:
                 tr.metrics[f"{role}/{key}"] = max(tr.metrics.get(f"{role}/{key}", 0.0), s.pop(key))
+        for key in [k for k in s if k.startswith("moe/")]:  # expert load, the same on every rank: the worst update's
+            tr.metrics[f"{role}/{key}"] = max(tr.metrics.get(f"{role}/{key}", 0.0), s.pop(key))
         if ok:
             tr.metrics[f"{role}/grad_norm"] = tr.metrics.get(f"{role}/grad_norm", 0.0) + grad_norm / made
             tr.metrics[f"{role}/lr"] = tr.metrics.get(f"{role}/lr", 0.0) + lr / made
