@@ -95,7 +95,8 @@ def main(args) -> str:
         model = build_gpt_model(info, groups, ModelOptions(params_dtype=args.dtype))
         load_hf_checkpoint(model, args.hf, info, groups)
         save_mcore(model, info, groups, args.out, source=os.path.abspath(args.hf), params_dtype=args.dtype)
-        what = f"megatron-core checkpoint (tp={args.tp}, pp={args.pp}, ep={args.ep}, {args.dtype})"
+        experts = f", ep={args.ep}" if args.ep > 1 else ""
+        what = f"megatron-core checkpoint (tp={args.tp}, pp={args.pp}{experts}, {args.dtype})"
     else:
         meta = load_mcore_meta(args.ckpt)
         model = build_gpt_model(info, groups, ModelOptions(params_dtype=meta["params_dtype"]))
