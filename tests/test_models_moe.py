@@ -152,3 +152,40 @@ def test_grouped_gemm_matches_loop(trans_b):
     got, want = grouped_gemm_torch(x, w, sizes, trans_b), grouped_gemm_ref(x, w, sizes, trans_b)
     assert got.shape == (11, 16)
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def _grouped_job(rank, src, out_root):
+    """bf16 logits of the sequential and the grouped experts module, and each one's export, at EP2."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.models import ModelOptions, build_gpt_model, export_hf, forward_logits, load_hf_checkpoint
+    from megarl.models import read_hf_config
+
+    init_distributed()
+    groups = build_parallel_groups(ep=2)
+    model_parallel_cuda_manual_seed(0)
+    info = read_hf_config(src)
+    logits = {}
+    for kind in ("sequential", "grouped"):
+        model = build_gpt_model(info, groups, ModelOptions(params_dtype="bf16", moe_experts=kind))
+        load_hf_checkpoint(model, src, info, groups)
+        logits[kind] = forward_logits(model.eval(), groups, tokens(), torch.arange(7).expand(2, 7),
+                                      vocab_size=info.vocab_size).float()
+        export_hf(model, info, groups, os.path.join(out_root, kind), dtype=torch.bfloat16)
+    return logits
+
+
+def test_grouped_experts_module(ckpts, tmp_path):
+    """megatron-core's GroupedMLP with torch._grouped_mm (the CUDA bf16 path, here on CPU in bf16) at EP2:
+    the export is the source cast to bf16, bitwise (the grouped layout loads and unloads exactly), and
+    the logits are the per-expert loop's up to bf16 rounding (|logits| ~ 3, bf16 steps 2^-7 there;
+    a misplaced expert or a swapped gate/up would move them by O(1))."""
+    src = ckpts[0]["Qwen2MoeForCausalLM"]
+    logits = spawn(_grouped_job, 2, src, str(tmp_path))[0]
+    assert (logits["grouped"] - logits["sequential"]).abs().max().item() <= 0.06
+    source = read_tensors(src)
+    for kind in ("sequential", "grouped"):
+        out = read_tensors(str(tmp_path / kind))
+        assert sorted(out) == sorted(source)
+        assert all(torch.equal(out[k], t.to(torch.bfloat16)) for k, t in source.items()), kind

@@ -57,6 +57,7 @@ class ModelOptions:
     recompute: str = "none"  # activation recompute in training mode: "none" | "selective" | "full"
     moe_aux_loss_coef: float = 0.0  # MoE load-balancing loss weight (0: off)
     moe_z_loss_coef: float = 0.0  # MoE router z-loss weight (0: off)
+    moe_experts: str = "auto"  # MoE experts module: "auto" (grouped on CUDA in bf16) | "grouped" | "sequential"
 
     def validate(self) -> None:
         if self.attention_backend not in ("sdpa", "local"):
@@ -73,6 +74,10 @@ class ModelOptions:
             raise ValueError("model.make_vocab_size_divisible_by must be >= 1")
         if self.recompute not in _RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: use one of {sorted(_RECOMPUTE)}")
+        if self.moe_experts not in ("auto", "grouped", "sequential"):
+            raise ValueError(f"moe_experts={self.moe_experts!r}: use 'auto', 'grouped' or 'sequential'")
+        if self.moe_experts == "grouped" and self.params_dtype != "bf16":
+            raise ValueError("moe_experts='grouped' needs params_dtype='bf16' (megatron-core's GroupedMLP asserts it)")
         if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
             raise ValueError("actor.moe_aux_loss_coef and actor.moe_z_loss_coef must be >= 0")
 
@@ -121,7 +126,7 @@ def transformer_config(info: ModelInfo, groups: ParallelGroups, opts: ModelOptio
 
 def layer_spec(info: ModelInfo, opts: ModelOptions) -> ModuleSpec:
     """The per-layer module spec: TE's, or the local one with the chosen core attention."""
-    experts = dict(num_experts=info.moe.num_experts, moe_grouped_gemm=moe.use_grouped_gemm(opts.params_dtype)
+    experts = dict(num_experts=info.moe.num_experts, moe_grouped_gemm=moe.use_grouped_gemm(opts)
                    ) if info.moe else {}
     if uses_te(opts):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec

@@ -71,18 +71,21 @@ def transformer_config_fields(info: ModelInfo, groups, opts, dtype: torch.dtype)
         moe_shared_expert_gate=m.shared_ffn_hidden_size is not None,
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux, moe_z_loss_coeff=opts.moe_z_loss_coef or None,
-        moe_grouped_gemm=use_grouped_gemm(opts.params_dtype),
+        moe_grouped_gemm=use_grouped_gemm(opts),
         expert_model_parallel_size=groups.ep_size, expert_tensor_parallel_size=groups.etp_size,
     )
 
 
-def use_grouped_gemm(params_dtype: str) -> bool:
-    """GroupedMLP (one grouped GEMM for all local experts) on CUDA in bf16; SequentialMLP elsewhere.
+def use_grouped_gemm(opts) -> bool:
+    """GroupedMLP (one grouped GEMM for all local experts) for ``opts.moe_experts`` "grouped", and
+    for "auto" on CUDA in bf16; SequentialMLP otherwise. (On CPU "grouped" runs too, in bf16:
+    ``torch._grouped_mm`` has a CPU kernel; the tests use it to check the grouped layout.)
 
     Installs :func:`grouped_gemm_torch` as megatron-core's ``grouped_gemm`` backend when it
     is chosen and the ``grouped_gemm`` package is absent.
     """
-    if not (torch.cuda.is_available() and params_dtype == "bf16" and hasattr(torch, "_grouped_mm")):
+    auto = torch.cuda.is_available() and opts.params_dtype == "bf16" and hasattr(torch, "_grouped_mm")
+    if not (opts.moe_experts == "grouped" or (opts.moe_experts == "auto" and auto)):
         return False
     from megatron.core.transformer.moe import grouped_gemm_util as gg
 
