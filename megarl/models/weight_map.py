@@ -91,16 +91,16 @@ def expert_hf_names(info: ModelInfo, layer: int, expert: int) -> tuple[str, str,
     return tuple(f"model.layers.{layer}.{m.block}experts.{expert}.{p}.weight" for p in m.expert_names)
 
 
-def _expert_rule(kind: str, local: int | None, info: ModelInfo, layer: int, num_local: int,
-                 ep_size: int) -> Rule:
-    """The rule of one expert parameter (``local``: its local expert; None: all local experts)."""
+def _expert_names(kind: str, local: int | None, info: ModelInfo, layer: int, num_local: int,
+                  ep_size: int) -> tuple[tuple[str, ...], ...]:
+    """HF names of one expert parameter on each EP rank (``local``: its local expert; None: all
+    local experts, GroupedMLP): (gate, up) per expert for fc1 kinds, (down,) for fc2 kinds."""
     def names(ep_rank: int) -> tuple[str, ...]:
         experts = [ep_rank * num_local + i for i in (range(num_local) if local is None else [local])]
         per = [expert_hf_names(info, layer, e) for e in experts]  # (gate, up, down) each
         return tuple(n for g, u, d in per for n in ((d,) if kind in (EXPERT_DOWN, GROUPED_DOWN) else (g, u)))
 
-    every = tuple(names(r) for r in range(ep_size))
-    return Rule(kind, (), ep_hf_names=every)
+    return tuple(names(r) for r in range(ep_size))
 
 
 def _moe_rule(suffix: str, info: ModelInfo, layer: int, moe_layer: nn.Module) -> Rule | None:
@@ -116,8 +116,8 @@ def _moe_rule(suffix: str, info: ModelInfo, layer: int, moe_layer: nn.Module) ->
             ep_size = info.moe.num_experts // num_local
             local = int(match.group(1)) if match.groups() else None
             ep_rank = moe_layer.local_expert_indices[0] // num_local
-            rule = _expert_rule(kind, local, info, layer, num_local, ep_size)
-            return Rule(kind, rule.ep_hf_names[ep_rank], ep_hf_names=rule.ep_hf_names)
+            every = _expert_names(kind, local, info, layer, num_local, ep_size)
+            return Rule(kind, every[ep_rank], ep_hf_names=every)
     return None
 
 
