@@ -3,7 +3,9 @@
 A fixed batch of 8 sequences (random old log-probs and advantages, ragged lengths) goes
 through two actor updates (Adam, lr 1e-3) of the tiny Qwen2-MoE (4 experts, top-2, shared
 expert) at two 2-process layouts: DP2 (every rank holds all 4 experts) and EP2 (2 experts
-per rank, tokens exchanged by alltoall; DP2 for everything else).
+per rank, tokens exchanged by alltoall; DP2 for everything else), and EP2 with full
+activation recompute (every layer, the MoE layer's alltoalls included, runs again in
+backward: the same numbers).
 Each micro-batch returns (sum of token losses, token count) and megatron-core divides the
 summed gradients once by the global count, for the expert parameters too (reduced over the
 expert-data-parallel group), so the first update's pg_loss and grad norm, and the second
@@ -19,7 +21,7 @@ import torch
 
 from dist_helpers import spawn
 
-LAYOUTS = {"dp2": (1, 1), "ep2": (1, 2)}  # (tp, ep); etp 1
+LAYOUTS = {"dp2": (1, 1, "none"), "ep2": (1, 2, "none"), "ep2_recompute": (1, 2, "full")}  # (tp, ep, recompute)
 
 
 def fixed_batch(vocab: int):
@@ -37,7 +39,7 @@ def fixed_batch(vocab: int):
                        advantages=torch.randn(b, width, generator=gen))
 
 
-def _update(rank, ckpt, tp, ep, aux):
+def _update(rank, ckpt, tp, ep, recompute, aux):
     import torch.distributed as dist
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -53,6 +55,7 @@ def _update(rank, ckpt, tp, ep, aux):
     cfg.actor.optim.lr = 1e-3
     cfg.actor.micro_batch_size = 2
     cfg.actor.moe_aux_loss_coef = cfg.actor.moe_z_loss_coef = aux
+    cfg.actor.recompute = recompute
     actor = build_actor(cfg, groups, optimizer_steps=2)
     batch = fixed_batch(300)
     rows = len(batch) // groups.dp_size
@@ -79,8 +82,9 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(ckpt):
     """{(layout, aux coef): per-rank [(pg_loss, grad_norm, load) of update 1, of update 2]}."""
-    return {(name, aux): spawn(_update, 2, ckpt, tp, ep, aux)
-            for name, (tp, ep) in LAYOUTS.items() for aux in AUX}
+    return {(name, aux): spawn(_update, 2, ckpt, tp, ep, recompute, aux)
+            for name, (tp, ep, recompute) in LAYOUTS.items() for aux in AUX
+            if recompute == "none" or aux == 0.0}
 
 
 AUX = (0.0, 0.01)
@@ -92,7 +96,7 @@ def test_update_matches_across_expert_layouts(runs, aux):
     assert set(first[2]) == {"moe/load_max_over_mean", "moe/load_max_over_mean/layer_0",
                              "moe/load_max_over_mean/layer_1"}
     assert all(1.0 <= v <= 2.0 for v in first[2].values())  # 4 experts, top-2: at most 4 / 2
-    for name in LAYOUTS:
+    for name in [n for n in LAYOUTS if (n, aux) in runs]:
         for rank_result in runs[(name, aux)]:  # every rank reports the same numbers
             for (loss, norm, load), (ref_loss, ref_norm, ref_load) in zip(rank_result, (first, second)):
                 assert loss == pytest.approx(ref_loss, abs=1e-5, rel=1e-5), name
