@@ -7,7 +7,7 @@ softmax probabilities not renormalized, a shared expert scaled by
 ``sigmoid(shared_expert_gate(x))``, QKV bias, tied embeddings). One 2-process job runs
 each at five layouts: tp1 (dp 2), ep2 (2 experts per rank, tokens exchanged by
 alltoall), tp2 x ep2 (attention over TP, experts over EP, etp 1), tp2 (experts split
-over expert-TP 2) and pp2.
+over expert-TP 2) and pp2; and Qwen2-MoE at pp2 x ep2 in 4 processes.
 
 Expected values: megatron-core's router + dispatcher + experts is the same function as
 HF's sparse block (``moe_router_pre_softmax`` picks between the two routings, see
@@ -49,7 +49,7 @@ def read_tensors(path):
     return {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
 
 
-def _job(rank, ckpts, out_root):
+def _job(rank, ckpts, out_root, layouts=LAYOUTS, archs=ARCHS):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.distributed import build_parallel_groups, init_distributed
@@ -59,10 +59,10 @@ def _job(rank, ckpts, out_root):
     init_distributed()
     results = {}
     ids = tokens()
-    for name, (tp, pp, ep, etp) in LAYOUTS.items():
+    for name, (tp, pp, ep, etp) in layouts.items():
         groups = build_parallel_groups(tp=tp, pp=pp, ep=ep, etp=etp)
         model_parallel_cuda_manual_seed(1234)
-        for arch in ARCHS:
+        for arch in archs:
             info = read_hf_config(ckpts[arch])
             model = build_gpt_model(info, groups, ModelOptions())
             report = load_hf_checkpoint(model, ckpts[arch], info, groups)
@@ -109,6 +109,15 @@ def test_export_is_bitwise(runs, ckpts, layout, arch):
     assert sorted(out) == sorted(src)
     bad = [k for k in src if src[k].dtype != out[k].dtype or not torch.equal(src[k], out[k])]
     assert bad == []
+
+
+def test_pp2_ep2_four_processes(ckpts, tmp_path):
+    """Qwen2-MoE over 4 processes as PP2 x EP2 (each stage's experts over its 2 ranks): logits and export."""
+    arch = "Qwen2MoeForCausalLM"
+    results = spawn(_job, 4, ckpts[0], str(tmp_path), {"pp2ep2": (1, 2, 2, 1)}, [arch])[0]
+    assert (results[("pp2ep2", arch)] - ckpts[1][arch]).abs().max().item() <= 1e-5
+    src, out = read_tensors(ckpts[0][arch]), read_tensors(str(tmp_path / "pp2ep2" / arch))
+    assert sorted(out) == sorted(src) and all(torch.equal(out[k], t) for k, t in src.items())
 
 
 def test_export_loads_in_transformers(runs, ckpts):
