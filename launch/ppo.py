@@ -11,12 +11,13 @@ from tqdm import tqdm
 
 from megarl.cli import main_guard
 from megarl.config import Config
+from megarl.config_checks import validate_run
 from megarl.launch_common import setup
 from megarl.trainer.metrics import console_line
 
 
 def main(argv):
-    cfg, rank = setup(argv, Config)
+    cfg, rank = setup(argv, Config, validate_run)
     from megarl.trainer.ppo import PPOTrainer
     from megarl.trainer.signals import StopSignal
 
@@ -25,7 +26,7 @@ def main(argv):
         if rank == 0:
             print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="
                   f"{cfg.trainer.steps}); nothing to do: raise trainer.steps to go on", flush=True)
-        if cfg.trainer.export_hf and not os.path.isdir(trainer.export_path()):  # killed before its export ended
+        if trainer.exports() and not os.path.isdir(trainer.export_path()):  # killed before its export ended
             trainer.export()
         trainer.close("already_finished")
         dist.destroy_process_group()
@@ -45,8 +46,10 @@ def main(argv):
             trainer.sync_weights()
         metrics = trainer.log_and_save(rollout)
         if cfg.trainer.eval_every and trainer.step % cfg.trainer.eval_every == 0:
-            metrics["eval/accuracy"] = trainer.evaluate()
-            trainer.writer.write(trainer.step, {"eval/accuracy": metrics["eval/accuracy"]})
+            accuracy = trainer.evaluate()  # None: no eval set, or a rollout-only run
+            if accuracy is not None:
+                metrics["eval/accuracy"] = accuracy
+                trainer.writer.write(trainer.step, {"eval/accuracy": accuracy})
         bar.set_description(console_line(trainer.step, cfg.trainer.steps, metrics))
         bar.update(1)
         if trainer.step < cfg.trainer.steps and stop.agreed():

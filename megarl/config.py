@@ -258,12 +258,12 @@ class TrainerConfig:
     """The loop, logging and checkpoints."""
 
     steps: int = opt(20, "PPO steps")
-    run_dir: str = opt("runs/tiny", "metrics.jsonl, TensorBoard events, checkpoints and exports go here")
+    run_dir: str = opt("runs/default", "config.yaml, metrics.jsonl, TensorBoard events, checkpoints and exports go here; default: runs/<the yaml file's name> (runs/default without a yaml)")
     seed: int = opt(42, "model-init and dropout seed")
     save_every: int = opt(0, "checkpoint every N steps; 0: only at the end (if save_last)")
     save_last: bool = opt(True, "checkpoint after the last step")
     keep_last: int = opt(2, "checkpoints kept")
-    resume: bool = opt(True, "resume from the newest checkpoint in run_dir")
+    resume: bool | Literal["force"] = opt(True, "resume from the newest checkpoint in run_dir, refused when its config.yaml names another algorithm, model, critic or task; force: resume anyway; false: start over")
     collective_timeout_s: float = opt(600.0, "a collective (all-reduce, barrier, ...) waiting longer than this fails the job loudly: a rank whose peer died or hangs exits instead of waiting forever")
     eval_every: int = opt(0, "held-out evaluation every N steps; 0: before and after only")
     eval_samples: int = opt(0, "held-out prompts evaluated; 0: all")
@@ -306,3 +306,8 @@ class Config:
     data: DataConfig = opt(DataConfig(), "prompts")
     trainer: TrainerConfig = opt(TrainerConfig(), "loop and checkpoints")
     sft: SFTConfig = opt(SFTConfig(), "supervised warm start")
+
+    # inputs a yaml names relative to itself when not found from the working directory (megarl.cli)
+    INPUT_PATH_KEYS = ("model.path", "model.tokenizer", "critic.path", "ref.path", "reward.model.path",
+                       "data.train_path", "data.eval_path", "sft.train_path", "trainer.replay_rollouts")
+    RUN_DIR_KEY = "trainer.run_dir"  # default: runs/<yaml file name> (megarl.cli.load_config)

@@ -85,8 +85,13 @@ def _save_rng(path: str) -> None:
 
 
 def _restore_rng(path: str) -> None:
-    rng = torch.load(path, weights_only=False)
-    torch.set_rng_state(rng["cpu"])
+    try:
+        rng = torch.load(path, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+    except Exception as e:  # noqa: BLE001 - truncated (OSError / EOFError), unpicklable, not our dict
+        why = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"cannot read {path} (a truncated or damaged RNG-state file?): {type(e).__name__}"
+                              f"{': ' + why if why else ''}; {resume.FIX_DAMAGED}") from None
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     if rng.get("tracker"):

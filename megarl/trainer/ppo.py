@@ -31,6 +31,8 @@ from megarl.rollout.factory import build_engine
 from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer
 from megarl.trainer.resume import Layout, rewind_metrics
+from megarl.trainer.run_config import check_resume, save_run_config
+from megarl.errors import CheckpointError, UserInputError
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
@@ -82,6 +84,8 @@ class PPOTrainer:
         self.rollout_stats: dict[str, float] = {}
         self.bad_updates: dict[str, int] = {}  # role -> optimizer updates skipped in a row (non-finite)
         self._resume()
+        if self.rank0:
+            save_run_config(cfg)
         if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
             self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
         self.writer.event("start", self.step, time=started, world_size=torch.distributed.get_world_size())
@@ -132,13 +136,22 @@ class PPOTrainer:
         step = self.checkpointer.latest_step() if self.cfg.trainer.resume else None
         if step is None:
             return
+        forced = check_resume(self.cfg)  # another run's config: refused unless trainer.resume=force
         with stage(f"loading the checkpoint of step {step} from {self.checkpointer.root}", self.rank0):
             state = self.checkpointer.load(step, self.trainable_roles(), expect=("sampler", "kl_controller"))
         self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except UserInputError:
+            raise
+        except ValueError as e:  # the data set changed under the same path
+            raise CheckpointError(f"{self.checkpointer.root}/step_{step:06d}: {e} (data.train_path="
+                                  f"{self.cfg.data.train_path}); pick a new trainer.run_dir for new data, or set "
+                                  f"trainer.resume=false to start over") from None
         self.kl_ctl.load_state_dict(state["kl_controller"])
         if self.rank0:
-            print(f"resumed from step {self.step}", flush=True)
+            print(f"resumed from step {self.step}" + (f" (trainer.resume=force: {'; '.join(forced)})" if forced
+                                                      else ""), flush=True)
 
     # -- the phases of a step ------------------------------------------------
     def sampling_params(self) -> SamplingParams:
@@ -200,7 +213,8 @@ class PPOTrainer:
             self.metrics.update(self.engine.update_weights())
 
     def evaluate(self) -> float | None:
-        if self.eval_set is None:
+        """Held-out accuracy; None without an eval set, and in a rollout-only run (the model never changes)."""
+        if self.eval_set is None or self.cfg.trainer.rollout_only:
             return None
         count, start = eval_count(len(self.eval_set), self.cfg.trainer.eval_samples), time.perf_counter()
         note(f"evaluating {count} held-out prompts ...", self.rank0)
@@ -230,9 +244,13 @@ class PPOTrainer:
             if self.rank0:
                 before = "n/a (resumed)" if accuracy_before is None else f"{accuracy_before:.3f}"
                 print(f"held-out accuracy: before {before}  after {after:.3f}", flush=True)
-        if self.cfg.trainer.export_hf:
+        if self.exports():
             self.export()
         self.close("end")
+
+    def exports(self) -> bool:
+        """Whether the run ends with an HF export (trainer.export_hf; a rollout-only run trains nothing)."""
+        return self.cfg.trainer.export_hf and not self.cfg.trainer.rollout_only
 
     def export_path(self) -> str:
         return os.path.join(self.cfg.trainer.run_dir, "hf")
