@@ -184,6 +184,7 @@ class RewardTerm:
     name: str = opt("math", "a registered reward (format, math, ...) or module:function")
     weight: float = opt(1.0, "weight in the sum")
     kwargs: dict = opt({}, "keyword arguments for the reward function")
+    cache: Optional[bool] = opt(None, "serve this term from the reward cache (keyed on prompt, response, answer and extra); default: registered rewards yes, module:function ones no (set true for a pure function)")
 
 
 @dataclass
