@@ -430,3 +430,32 @@ def test_yaml_relative_paths(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("")
     assert load_config(["project/run.yaml"], Config).data.train_path == "data/train.jsonl"  # the CWD wins
+
+
+def test_resume_refuses_a_run_dir_of_another_config(tmp_path):
+    """RUN_DIR/config.yaml of a PPO-with-critic run and a checkpoint: a GRPO config pointed at it is one
+    line naming each difference (algorithm, critic, reward); trainer.resume=force returns the same
+    differences instead, false starts over; the same config, or a changed learning rate, resumes."""
+    from megarl.trainer.run_config import check_resume, save_run_config
+
+    run = f"trainer.run_dir={tmp_path}"
+    save_run_config(load_config([TINY, run], Config))
+    assert check_resume(load_config([str(ROOT / "yaml" / "tiny_grpo.yaml"), run], Config)) == []  # no checkpoint yet
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("40")
+    grpo = [str(ROOT / "yaml" / "tiny_grpo.yaml"), run, "reward.terms=[{name: format}]"]
+    with pytest.raises(ConfigError) as e:
+        check_resume(load_config(grpo, Config))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"trainer.run_dir '{tmp_path}' holds a run of another config (")
+    assert "algorithm.advantage 'gae' -> 'grpo'" in msg and "critic.enable True -> False" in msg
+    assert "reward.terms [('math', 1.0, {})] -> [('format', 1.0, {})]" in msg
+    assert msg.endswith("trainer.resume=force to continue it anyway")
+    forced = check_resume(load_config([*grpo, "trainer.resume=force"], Config))
+    assert forced[0] == "algorithm.advantage 'gae' -> 'grpo'" and len(forced) == 4  # + critic.path
+    assert check_resume(load_config([*grpo, "trainer.resume=false"], Config)) == []
+    assert check_resume(load_config([TINY, run, "actor.optim.lr=3e-4", "trainer.steps=80"], Config)) == []
+    other_data = tmp_path / "train.jsonl"
+    shutil.copy(ROOT / "megarl" / "assets" / "tiny" / "train.jsonl", other_data)
+    with pytest.raises(ConfigError, match=r"data.train_path '.*/megarl/assets/tiny/train.jsonl' -> '.*/train.jsonl'"):
+        check_resume(load_config([TINY, run, f"data.train_path={other_data}"], Config))

@@ -96,3 +96,22 @@ def test_data_error_names_file_and_line(tmp_path):
     errors = [line for line in p.stderr.splitlines() if line.startswith("data error:")]
     assert errors == [f"data error: {bad}:2: row has neither 'prompt' nor 'messages'; add one of them"]
     assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_resume_of_another_config_is_one_line_before_joining(tmp_path, monkeypatch):
+    """A run directory holding a PPO run's config.yaml and a checkpoint; launch/ppo.py with the GRPO
+    yaml pointed at it stops in the checks (exit 2, one line naming the differences), starting nothing."""
+    from megarl.cli import load_config
+    from megarl.config import Config
+    from megarl.trainer.run_config import save_run_config
+
+    monkeypatch.chdir(ROOT)
+    save_run_config(load_config(["yaml/tiny.yaml", f"trainer.run_dir={tmp_path}"], Config))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("40")
+    p = run(sys.executable, "launch/ppo.py", "yaml/tiny_grpo.yaml", f"trainer.run_dir={tmp_path}")
+    assert p.returncode == 2, p.stderr
+    [line] = p.stderr.splitlines()
+    assert line.startswith(f"config error: trainer.run_dir '{tmp_path}' holds a run of another config (algorithm"
+                           ".advantage 'gae' -> 'grpo'") and "trainer.resume=force" in line
+    assert "Traceback" not in p.stderr + p.stdout and p.stdout == ""
