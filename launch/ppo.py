@@ -7,12 +7,12 @@ SIGTERM / SIGINT: the run finishes its step, saves a checkpoint and exits 0 (res
 import os
 
 import torch.distributed as dist
-from tqdm import tqdm
 
 from megarl.cli import main_guard
 from megarl.config import Config
 from megarl.config_checks import validate_run
 from megarl.launch_common import setup
+from megarl.monitor.progress import StepProgress
 from megarl.trainer.metrics import console_line
 
 
@@ -35,7 +35,7 @@ def main(argv):
     before = trainer.evaluate() if trainer.step == 0 else None
     if before is not None:
         trainer.writer.write(0, {"eval/accuracy": before})
-    bar = tqdm(total=cfg.trainer.steps, initial=trainer.step, disable=rank != 0, dynamic_ncols=True)
+    bar = StepProgress(cfg.trainer.steps, trainer.step, enabled=rank == 0)  # a bar on a terminal, else lines
     while trainer.step < cfg.trainer.steps:
         rollout = trainer.generate()
         trainer.score(rollout)
@@ -50,8 +50,7 @@ def main(argv):
             if accuracy is not None:
                 metrics["eval/accuracy"] = accuracy
                 trainer.writer.write(trainer.step, {"eval/accuracy": accuracy})
-        bar.set_description(console_line(trainer.step, cfg.trainer.steps, metrics))
-        bar.update(1)
+        bar.update(console_line(trainer.step, cfg.trainer.steps, metrics))
         if trainer.step < cfg.trainer.steps and stop.agreed():
             bar.close()
             trainer.stop_early(stop.received)

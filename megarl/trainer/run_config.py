@@ -91,10 +91,18 @@ def check_resume(cfg: Config) -> list[str]:
 
 
 def save_run_config(cfg: Config) -> str:
-    """Writes ``RUN_DIR/config.yaml`` (atomically); returns its path."""
+    """Writes ``RUN_DIR/config.yaml`` (atomically), input paths made absolute so it reads the same from
+    any directory; returns its path."""
+    from megarl.cli import _get_dotted, _set_dotted
+
+    tree = dataclasses.asdict(cfg)
+    for key in Config.INPUT_PATH_KEYS:
+        value = _get_dotted(tree, key)
+        if isinstance(value, str) and value and os.path.exists(value):
+            _set_dotted(tree, key, os.path.abspath(value))
     path = config_file(cfg.trainer.run_dir)
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+        yaml.safe_dump(tree, f, sort_keys=False)
     os.replace(path + ".tmp", path)
     return path
