@@ -20,6 +20,7 @@ from megarl.config_checks import uses_critic, uses_ref
 from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
+from megarl.errors import CheckpointError, UserInputError
 from megarl.models.exporter import export_hf
 from megarl.models.lora import merged_lora
 from megarl.monitor.curves import plot_curves
@@ -32,7 +33,6 @@ from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer
 from megarl.trainer.resume import Layout, rewind_metrics
 from megarl.trainer.run_config import check_resume, save_run_config
-from megarl.errors import CheckpointError, UserInputError
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
