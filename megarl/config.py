@@ -216,7 +216,7 @@ class RolloutCorrectionConfig:
     """Importance weights / masks for tokens the rollout engine sampled (megarl/algos/rollout_correction.py)."""
 
     preset: Literal["none", "sglang", "async"] = opt("none", "none: the keys below; sglang: tis with cap 2 (another engine's rounding); async: icepop in [0.5, 2] (stale tokens); a preset leaves the keys below at their defaults")
-    mode: Literal["off", "tis", "seq_is", "mis", "icepop"] = opt("off", "off | tis (token weights min(ratio, cap)) | seq_is (sequence weight min(ratio, cap)) | mis (drop tokens or sequences outside [low, high]) | icepop (drop tokens outside [low, high], weight the rest by their ratio)")
+    mode: Literal["none", "tis", "seq_is", "mis", "icepop"] = opt("none", "none | tis (token weights min(ratio, cap)) | seq_is (sequence weight min(ratio, cap)) | mis (drop tokens or sequences outside [low, high]) | icepop (drop tokens outside [low, high], weight the rest by their ratio)")
     cap: float = opt(2.0, "tis / seq_is: the weight cap C (>= 1)")
     level: Literal["token", "sequence"] = opt("token", "mis: drop single tokens or whole sequences")
     seq_ratio: Literal["product", "geo_mean"] = opt("geo_mean", "seq_is and mis at sequence level: the sequence ratio is the product or the geometric mean of its token ratios")

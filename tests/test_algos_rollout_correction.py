@@ -163,7 +163,7 @@ def test_metrics_equal_their_formulas(masked):
 
 
 def test_off_and_presets():
-    """Mode off is weight 1 everywhere; the presets resolve to the settings the README names,
+    """Mode none is weight 1 everywhere; the presets resolve to the settings the README names,
     and preset none reads the section's keys; every config mode is a module mode."""
     _, old, roll, _, mask = _inputs(True)
     c = correct(old, roll, mask, RolloutCorrection())

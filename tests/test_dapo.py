@@ -152,7 +152,7 @@ RC = "algorithm.rollout_correction"
     ([f"{RC}.preset=sglang", f"{RC}.mode=mis"], f"{RC}.preset=sglang sets the mode"),
     ([f"{RC}.preset=async", f"{RC}.cap=3"], f"{RC}.preset=async sets the mode"),
     ([f"{RC}.mode=tis", f"{RC}.low=0.2"], f"{RC}.low=0.2 is not read by {RC}.mode=tis"),
-    ([f"{RC}.cap=3"], f"{RC}.cap=3.0 is not read by {RC}.mode=off"),
+    ([f"{RC}.cap=3"], f"{RC}.cap=3.0 is not read by {RC}.mode=none"),
     ([f"{RC}.mode=icepop", f"{RC}.level=sequence"], f"{RC}.level=sequence is not read by {RC}.mode=icepop"),
     (["algorithm.dapo.max_rounds=0", "algorithm.dapo.dynamic_sampling=true"],
      "algorithm.dapo.max_rounds=0 must be >= 1"),

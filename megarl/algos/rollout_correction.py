@@ -14,7 +14,7 @@ response tokens with ``mask`` (B, T); i indexes sequences, t tokens.
 
 Modes (weight w, keep k; the loss of token t becomes w_t * loss_t over kept tokens):
 
-    off      w = 1, k = 1
+    none     w = 1, k = 1
     tis      token truncated IS:   w_t = min(rho_t, C)                  k = 1
     seq_is   sequence IS:          w_it = min(rho_i, C)                 k = 1
     mis      masked (rejection):   w = 1, k_t = [low <= rho_t <= high]  (level=token)
@@ -43,7 +43,7 @@ from torch import Tensor
 from megarl.algos.masked import masked_mean
 
 LOG_RATIO_CLAMP = 20.0  # keeps exp() finite; far outside any cap or band
-MODES = ("off", "tis", "seq_is", "mis", "icepop")
+MODES = ("none", "tis", "seq_is", "mis", "icepop")
 LEVELS = ("token", "sequence")
 SEQ_RATIOS = ("product", "geo_mean")
 
@@ -52,8 +52,8 @@ SEQ_RATIOS = ("product", "geo_mean")
 class RolloutCorrection:
     """One mode and its thresholds (see the module docstring)."""
 
-    mode: str = "off"
-    """off | tis | seq_is | mis | icepop."""
+    mode: str = "none"
+    """none | tis | seq_is | mis | icepop."""
     cap: float = 2.0
     """C of tis and seq_is: weights are min(ratio, C); >= 1."""
     level: str = "token"
@@ -67,7 +67,7 @@ class RolloutCorrection:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off"
+        return self.mode != "none"
 
 
 PRESETS = {  # algorithm.rollout_correction.preset -> the setting it stands for
@@ -114,7 +114,7 @@ def correct(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, rc: Ro
     ones = torch.ones_like(rho)
     truncated = torch.zeros_like(real)
     keep = real
-    if rc.mode == "off":
+    if rc.mode == "none":
         weights = ones
     elif rc.mode == "tis":
         weights, truncated = rho.clamp(max=rc.cap), rho > rc.cap

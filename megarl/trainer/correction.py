@@ -3,7 +3,7 @@
 Ratio rho_t = pi_old / pi_roll of each response token (old: the training forward
 with the weights that sampled; roll: the engine's log-prob), whatever the mode:
 its mean, max and min; the fractions of tokens whose weight the mode truncated
-or that it dropped (0 with the mode off); and the k3 estimate of
+or that it dropped (0 with mode none); and the k3 estimate of
 KL(pi_roll || pi_old), mean over tokens of rho - 1 - log rho (unbiased and
 non-negative under the rollout's own samples). Formulas:
 :mod:`megarl.algos.rollout_correction`.
