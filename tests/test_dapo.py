@@ -118,6 +118,18 @@ def test_a_full_rank_draws_without_generating_and_short_batches_are_filled():
     assert (counts["groups_kept"], counts["groups_filled"], counts["groups_dropped"]) == (2, 2, 0)
 
 
+def test_all_informative_round_is_the_plain_batch():
+    """A first round whose groups all differ is the batch as generated: one round, every field equal."""
+    source = _rollout([[0.0, 1.0], [2.0, 1.0], [0.5, 0.0]], first_group=0)
+    batch, counts = fill_batch(lambda k, wanted: source, quota=3, max_rounds=4)
+    assert counts["rounds"] == 1 and counts["groups_dropped"] == 0
+    b, s = batch.batch, source.batch
+    assert all(torch.equal(getattr(b, k), getattr(s, k)) for k in ("input_ids", "response_mask", "lengths",
+                                                                     "rollout_logprobs"))
+    assert torch.equal(batch.scores, source.scores) and torch.equal(batch.group_ids, source.group_ids)
+    assert batch.prompts == source.prompts and batch.finish_reasons == source.finish_reasons
+
+
 def test_shaping_lengths_and_truncation_mask():
     """Response lengths (1 + (j + g) % 4 here) come off the batch; the penalty lands on the
     scores (L_max 4, L_cache 2: length 3 loses 0.5); truncated rows lose their mask."""
