@@ -26,8 +26,8 @@ CUDA = torch.cuda.is_available()
 
 
 def hbm_bytes_per_s() -> float:
-    """The floors' bandwidth: 4.24 TB/s on an H200 (its measured device copy, the issues' number) and
-    anywhere else; 3.35 TB/s on an H100 (its HBM3 peak: a stricter floor than a measured copy)."""
+    """The floors' bandwidth: 4.24 TB/s on an H200 (its measured device copy) and anywhere else;
+    3.35 TB/s on an H100 (its HBM3 peak: a stricter floor than a measured copy)."""
     return 3.35e12 if CUDA and "H100" in torch.cuda.get_device_name() else 4.24e12
 
 
