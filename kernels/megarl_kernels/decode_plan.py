@@ -111,7 +111,7 @@ def decode_launch(batch: int, k_cache: torch.Tensor, max_seqlen_k: int, programs
     _, _, hkv, d = k_cache.shape
     block_d, itemsize, sms = max(16, next_pow2(d)), k_cache.element_size(), sm_count(k_cache.device)
     block_n, warps = fit_keys(BLOCK_N, block_d, itemsize, NUM_STAGES), NUM_WARPS
-    if batch * hkv >= sms:  # the rows alone fill every SM (WIDE_ROWS_PER_SM evidence above)
+    if batch * hkv >= sms:  # the rows alone fill every SM (see WIDE_ROWS_PER_SM)
         want = batch
         if batch * hkv <= WIDE_ROWS_PER_SM * sms:
             block_n, warps = fit_keys(WIDE_BLOCK_N, block_d, itemsize, NUM_STAGES), WIDE_NUM_WARPS
