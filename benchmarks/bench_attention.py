@@ -1,6 +1,6 @@
 """Benchmark paged KV-cache attention (megarl_kernels.paged_attention) at the Qwen2.5-1.5B layer shape.
 
-    python benchmarks/bench_attention.py --out $OUT/attention.json         # CUDA (H200), ~3 min with sweeps
+    python benchmarks/bench_attention.py --out attention.json         # CUDA (H200), ~3 min with sweeps
     python benchmarks/bench_attention.py --small --out /tmp/att.json       # CPU smoke run, seconds
 
 One layer: Hq=12, Hkv=2, D=128, bf16, page 16. Decode: B in {32, 128, 512} rows of 640 keys.

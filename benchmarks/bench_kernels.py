@@ -1,6 +1,6 @@
 """Benchmark megarl_kernels: one setup per op, shared by every provider (ref / torch / triton).
 
-    python benchmarks/bench_kernels.py --out $OUT/kernels.json        # CUDA, full sizes (H200: < 2 min)
+    python benchmarks/bench_kernels.py --out kernels.json        # CUDA, full sizes (H200: < 2 min)
     python benchmarks/bench_kernels.py --small --out /tmp/kernels.json  # CPU smoke run
 
 Per row: median time over reps (CUDA events around each call, after warm-up;

@@ -1,6 +1,6 @@
 """Ulysses context parallelism on long sequences: CP2 trains a sequence that CP1 cannot hold, same loss.
 
-    python3 benchmarks/bench_long_context.py --out $OUT/long_context.json        # 2 GPUs of one host
+    python3 benchmarks/bench_long_context.py --out long_context.json        # 2 GPUs of one host
     python benchmarks/bench_long_context.py --small --out /tmp/long_context.json   # CPU smoke test (gloo)
 
 (key=value arguments are config overrides for every run, e.g. ``actor.recompute=selective``.)

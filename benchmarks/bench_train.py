@@ -1,6 +1,6 @@
 """The actor update alone (no rollout): packed vs padded tokens/s, MFU, peak memory with LoRA + recompute.
 
-    python3 benchmarks/bench_train.py --case all --out-dir $OUT        # one H200; sized for < 8 minutes
+    python3 benchmarks/bench_train.py --case all --out-dir .        # one H200; sized for < 8 minutes
     python3 benchmarks/bench_train.py --case packing --out train_packing.json [key=value ...]
     python benchmarks/bench_train.py --case all --small --out-dir /tmp/bench_train   # CPU smoke test, seconds
 
