@@ -5,10 +5,13 @@ Every supported family computes it the way its Hugging Face router does (transfo
 largest by ``torch.topk`` (sorted, largest first), and then
 
     family       renormalize the k probabilities to sum to 1
-    qwen3_moe    when ``norm_topk_prob`` (default True: the Qwen3-MoE checkpoints set it)
-    qwen2_moe    when ``norm_topk_prob`` (default False: HF's default and the Qwen1.5/2-MoE checkpoints)
+    qwen3_moe    when ``norm_topk_prob`` (default True, as the released Qwen3-MoE checkpoints set it)
+    qwen2_moe    when ``norm_topk_prob`` (default False, as the Qwen1.5/2-MoE checkpoints leave it)
     mixtral      always (Mixtral's top-k of the logits then a softmax over those k is the same
                  weights; selecting on the fp32 probabilities, as HF does, is what is matched)
+
+HF's config classes default ``norm_topk_prob`` to False for both Qwen families: a model passes its
+config's field rather than relying on either default.
 
 Ties. Experts are chosen by ``torch.topk`` on the fp32 probabilities, in every backend, so ties
 (equal probabilities, including logits that differ by less than softmax's fp32 rounding) resolve
