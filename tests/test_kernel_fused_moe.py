@@ -132,16 +132,17 @@ def test_routing_bf16_logits_and_bad_input():
 # ---- the expert-sorted layout ----
 
 ALIGN_CASES = [(7, 2, 4, 4, 0), (33, 2, 8, 16, 0), (1, 1, 4, 16, 0), (9, 3, 3, 4, 2), (20, 2, 4, 16, 1),
-               (64, 1, 2, 16, 0), (0, 2, 4, 16, 0)]
+               (64, 1, 2, 16, 0), (0, 2, 4, 16, 0), (300, 8, 128, 16, 0), (40, 2, 5, 32, 3)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("t,k,e,block_m,first", ALIGN_CASES)
-def test_alignment_equals_its_spec_and_keeps_its_invariants(t, k, e, block_m, first):
+def test_alignment_equals_its_spec_and_keeps_its_invariants(backend, t, k, e, block_m, first):
     """(T, k, E local, BLOCK_M, first expert); ids are drawn from [0, E + 2 * first), so with first > 0
-    some slots belong to other ranks."""
+    some slots belong to other ranks. (300, 8, 128): the kernel takes its slots in several chunks."""
     g = torch.Generator().manual_seed(t * 100 + e)
     ids = torch.argsort(torch.rand(t, e + 2 * first, generator=g), dim=1)[:, :k].int()  # k distinct a row
-    got, want = moe_align(ids.to(DEVICE), e, block_m, first), moe_align_ref(ids, e, block_m, first)
+    got, want = moe_align(ids.to(DEVICE), e, block_m, first, backend=backend), moe_align_ref(ids, e, block_m, first)
     for name in ("sorted_slots", "block_experts", "num_padded"):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
     slots, blocks, used = want.sorted_slots, want.block_experts, int(want.num_padded)

@@ -13,9 +13,10 @@ Kernels. The T * k token slots are sorted by expert and each expert's run padded
      to the slots' rows of act (T*k, F) (the (T*k, 2F) fc1 output is never stored);
   2. down: program (block, n) multiplies the block's act rows by its expert's w2 rows, rounds to
      x.dtype, multiplies by the slot's routing weight and writes fp32 rows of (T*k, H);
-then a torch sum over k (a (T, k, H) -> (T, H) reduction, no atomics) and the rounding to x.dtype.
-Both grids have a fixed size for a given (T, k, E) (`max_padded_rows`), so decode steps replay in
-a CUDA graph; blocks past the used rows return at once.
+then `_moe_sum_kernel` adds each token's k rows (fp32, j ascending: no atomics, the spec's order)
+and rounds to x.dtype. With the layout's own launch (`moe_align`) a layer is four launches. The
+grids have a fixed size for a given (T, k, E) (`max_padded_rows`), so decode steps replay in a
+CUDA graph; blocks past the used rows return at once.
 
 Expert parallelism (`fused_moe_local`): a rank holding experts [e0, e0 + E_local) computes the
 sum over only the choices that fall in its range; the sum over the EP group of every rank's
@@ -38,6 +39,7 @@ from megarl_kernels.swiglu import silu_mul_ref, silu_mul_rounded
 # benchmarks/bench_moe_kernels.py is the sweep's harness (not yet run on a GPU).
 GATE_UP_TILES = (64, 64, 4, 3)
 DOWN_TILES = (64, 64, 4, 3)
+SUM_BLOCK = 1024  # hidden columns per program of the sum over k
 
 
 def block_rows(num_slots: int, num_experts: int) -> int:
@@ -153,6 +155,21 @@ def _moe_down_kernel(act_ptr, w_ptr, weights_ptr, out_ptr, sorted_slots_ptr, blo
         tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], y, mask=real[:, None] & (cols[None, :] < N))
 
 
+@triton.jit
+def _moe_sum_kernel(contrib_ptr, ids_ptr, out_ptr, H, num_experts, first_expert, stride_ct, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over j ascending of contrib[t*k + j] in fp32, rounded; choices of other ranks'
+    experts add nothing (their rows of contrib were never written)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        local = tl.zeros([BLOCK_H], tl.int32) + tl.load(ids_ptr + t * TOP_K + j) - first_expert  # (BLOCK_H,) equal
+        mine = (cols < H) & (local >= 0) & (local < num_experts)
+        acc += tl.load(contrib_ptr + (t * TOP_K + j) * stride_ct + cols, mask=mine, other=0.0)
+    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
 def _tile(tiles, n: int, k: int):
     """The launch's (BLOCK_N, BLOCK_K, warps, stages), narrowed to small problems (>= 16 for tl.dot)."""
     block_n, block_k, warps, stages = tiles
@@ -167,12 +184,13 @@ def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, first_expert: int 
     (t_count, h), (e_count, f2, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     f, slots = f2 // 2, t_count * k
     block_m = block_m or block_rows(slots, e_count)
-    align = moe_align(topk_ids, e_count, block_m, first_expert or 0)
+    ids = topk_ids.reshape(-1).to(torch.int32)  # (S,)
+    align = moe_align(ids, e_count, block_m, first_expert or 0, backend="triton")
     blocks = align.sorted_slots.numel() // block_m
     weights = topk_weights.reshape(-1).float().contiguous()  # (S,)
     act = hidden.new_empty(slots, f)  # rows of other ranks' slots stay unwritten and unread
-    contrib = torch.empty if first_expert is None else torch.zeros
-    out = contrib(slots, h, dtype=torch.float32, device=hidden.device)  # (S, H) weighted expert outputs
+    contrib = torch.empty(slots, h, dtype=torch.float32, device=hidden.device)  # (S, H) weighted expert outputs
+    out = hidden.new_empty(t_count, h)
     dot32 = f32_dot(hidden.dtype)
     if blocks and slots:
         bn, bk, warps, stages = _tile(gate_up_tiles or GATE_UP_TILES, f, h)
@@ -182,10 +200,14 @@ def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, first_expert: int 
             TOP_K=k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=dot32, num_warps=warps, num_stages=stages)
         bn, bk, warps, stages = _tile(down_tiles or DOWN_TILES, h, f)
         _moe_down_kernel[(blocks * triton.cdiv(h, bn),)](
-            act, w2, weights, out, align.sorted_slots, align.block_experts, align.num_padded, slots, h, f,
-            act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+            act, w2, weights, contrib, align.sorted_slots, align.block_experts, align.num_padded, slots, h, f,
+            act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), contrib.stride(0),
             BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=dot32, num_warps=warps, num_stages=stages)
-    return out.view(t_count, k, h).sum(1).to(hidden.dtype)
+        block_h = min(SUM_BLOCK, next_pow2(h))
+        _moe_sum_kernel[(t_count, triton.cdiv(h, block_h))](
+            contrib, ids, out, h, e_count, first_expert or 0, contrib.stride(0), out.stride(0), TOP_K=k,
+            BLOCK_H=block_h, num_warps=4)
+    return out
 
 
 def _check_shapes(name, hidden, w13, w2, topk_weights, topk_ids):

@@ -16,14 +16,18 @@ Expert parallelism: with ``first_expert`` = e0 and E = this rank's expert count,
 expert is in [e0, e0 + E) are laid out, under their local index (expert - e0); the other slots
 appear nowhere.
 
-`moe_align` is device-side torch (a scatter-add count, a stable argsort, cumsums, a searchsorted:
-no host sync, no loop over experts); `moe_align_ref` is the spec, a loop over experts.
+`moe_align` is one Triton program on CUDA (`_moe_align_kernel`: a decode step's MoE layer would
+otherwise spend a dozen small launches here), else device-side torch (`moe_align_torch`: a
+scatter-add count, a stable argsort, cumsums, a searchsorted; no host sync, no loop over experts);
+`moe_align_ref` is the spec, a loop over experts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 
 @dataclass
@@ -47,8 +51,8 @@ def local_experts(topk_ids: torch.Tensor, num_experts: int, first_expert: int) -
     return torch.where((local >= 0) & (local < num_experts), local, num_experts)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> MoeAlignment:
-    """(T, k) expert ids -> the padded layout (module docstring), on topk_ids' device."""
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> MoeAlignment:
+    """(T, k) expert ids -> the padded layout (module docstring), in torch ops on topk_ids' device."""
     dev, slots = topk_ids.device, topk_ids.numel()
     rows = max_padded_rows(slots, num_experts, block_m)
     key = local_experts(topk_ids, num_experts, first_expert)  # (S,); E = not this rank's
@@ -88,3 +92,68 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_
     as_int = dict(dtype=torch.int32, device=topk_ids.device)
     return MoeAlignment(torch.tensor(layout, **as_int), torch.tensor(experts, **as_int),
                         torch.tensor([used], **as_int), block_m)
+
+
+@triton.jit
+def _expert_hits(ids_ptr, s0, num_slots, num_experts, first_expert, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Slots [s0, s0 + CHUNK) -> their indices (CHUNK,) and one-hot (CHUNK, E_PAD) int32 of their
+    local expert (all zero for padding and other ranks' slots)."""
+    s = s0 + tl.arange(0, CHUNK)
+    local = tl.load(ids_ptr + s, mask=s < num_slots, other=-1) - first_expert
+    local = tl.where((s < num_slots) & (local >= 0) & (local < num_experts), local, -1)
+    return s, (local[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, num_slots, num_experts,
+                      first_expert, rows, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: count each expert's slots, lay out the padded runs (cumsum), fill the layout
+    with the padding sentinel, then place each slot at its run's start + the number of earlier slots
+    of its expert, and give each block the expert whose run covers its first row."""
+    counts = tl.zeros([E_PAD], tl.int32)
+    for s0 in range(0, num_slots, CHUNK):
+        _, hit = _expert_hits(ids_ptr, s0, num_slots, num_experts, first_expert, CHUNK, E_PAD)
+        counts += tl.sum(hit, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # (E_PAD,) 0 past num_experts
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    for r0 in range(0, rows, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + r, tl.zeros([CHUNK], tl.int32) + num_slots, mask=r < rows)
+    tl.debug_barrier()  # the padding is written before any slot overwrites it
+    next_row = ends - padded  # (E_PAD,) where each expert's next slot goes
+    for s0 in range(0, num_slots, CHUNK):
+        s, hit = _expert_hits(ids_ptr, s0, num_slots, num_experts, first_expert, CHUNK, E_PAD)
+        earlier = tl.cumsum(hit, axis=0) - hit  # (CHUNK, E_PAD) same-expert slots before this one in the chunk
+        dest = tl.sum(hit * (next_row[None, :] + earlier), axis=1)
+        tl.store(sorted_ptr + dest, s, mask=tl.sum(hit, axis=1) > 0)
+        next_row += tl.sum(hit, axis=0)
+    for b0 in range(0, rows // BLOCK_M, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        first_row = b * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)  # runs ending at or before it
+        tl.store(block_experts_ptr + b, tl.where(first_row < total, expert, -1), mask=b < rows // BLOCK_M)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> MoeAlignment:
+    """The layout from `_moe_align_kernel`, one launch. Chunks of slots keep the (CHUNK, E_PAD) one-hot
+    at 8,192 elements (64 slots at 128 experts)."""
+    slots, rows = topk_ids.numel(), max_padded_rows(topk_ids.numel(), num_experts, block_m)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    sorted_slots = torch.empty(rows, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    e_pad = max(16, next_pow2(num_experts))
+    _moe_align_kernel[(1,)](ids, sorted_slots, block_experts, num_padded, slots, num_experts, first_expert, rows,
+                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, min(256, 8192 // e_pad)), num_warps=8)
+    return MoeAlignment(sorted_slots, block_experts, num_padded, block_m)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0,
+              backend: str = "auto") -> MoeAlignment:
+    """(T, k) expert ids -> the padded layout (module docstring), on topk_ids' device."""
+    impl = choose(backend, topk_ids)
+    if impl == "triton":
+        return moe_align_triton(topk_ids, num_experts, block_m, first_expert)
+    return (moe_align_ref if impl == "ref" else moe_align_torch)(topk_ids, num_experts, block_m, first_expert)
