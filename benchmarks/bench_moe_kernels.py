@@ -13,8 +13,10 @@ Per row: median ms (CUDA events, after warm-up), fused also as a CUDA graph repl
 excluded), and GB/s over the bytes a call must move: the selected experts' weights (each selected
 expert's w13 and w2 once) plus hidden in and out; its fraction of the 4.24 TB/s H200 floor. The
 layer's 1.2 GB of experts is 20x the L2, so the weights are read from HBM on every call. Each row
-records the fused output's largest difference from the torch path. ``--sweep`` times the fused
-path at other BLOCK_M and tiles (the evidence for the constants in fused_moe.py).
+records the fused output's largest difference from the torch path. The expert-sorted layout alone
+is timed both ways (one-program kernel, torch ops; CUDA graph replays): the evidence for
+moe_align.KERNEL_MAX_SLOTS. ``--sweep`` times the fused path at other BLOCK_M and tiles (the
+evidence for the constants in fused_moe.py).
 CUDA only: on a CPU it prints why and exits.
 """
 import argparse
@@ -112,6 +114,12 @@ def bench_tokens(tokens, reps, sweep):
             row(tokens, "fused (cuda graph)", graph_ms(lambda: fused_moe(*args, backend="triton"), reps), nbytes),
             row(tokens, "torch", eager_ms(lambda: fused_moe_torch(*args), reps), nbytes),
             row(tokens, "loop", eager_ms(lambda: per_expert_loop(*args), max(3, reps // 4)), nbytes)]
+    ma = importlib.import_module("megarl_kernels.moe_align")
+    block_m = fm.block_rows(args[4].numel(), SHAPE["experts"])
+    for name, align in (("align kernel", ma.moe_align_triton), ("align torch", ma.moe_align_torch)):
+        ms = graph_ms(lambda: align(args[4], SHAPE["experts"], block_m), reps)  # noqa: B023
+        print(f"  T={tokens:<5} {name:<28} {ms:>9.4f} ms")
+        rows.append(dict(tokens=tokens, provider=name, ms=ms, block_m=block_m))
     if sweep:
         for block_m in (16, 32, 64):
             for tiles in ((64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)):

@@ -16,9 +16,10 @@ Expert parallelism: with ``first_expert`` = e0 and E = this rank's expert count,
 expert is in [e0, e0 + E) are laid out, under their local index (expert - e0); the other slots
 appear nowhere.
 
-`moe_align` is one Triton program on CUDA (`_moe_align_kernel`: a decode step's MoE layer would
-otherwise spend a dozen small launches here), else device-side torch (`moe_align_torch`: a
-scatter-add count, a stable argsort, cumsums, a searchsorted; no host sync, no loop over experts);
+`moe_align` is one Triton program on CUDA for up to `KERNEL_MAX_SLOTS` slots (`_moe_align_kernel`:
+a decode step's MoE layer would otherwise spend a dozen small launches here), else device-side
+torch (`moe_align_torch`: a scatter-add count, a stable argsort, cumsums, a searchsorted; no host
+sync, no loop over experts; many programs, where one program's chunk loop would grow with T);
 `moe_align_ref` is the spec, a loop over experts.
 """
 from __future__ import annotations
@@ -28,6 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from megarl_kernels.dispatch import choose, next_pow2, tl, triton
+
+# Slots up to which the one-program kernel lays them out (a decode batch of 256 tokens at top-8);
+# above it the torch ops. Unmeasured: bench_moe_kernels.py times both at each T.
+KERNEL_MAX_SLOTS = 2048
+FILL = 1024  # layout rows the kernel fills with the sentinel per step
 
 
 @dataclass
@@ -106,7 +112,8 @@ def _expert_hits(ids_ptr, s0, num_slots, num_experts, first_expert, CHUNK: tl.co
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, num_slots, num_experts,
-                      first_expert, rows, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                      first_expert, rows, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      FILL: tl.constexpr):
     """One program: count each expert's slots, lay out the padded runs (cumsum), fill the layout
     with the padding sentinel, then place each slot at its run's start + the number of earlier slots
     of its expert, and give each block the expert whose run covers its first row."""
@@ -118,9 +125,9 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, nu
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
-    for r0 in range(0, rows, CHUNK):
-        r = r0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + r, tl.zeros([CHUNK], tl.int32) + num_slots, mask=r < rows)
+    for r0 in range(0, rows, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + r, tl.zeros([FILL], tl.int32) + num_slots, mask=r < rows)
     tl.debug_barrier()  # the padding is written before any slot overwrites it
     next_row = ends - padded  # (E_PAD,) where each expert's next slot goes
     for s0 in range(0, num_slots, CHUNK):
@@ -146,14 +153,16 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, fir
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     e_pad = max(16, next_pow2(num_experts))
     _moe_align_kernel[(1,)](ids, sorted_slots, block_experts, num_padded, slots, num_experts, first_expert, rows,
-                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, min(256, 8192 // e_pad)), num_warps=8)
+                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, min(256, 8192 // e_pad)), FILL=FILL,
+                            num_warps=8)
     return MoeAlignment(sorted_slots, block_experts, num_padded, block_m)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0,
               backend: str = "auto") -> MoeAlignment:
-    """(T, k) expert ids -> the padded layout (module docstring), on topk_ids' device."""
+    """(T, k) expert ids -> the padded layout (module docstring), on topk_ids' device. ``backend``
+    "triton": the kernel up to `KERNEL_MAX_SLOTS` slots on CUDA (always under the interpreter)."""
     impl = choose(backend, topk_ids)
-    if impl == "triton":
+    if impl == "triton" and (topk_ids.numel() <= KERNEL_MAX_SLOTS or not topk_ids.is_cuda):
         return moe_align_triton(topk_ids, num_experts, block_m, first_expert)
     return (moe_align_ref if impl == "ref" else moe_align_torch)(topk_ids, num_experts, block_m, first_expert)
