@@ -231,6 +231,17 @@ def test_ep_shares_sum_to_the_layer(backend, split):
     _close(shares[0] + shares[1], fused_moe(x, w13, w2, weights, ids, backend=backend))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_weight_views(backend):
+    """w13 as megatron's GroupedMLP keeps fc1 ((H, E * 2F), seen as (E, 2F, H): rows of stride 1) and
+    w2 transposed per expert: the same result as the contiguous weights, no copy made."""
+    x, w13, w2, weights, ids = _layer(7, 48, 40, 4, 2, seed=12)
+    w13_view = w13.permute(2, 0, 1).contiguous().view(48, 4 * 80).view(48, 4, 80).permute(1, 2, 0)
+    w2_view = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    assert w13_view.stride(1) == 1 and w2_view.stride(1) == 1 and torch.equal(w13_view, w13)
+    _close(_run(backend, x, w13_view, w2_view, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
+
+
 def test_cpu_default_is_the_torch_path_and_bad_shapes_are_one_line_errors():
     layer = [v.cpu() for v in _layer(7, 32, 24, 4, 2)]
     assert torch.equal(fused_moe(*layer), fused_moe_torch(*layer))

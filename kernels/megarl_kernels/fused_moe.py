@@ -1,4 +1,4 @@
-"""The experts of a mixture-of-experts layer in two launches: every expert's SwiGLU MLP on its tokens.
+"""The experts of a mixture-of-experts layer in two grouped GEMM launches: each expert's SwiGLU MLP on its tokens.
 
 Spec (`fused_moe_ref`). hidden x (T, H); w13 (E, 2F, H), each expert's fc1 [gate rows | up rows]
 (HF's ``gate_up_proj``); w2 (E, H, F) (``down_proj``); topk_weights (T, k) fp32 and topk_ids (T, k)
@@ -21,6 +21,10 @@ CUDA graph; blocks past the used rows return at once.
 Expert parallelism (`fused_moe_local`): a rank holding experts [e0, e0 + E_local) computes the
 sum over only the choices that fall in its range; the sum over the EP group of every rank's
 result is the layer's output (up to the rounding of the partial sums to x.dtype).
+
+Weights may be any strided views (each GEMM takes all three strides), e.g. megatron's GroupedMLP
+``weight1`` (H, E * 2F) seen as (E, 2F, H) without a copy; the weight loads are coalesced along
+whichever of H or the rows has stride 1.
 
 CPU path (`fused_moe_torch`): slots sorted by expert into an (E, max count, H) zero-padded batch,
 two ``torch.bmm`` and `silu_mul` between them; no loop over tokens or experts.
@@ -176,16 +180,16 @@ def _tile(tiles, n: int, k: int):
     return min(block_n, max(16, next_pow2(n))), min(block_k, max(16, next_pow2(k))), warps, stages
 
 
-def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, first_expert: int | None = None,
+def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, first_expert: int = 0,
                      block_m: int | None = None, gate_up_tiles=None, down_tiles=None):
-    """The two launches (module docstring). ``first_expert`` None: w13 holds every expert and every
-    id is in [0, E); an int: EP, choices outside [first_expert, + E) add nothing. Tiles default to
-    `block_rows` and `GATE_UP_TILES` / `DOWN_TILES` (the tests pass small ones)."""
+    """The launches of the module docstring for w13 / w2 holding experts [first_expert, + E); other
+    choices add nothing. Tiles default to `block_rows` and `GATE_UP_TILES` / `DOWN_TILES` (the tests
+    pass small ones)."""
     (t_count, h), (e_count, f2, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     f, slots = f2 // 2, t_count * k
     block_m = block_m or block_rows(slots, e_count)
     ids = topk_ids.reshape(-1).to(torch.int32)  # (S,)
-    align = moe_align(ids, e_count, block_m, first_expert or 0, backend="triton")
+    align = moe_align(ids, e_count, block_m, first_expert, backend="triton")
     blocks = align.sorted_slots.numel() // block_m
     weights = topk_weights.reshape(-1).float().contiguous()  # (S,)
     act = hidden.new_empty(slots, f)  # rows of other ranks' slots stay unwritten and unread
@@ -205,7 +209,7 @@ def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, first_expert: int 
             BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=dot32, num_warps=warps, num_stages=stages)
         block_h = min(SUM_BLOCK, next_pow2(h))
         _moe_sum_kernel[(t_count, triton.cdiv(h, block_h))](
-            contrib, ids, out, h, e_count, first_expert or 0, contrib.stride(0), out.stride(0), TOP_K=k,
+            contrib, ids, out, h, e_count, first_expert, contrib.stride(0), out.stride(0), TOP_K=k,
             BLOCK_H=block_h, num_warps=4)
     return out
 
@@ -224,7 +228,7 @@ def _check_shapes(name, hidden, w13, w2, topk_weights, topk_ids):
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, backend: str = "auto"):
     """(T, H) hidden, (E, 2F, H) w13, (E, H, F) w2, (T, k) routing -> (T, H) sum over each token's
-    k experts of weight * expert MLP (module docstring). Every id must be in [0, E)."""
+    k experts of weight * expert MLP (module docstring); an id outside [0, E) adds nothing."""
     _check_shapes("fused_moe", hidden, w13, w2, topk_weights, topk_ids)
     impl = choose(backend, hidden, w13, w2, topk_weights, topk_ids)
     if impl == "triton":
