@@ -1,7 +1,8 @@
 """megarl_kernels MoE: routing per family, the expert-sorted layout, and the fused expert MLPs.
 
 Routing is checked against each family's plain formula and against transformers' own routers
-(same ids, same fp32 weights). The layout against its loop spec and its invariants (every local
+(same ids, same fp32 weights); replayed routing against the routing it replays (weights and
+gradients); routing + experts against transformers' whole sparse MoE blocks. The layout against its loop spec and its invariants (every local
 slot exactly once, each block one expert, padding only at run ends). `fused_moe` (both backends)
 against the per-token spec on odd shapes (T 1 / 7 / 33, H 32 / 48, F 24 / 40, E 4 / 8, k 1 / 2),
 experts with no tokens, every token on one expert, each dtype; the EP shares of two disjoint expert
@@ -23,7 +24,7 @@ from megarl_kernels.fused_moe import (  # noqa: E402
     block_rows, fused_moe, fused_moe_local, fused_moe_ref, fused_moe_torch, fused_moe_triton,
 )
 from megarl_kernels.moe_align import max_padded_rows, moe_align, moe_align_ref  # noqa: E402
-from megarl_kernels.moe_routing import moe_route, moe_route_ref  # noqa: E402
+from megarl_kernels.moe_routing import moe_route, moe_route_ref, moe_route_replay  # noqa: E402
 
 BF16_STEP = 2 ** -7
 TOL = {torch.float32: 1e-5, torch.float16: 4 * 2 ** -10,
@@ -116,6 +117,25 @@ def test_routing_ties_follow_torch_topk():
     assert torch.equal(weights, torch.full((3, 2), 0.5))
 
 
+@pytest.mark.parametrize("kind,norm", [("qwen3_moe", True), ("qwen2_moe", False), ("mixtral", None)])
+def test_replayed_routing(kind, norm):
+    """Replaying the ids `moe_route` chose gives its weights and its logits' gradient bit for bit;
+    replaying other ids gives the current softmax at those ids (renormalized as the family does)."""
+    logits = torch.randn(11, 8, generator=torch.Generator().manual_seed(15), requires_grad=True)
+    weights, ids = moe_route(logits, 2, kind, norm)
+    (grad,) = torch.autograd.grad((weights * torch.arange(1.0, 3.0)).sum(), logits)
+    replayed = moe_route_replay(logits, ids, kind, norm)
+    (replay_grad,) = torch.autograd.grad((replayed * torch.arange(1.0, 3.0)).sum(), logits)
+    assert torch.equal(replayed, weights) and torch.equal(replay_grad, grad)
+    other = (ids + 3) % 8
+    p = torch.softmax(logits.detach().double(), -1).gather(1, other.long())
+    want = p / p.sum(-1, keepdim=True) if kind != "qwen2_moe" else p
+    torch.testing.assert_close(moe_route_replay(logits, other, kind, norm).detach().double(), want,
+                               rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="moe_route_replay: logits"):
+        moe_route_replay(logits, ids[:3], kind, norm)
+
+
 def test_routing_bf16_logits_and_bad_input():
     logits = torch.randn(5, 8).bfloat16()
     weights, ids = moe_route(logits, 2, "qwen3_moe")
@@ -183,6 +203,42 @@ def test_fused_moe_equals_the_spec(backend, t, h, f, e, k):
 def test_fused_moe_half_dtypes(backend, dtype, t):
     layer = _layer(t, 48, 40, 8, 2, dtype, seed=3)
     _close(_run(backend, *layer), fused_moe_ref(*layer))
+
+
+def _hf_moe_block(kind):
+    """transformers' sparse MoE block (router + stacked experts) of a tiny config, random fp32 weights."""
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    size = dict(hidden_size=32, num_experts_per_tok=2, hidden_act="silu")
+    if kind == "mixtral":
+        block = MixtralSparseMoeBlock(transformers.MixtralConfig(**size, intermediate_size=24, num_local_experts=8))
+    else:
+        config = transformers.Qwen3MoeConfig(**size, moe_intermediate_size=24, num_experts=8, norm_topk_prob=True)
+        block = Qwen3MoeSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return block.eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_route_and_experts_equal_transformers_moe_block(backend, kind):
+    """`moe_route` + `fused_moe` on the block's own router and expert tensors (gate_up_proj is w13,
+    down_proj is w2, no copy or reordering) give transformers' block output in fp32."""
+    block = _hf_moe_block(kind)
+    x = torch.randn(13, 32, generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        want = block(x[None])[0]
+        weights, ids = moe_route(torch.nn.functional.linear(x, block.gate.weight), 2, kind,
+                                 None if kind == "mixtral" else True)
+        experts = block.experts
+        dev = [t.to(DEVICE) for t in (x, experts.gate_up_proj, experts.down_proj, weights, ids)]
+        got = fused_moe(*dev, backend=backend)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_triton

@@ -18,7 +18,7 @@ from megarl_kernels.group_advantage import group_advantage, group_advantage_ref,
 from megarl_kernels.linear_logprob import linear_logprob, linear_logprob_ref
 from megarl_kernels.logprob import logprob_entropy, logprob_entropy_ref
 from megarl_kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
-from megarl_kernels.moe_routing import ROUTING_KINDS, moe_route, moe_route_ref
+from megarl_kernels.moe_routing import ROUTING_KINDS, moe_route, moe_route_ref, moe_route_replay
 from megarl_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -66,5 +66,5 @@ __all__ = [
     "padded_vocab_size", "pad_vocab", "unpad_vocab", "tp_split", "tp_concat",
     "BucketLayout", "bucket_layout", "pack", "pack_ref", "unpack", "unpack_into", "unpack_into_ref",
     "fused_moe", "fused_moe_local", "fused_moe_ref", "fused_moe_torch",
-    "MoeAlignment", "moe_align", "moe_align_ref", "ROUTING_KINDS", "moe_route", "moe_route_ref",
+    "MoeAlignment", "moe_align", "moe_align_ref", "ROUTING_KINDS", "moe_route", "moe_route_ref", "moe_route_replay",
 ]

@@ -18,6 +18,11 @@ Ties. Experts are chosen by ``torch.topk`` on the fp32 probabilities, in every b
 exactly as ``torch.topk`` resolves them on that device; torch does not document that order, which
 is why no second implementation of the selection exists to disagree with it.
 
+Replay (`moe_route_replay`, for rollout routing replay): given recorded ids instead of choosing,
+the weights are the same softmax over all experts of the *current* logits, taken at the recorded
+ids and renormalized as the family does; differentiable, so the router keeps its gradient. With
+the ids `moe_route` would choose, it returns `moe_route`'s weights bit for bit.
+
 The weights stay fp32 (HF rounds them to the logits' dtype before the expert sum; the fused MoE
 kernel multiplies in fp32). No kernel: the softmax, topk and renormalization are three small
 launches on (T, E), next to the expert GEMMs.
@@ -56,6 +61,21 @@ def moe_route(router_logits: torch.Tensor, top_k: int, kind: str, norm_topk_prob
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def moe_route_replay(router_logits: torch.Tensor, topk_ids: torch.Tensor, kind: str,
+                     norm_topk_prob: bool | None = None) -> torch.Tensor:
+    """(T, E) logits, (T, k) recorded expert ids -> (T, k) fp32 weights of those experts under the
+    current logits (module docstring); autograd flows to the logits."""
+    renormalize = _renormalizes(kind, norm_topk_prob)
+    if router_logits.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != router_logits.shape[0]:
+        raise ValueError(f"moe_route_replay: logits (T, E) and ids (T, k) expected; got "
+                         f"{tuple(router_logits.shape)}, {tuple(topk_ids.shape)}")
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (T, E)
+    weights = probs.gather(1, topk_ids.long())  # (T, k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
 
 
 def moe_route_ref(router_logits: torch.Tensor, top_k: int, kind: str, norm_topk_prob: bool | None = None):
