@@ -27,7 +27,9 @@ Weights may be any strided views (each GEMM takes all three strides), e.g. megat
 whichever of H or the rows has stride 1.
 
 CPU path (`fused_moe_torch`): slots sorted by expert into an (E, max count, H) zero-padded batch,
-two ``torch.bmm`` and `silu_mul` between them; no loop over tokens or experts.
+two ``torch.bmm`` and `silu_mul` between them; no loop over tokens or experts. It is
+differentiable (autograd through the index writes and the GEMMs), to hidden, both weights and the
+routing weights; the Triton path is forward only (rollout).
 """
 from __future__ import annotations
 
