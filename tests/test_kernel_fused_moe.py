@@ -198,6 +198,15 @@ def test_fused_moe_equals_the_spec(backend, t, h, f, e, k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t", [3, 12])
+def test_qwen3_30b_routing_shape(backend, t):
+    """128 experts, top-8 (the Qwen3-30B-A3B router) on small H and F: 128-expert one-hot chunks in
+    the layout kernel; most experts empty at T = 3, some with two or more slots at T = 12."""
+    layer = _layer(t, 32, 24, 128, 8, seed=17)
+    _close(_run(backend, *layer), fused_moe_ref(*layer))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t", [7, 33])
 def test_fused_moe_half_dtypes(backend, dtype, t):
