@@ -201,10 +201,10 @@ def test_fused_moe_equals_the_spec(backend, t, h, f, e, k):
 @pytest.mark.parametrize("t", [3, 12])
 def test_qwen3_30b_routing_shape(backend, t):
     """128 experts, top-8 (the Qwen3-30B-A3B router) on small H and F: 128-expert one-hot chunks in
-    the layout kernel; most experts empty at T = 3, some with two or more slots at T = 12."""
+    the layout kernel; many experts empty, and at T = 12 some with two or more slots."""
     layer = _layer(t, 32, 24, 128, 8, seed=17)
     counts = torch.bincount(layer[4].flatten().long().cpu(), minlength=128)
-    assert (counts == 0).sum() > 64 and (t == 3 or counts.max() >= 2)
+    assert (counts == 0).sum() > 32 and (t == 3 or counts.max() >= 2)
     _close(_run(backend, *layer), fused_moe_ref(*layer))
 
 
