@@ -87,7 +87,7 @@ def fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, first_expert: int =
 
 
 @triton.jit
-def _block_rows(sorted_slots_ptr, num_padded_ptr, num_n, BLOCK_M: tl.constexpr):
+def _program_block(sorted_slots_ptr, num_padded_ptr, num_n, BLOCK_M: tl.constexpr):
     """This program's (block, column tile), whether its block is in use, and its slots (BLOCK_M,)."""
     pid = tl.program_id(0)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -102,7 +102,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_slots_ptr, block_experts_p
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         F32_DOT: tl.constexpr):
     """act[slot, n] = silu(x[slot // k] . w[e, n]) * (x[slot // k] . w[e, F + n]) for the block's slots."""
-    pid_m, pid_n, used, slots = _block_rows(sorted_slots_ptr, num_padded_ptr, tl.cdiv(F, BLOCK_N), BLOCK_M)
+    pid_m, pid_n, used, slots = _program_block(sorted_slots_ptr, num_padded_ptr, tl.cdiv(F, BLOCK_N), BLOCK_M)
     if used:
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         real = slots < num_slots  # (BM,) padding rows hold num_slots
@@ -137,7 +137,7 @@ def _moe_down_kernel(act_ptr, w_ptr, weights_ptr, out_ptr, sorted_slots_ptr, blo
                      num_slots, N, K, stride_at, stride_we, stride_wn, stride_wk, stride_ot,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
     """out[slot, n] = weight[slot] * round(act[slot] . w[e, n]) in fp32, for the block's slots."""
-    pid_m, pid_n, used, slots = _block_rows(sorted_slots_ptr, num_padded_ptr, tl.cdiv(N, BLOCK_N), BLOCK_M)
+    pid_m, pid_n, used, slots = _program_block(sorted_slots_ptr, num_padded_ptr, tl.cdiv(N, BLOCK_N), BLOCK_M)
     if used:
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         real = slots < num_slots
