@@ -1,7 +1,7 @@
 """Benchmark the fused MoE experts (megarl_kernels.fused_moe) on the Qwen3-30B-A3B expert shape.
 
-    python benchmarks/bench_moe_kernels.py --out $OUT/moe_kernels.json            # CUDA (H200)
-    python benchmarks/bench_moe_kernels.py --tokens 32,256 --sweep --out /tmp/m.json
+    python benchmarks/bench_moe_kernels.py --out moe_kernels.json            # CUDA
+    python benchmarks/bench_moe_kernels.py --tokens 32,256 --sweep --out moe_sweep.json
 
 One MoE layer's experts: hidden 2048, 128 experts of FFN 768, top-8, bf16, routing from random
 logits (Qwen3 softmax / top-k / renormalize), at T tokens. Providers, on the same inputs:
