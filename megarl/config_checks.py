@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 
 from megarl.errors import ConfigError
-from megarl.config import LORA_TARGETS, REDIS_URL, Config
+from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutCorrectionConfig
 from megarl.algos.advantages import get_advantage
+from megarl.algos.rollout_correction import from_section as correction_from_section, keys_read
 from megarl.algos.losses import get_policy_loss
 from megarl.data.tokenizer import check_tokenizer_dir, check_vocab_fits
 from megarl.rewards.registry import get_reward
@@ -67,7 +68,7 @@ def check_cpu_offload(cfg: Config, o, prefix: str) -> None:
     optimizer takes half-precision parameters only (an fp32 one reaches it as a non-leaf view and
     its constructor raises), and steps only parameters that live on a CUDA device. Every trained
     weight of a bf16/fp16 model is half precision, the local spec's norms included (built in the
-    params dtype; run with offload on an H200, ``tests/test_cpu_offload.py``)."""
+    params dtype; ``tests/test_cpu_offload.py`` runs offload on a GPU)."""
     if not o.cpu_offload:
         return
     key = f"{prefix}.cpu_offload=true"
@@ -340,6 +341,55 @@ def check_algorithm(cfg: Config) -> None:
                           "(KL as a loss) or advantage gae / reinforce_pp_baseline")
 
 
+def check_rollout_correction(cfg: Config) -> None:
+    """algorithm.rollout_correction: a preset or the keys; thresholds in range; no key its mode ignores."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    default = RolloutCorrectionConfig()
+    changed = [k for k in ("mode", "cap", "level", "seq_ratio", "low", "high") if getattr(rc, k) != getattr(default, k)]
+    if rc.preset != "none" and changed:
+        raise ConfigError(f"{key}.preset={rc.preset} sets the mode and thresholds itself; drop "
+                          f"{key}.{changed[0]}={getattr(rc, changed[0])} or set {key}.preset=none")
+    read = keys_read(correction_from_section(rc))
+    if "cap" in read and not (math.isfinite(rc.cap) and rc.cap >= 1):
+        raise ConfigError(f"{key}.cap={rc.cap} must be a finite number >= 1 (a cap below 1 would down-weight "
+                          "tokens on which both policies agree)")
+    if "low" in read and not 0 < rc.low < 1:
+        raise ConfigError(f"{key}.low={rc.low} must be in (0, 1): the band must hold ratio 1")
+    if "high" in read and not 1 < rc.high < math.inf:
+        raise ConfigError(f"{key}.high={rc.high} must be a finite number > 1: the band must hold ratio 1")
+    unread = next((k for k in changed if k != "mode" and k not in read), None)
+    if unread:
+        raise ConfigError(f"{key}.{unread}={getattr(rc, unread)} is not read by {key}.mode={rc.mode}; "
+                          f"drop it or pick a mode that reads it")
+
+
+def check_dapo(cfg: Config) -> None:
+    """algorithm.dapo: dynamic sampling needs group advantages; the overlong buffer fits the response."""
+    d, key = cfg.algorithm.dapo, "algorithm.dapo"
+    check_counts(d, key, ["max_rounds"])
+    check_counts(d, key, ["overlong_buffer"], low=0)
+    check_numbers(d, key, ["overlong_penalty"], low=0)
+    if d.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"{key}.overlong_buffer={d.overlong_buffer} must be <= rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (the buffer ends at the response limit)")
+    default = DapoConfig()
+    if not d.overlong_buffer and d.overlong_penalty != default.overlong_penalty:
+        raise ConfigError(f"{key}.overlong_penalty is read only with {key}.overlong_buffer > 0; set the buffer "
+                          "or drop the penalty")
+    if not d.dynamic_sampling:
+        if d.max_rounds != default.max_rounds:
+            raise ConfigError(f"{key}.max_rounds is read only with {key}.dynamic_sampling=true; set it or drop "
+                              "max_rounds")
+        return
+    if cfg.algorithm.advantage not in GROUP_ADVANTAGES:
+        raise ConfigError(f"{key}.dynamic_sampling=true keeps groups whose scores differ, a signal only group "
+                          f"advantages read ({', '.join(sorted(GROUP_ADVANTAGES))}); algorithm.advantage="
+                          f"{cfg.algorithm.advantage}: pick one of them or set {key}.dynamic_sampling=false")
+    if cfg.trainer.replay_rollouts:
+        raise ConfigError(f"{key}.dynamic_sampling=true generates; trainer.replay_rollouts trains on dumped "
+                          f"batches as they are: set {key}.dynamic_sampling=false to replay")
+
+
 def check_sglang(cfg: Config) -> None:
     s = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang":
@@ -484,6 +534,8 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_packing(cfg)
     check_context_parallel(cfg)
     check_algorithm(cfg)
+    check_rollout_correction(cfg)
+    check_dapo(cfg)
     check_reward(cfg)
     check_trainer(cfg)
     check_paths(cfg)

@@ -31,13 +31,15 @@ from megarl.rollout.engine import SamplingParams
 from megarl.rollout.factory import build_engine
 from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer
+from megarl.trainer.correction import rollout_correction_metrics
 from megarl.trainer.resume import Layout, rewind_metrics
 from megarl.trainer.run_config import check_resume, save_run_config
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
-from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
+from megarl.trainer.scoring import build_reward, score_metrics
+from megarl.trainer.dapo import dynamic_sampling_rollout, mask_truncated, score_and_shape
 
 
 def _kl_controller(cfg: Config):
@@ -173,27 +175,39 @@ class PPOTrainer:
             rollout = load_rollout(t.replay_rollouts, self.step + 1, self.groups.dp_rank, self.device)
             rollout.metrics.update(response_metrics(rollout))
             return rollout
-        with self.timer("rollout"):
-            prompts = self.sampler.next_batch(self.train_set)
-            self.engine.resume_memory()
-            r = self.cfg.rollout
-            rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer, self.pad_id,
-                                       self.device, n=r.n, seed=self.sampling_seed(), max_new_tokens=r.max_new_tokens)
-            rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
-            if self.cfg.algorithm.advantage == "remax":
-                phases.greedy_baseline(self, prompts, rollout)
-            self.engine.release_memory()
+        if self.cfg.algorithm.dapo.dynamic_sampling:  # generates and scores rounds until the batch is full
+            rollout = dynamic_sampling_rollout(self)
+        else:
+            rollout = self.generate_prompts(self.sampler.next_batch(self.train_set), self.sampling_seed())
         self.rollout_stats = dict(self.engine.stats)  # this rank's engine counters (not DP-summed)
         rollout.metrics.update(response_metrics(rollout))
         return rollout
 
+    def generate_prompts(self, prompts, seed: int) -> Rollout:
+        """This rank's prompts generated ``rollout.n`` times each from ``seed``."""
+        with self.timer("rollout"):
+            self.engine.resume_memory()
+            r = self.cfg.rollout
+            rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer, self.pad_id,
+                                       self.device, n=r.n, seed=seed, max_new_tokens=r.max_new_tokens)
+            rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
+            if self.cfg.algorithm.advantage == "remax":
+                phases.greedy_baseline(self, prompts, rollout)
+            self.engine.release_memory()
+        return rollout
+
     def score(self, rollout: Rollout) -> None:
-        """Rewards (kept as they are for replayed rollouts that carry scores); dumps if asked."""
+        """Rewards and DAPO's overlong shaping (kept as they are for replayed rollouts that carry
+        scores, and for dynamic sampling, which scored while generating); DAPO's truncated
+        responses masked; dumps if asked."""
         with self.timer("reward"):
-            if rollout.scores is None or not self.cfg.trainer.replay_rollouts:
-                rollout.metrics.update(score_rollout(self.reward, rollout))
-            else:
+            if rollout.scores is None:
+                dapo, limit = self.cfg.algorithm.dapo, self.cfg.rollout.max_new_tokens
+                rollout.metrics.update(score_and_shape(self.reward, rollout, dapo, limit))
+            elif self.cfg.trainer.replay_rollouts:
                 rollout.metrics.update(score_metrics(rollout.scores))
+        if self.cfg.algorithm.dapo.mask_truncated:
+            mask_truncated(rollout)
         if self.cfg.trainer.dump_rollouts:
             save_rollout(rollout, self.cfg.trainer.dump_rollouts, self.step + 1, self.groups)
 
@@ -207,6 +221,8 @@ class PPOTrainer:
 
     def update(self, rollout: Rollout) -> None:
         phases.update(self, rollout)
+        dp = self.groups.dp if self.groups.dp_size > 1 else None
+        self.metrics.update(rollout_correction_metrics(rollout.batch, self.actor.correction, dp))
 
     def sync_weights(self) -> None:
         with self.timer("weight_sync"):
