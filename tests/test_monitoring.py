@@ -330,6 +330,7 @@ def test_run_writes_progress_events_resources_and_curves(tiny_run):
     saved = load_config([str(run_dir / "config.yaml")], Config)  # the resolved config, saved at start
     assert saved.trainer.run_dir == str(run_dir) and saved.data.batch_size == 4
     for line in ("loading the tokenizer and prompts ... done (", "loading the actor from ", "evaluating 4 held-out",
+                 f"run directory {run_dir} (resolved config: {run_dir}/config.yaml)\n",
                  "held-out accuracy ", f"exporting the actor to {run_dir}/hf ... done (50 tensors, 3.8 MB, "):
         assert line in stdout, (line, stdout[-2000:])
     rows = read_metrics(str(run_dir / "metrics.jsonl"))

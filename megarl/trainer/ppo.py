@@ -87,7 +87,7 @@ class PPOTrainer:
         self.bad_updates: dict[str, int] = {}  # role -> optimizer updates skipped in a row (non-finite)
         self._resume()
         if self.rank0:
-            save_run_config(cfg)
+            print(f"run directory {cfg.trainer.run_dir} (resolved config: {save_run_config(cfg)})", flush=True)
         if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
             self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
         self.writer.event("start", self.step, time=started, world_size=torch.distributed.get_world_size())
