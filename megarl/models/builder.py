@@ -100,7 +100,7 @@ def transformer_config(info: ModelInfo, groups: ParallelGroups, opts: ModelOptio
     if info.num_layers % groups.pp_size:
         raise ValueError(f"pp={groups.pp_size} must divide num_hidden_layers={info.num_layers}")
     dtype = _DTYPES[opts.params_dtype]
-    moe_fields = moe.transformer_config_fields(info, groups, opts, dtype) if info.moe else {}
+    moe_fields = moe.transformer_config_fields(info, groups, opts) if info.moe else {}
     return TransformerConfig(
         num_layers=info.num_layers, hidden_size=info.hidden_size,
         num_attention_heads=info.num_heads, num_query_groups=info.num_groups,

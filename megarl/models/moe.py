@@ -51,17 +51,18 @@ if not torch.cuda.is_available():  # the CPU runs (tests, tiny tasks) over gloo
     token_dispatcher.maybe_move_tensor_to_cpu = _splits_to_host
 
 
-def transformer_config_fields(info: ModelInfo, groups, opts, dtype: torch.dtype) -> dict:
+def transformer_config_fields(info: ModelInfo, groups, opts) -> dict:
     """megatron-core ``TransformerConfig`` keyword arguments of ``info.moe`` over ``groups``."""
     m = info.moe
     if m.num_experts % groups.ep_size:
         raise ValueError(f"parallel.ep={groups.ep_size} must divide the expert count {m.num_experts} "
                          f"of {info.arch}; use an ep that divides {m.num_experts}")
-    for name, width in (("moe_intermediate_size", m.ffn_hidden_size),
-                        ("shared_expert_intermediate_size", m.shared_ffn_hidden_size or 0)):
-        if width % groups.etp_size or (name.startswith("shared") and width % groups.tp_size):
-            raise ValueError(f"config.json {name}={width} does not split over parallel.etp="
-                             f"{groups.etp_size} / tp={groups.tp_size}; lower them")
+    # routed experts split over expert-TP, the shared expert (a plain MLP) over TP
+    for what, width, axis, size in (("expert FFN width", m.ffn_hidden_size, "etp", groups.etp_size),
+                                    ("shared expert FFN width", m.shared_ffn_hidden_size or 0, "tp", groups.tp_size)):
+        if width % size:
+            raise ValueError(f"the {what} {width} of {info.arch} does not split over parallel.{axis}={size}; "
+                             f"use a parallel.{axis} that divides it")
     aux = opts.moe_aux_loss_coef
     return dict(
         num_moe_experts=m.num_experts, moe_router_topk=m.topk, moe_ffn_hidden_size=m.ffn_hidden_size,
