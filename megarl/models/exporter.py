@@ -77,7 +77,9 @@ def merge_expert_shards(kind: str, names: tuple[str, ...], shards: list[torch.Te
 
 def gather_expert_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
                           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """Collective over every rank of this stage: the HF tensors of all experts (every EP rank's), on every rank."""
+    """Collective over every rank of this stage: the HF tensors of all experts (every EP rank's) on
+    the stage's writer (TP, DP and CP rank 0, which is also expert-TP rank 0); an empty dict elsewhere."""
+    writer = groups.tp_rank == groups.dp_rank == groups.cp_rank == 0
     params = model.state_dict(keep_vars=True)
     out = {}
     for name, rule in model_rules(model, info).items():
@@ -85,8 +87,9 @@ def gather_expert_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGro
             continue
         for ep_rank, param in enumerate(_gather(params[name], groups, groups.ep, groups.ep_size)):
             shards = _gather(param, groups, groups.etp, groups.etp_size)
-            for hf_name, t in merge_expert_shards(rule.kind, rule.ep_hf_names[ep_rank], shards).items():
-                out[hf_name] = t.to("cpu", dtype or t.dtype).clone()
+            if writer:
+                for hf_name, t in merge_expert_shards(rule.kind, rule.ep_hf_names[ep_rank], shards).items():
+                    out[hf_name] = t.to("cpu", dtype or t.dtype).clone()
     return out
 
 
