@@ -133,12 +133,25 @@ def read_yaml(path: str) -> dict:
     return data
 
 
+def add_import_dirs(yaml_path: str | None) -> None:
+    """The working directory and the yaml's directory go on ``sys.path`` (after what is there), so
+    ``module:function`` extension points (rewards, row maps, metrics, tools) import on every rank
+    without ``PYTHONPATH``."""
+    dirs = [os.getcwd()] + ([os.path.dirname(os.path.abspath(yaml_path))] if yaml_path else [])
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.append(d)
+
+
 def load_config(argv: list[str], cls):
     """YAML file (optional, first) plus overrides -> an instance of ``cls``."""
     tree: dict = {}
     args = list(argv)
     if args and "=" not in args[0]:
+        add_import_dirs(args[0])
         tree = read_yaml(args.pop(0))
+    else:
+        add_import_dirs(None)
     for text in args:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)

@@ -229,11 +229,48 @@ class AlgorithmConfig:
 
 
 @dataclass
+class DataSource:
+    """One training set of data.train_mix."""
+
+    path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
+    weight: float = opt(1.0, "share of the training samples drawn from this set (the weights are normalized)")
+    split: str = opt("train", "split of a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset (e.g. main for openai/gsm8k)")
+
+
+@dataclass
+class EvalSet:
+    """One named evaluation set (data.eval_sets): logged as eval/<name>/pass@k and eval/<name>/mean@n."""
+
+    name: str = opt("", "the set's name in the metrics: eval/<name>/...")
+    path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
+    split: str = opt("test", "split of a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset")
+    n: int = opt(1, "samples per prompt")
+    temperature: float = opt(0.0, "sampling temperature; 0: greedy (then n must be 1)")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    k: list[int] = opt([], "pass@k logged for each k (each <= n); empty: 1 and n")
+    metric: str = opt("math", "scores a sample: a registered reward (math, format, ...) or module:function with the reward signature")
+    metric_kwargs: dict = opt({}, "keyword arguments for the metric function")
+    pass_threshold: float = opt(1.0, "a sample counts as solved for pass@k when its score is >= this")
+    limit: int = opt(0, "prompts evaluated (the first ones); 0: all")
+    max_new_tokens: int = opt(0, "response length limit; 0: rollout.max_new_tokens")
+
+
+@dataclass
 class DataConfig:
     """Prompt data."""
 
-    train_path: str = opt(f"{ASSETS}/train.jsonl", "JSONL or Parquet prompts: prompt | messages, answer, extra")
-    eval_path: Optional[str] = opt(f"{ASSETS}/test.jsonl", "held-out prompts for accuracy; unset: no eval")
+    train_path: str = opt(f"{ASSETS}/train.jsonl", "prompts: a .jsonl / .json / .parquet file (prompt | messages, answer, extra), a datasets save_to_disk directory or a hub dataset name")
+    eval_path: Optional[str] = opt(f"{ASSETS}/test.jsonl", "held-out prompts for accuracy (eval/accuracy, greedy, math answer); unset: none")
+    train_split: str = opt("train", "split of train_path when it is a saved DatasetDict or a hub dataset")
+    eval_split: str = opt("test", "split of eval_path when it is a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset in train_path / eval_path (e.g. main)")
+    train_mix: list[DataSource] = opt([], "several training sets, each with a path and a mixing weight; when set, train_path is not read")
+    eval_sets: list[EvalSet] = opt([], "named evaluation sets, each with its samples per prompt, temperature, pass@k and metric")
+    prompt_key: str = opt("prompt", "column holding the prompt text (or chat messages), e.g. question (GSM8K) or problem (MATH)")
+    answer_key: str = opt("answer", "column holding the ground truth, e.g. answer (GSM8K, '#### 42') or solution (MATH, \\boxed{})")
+    row_map: str = opt("", "module:function(row: dict) -> dict with prompt (or messages), answer and other fields; replaces prompt_key / answer_key")
     batch_size: int = opt(32, "prompts per PPO step (global, all DP ranks)")
     max_prompt_len: int = opt(64, "longer prompts are filtered out and counted")
     apply_chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")

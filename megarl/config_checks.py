@@ -373,14 +373,57 @@ def check_paths(cfg: Config) -> None:
     if replay and (not Path(replay).is_dir() or not any(Path(replay).glob("step_*_dp*.pt"))):
         raise ConfigError(f"trainer.replay_rollouts: '{replay}' holds no dumped rollouts (step_*_dp*.pt); "
                           f"dump them first with trainer.rollout_only=true trainer.dump_rollouts={replay}")
-    if not Path(cfg.data.train_path).is_file():
+    if not cfg.data.train_mix and not data_source_found(cfg.data.train_path):
         raise ConfigError(f"data.train_path: '{cfg.data.train_path}' not found")
-    if cfg.data.eval_path and not Path(cfg.data.eval_path).is_file():
+    if cfg.data.eval_path and not data_source_found(cfg.data.eval_path):
         raise ConfigError(f"data.eval_path: '{cfg.data.eval_path}' not found; unset it to skip evaluation")
     for key, path in (("critic.path", cfg.critic.path), ("ref.path", cfg.ref.path),
                       ("reward.model.path", cfg.reward.model.path)):
         if path:
             read_hf_config(path, key)
+
+
+def data_source_found(path: str) -> bool:
+    """A file, a saved dataset, or a name the hub may hold (checked when it is read)."""
+    from megarl.data.sources import source_kind
+    from megarl.errors import DataError
+
+    try:
+        source_kind(path)
+    except DataError:
+        return False
+    return True
+
+
+def check_data(cfg: Config) -> None:
+    """data.train_mix and data.eval_sets entries: paths, weights, names, samples, pass@k, metric."""
+    d = cfg.data
+    for i, s in enumerate(d.train_mix):
+        if not data_source_found(s.path):
+            raise ConfigError(f"data.train_mix[{i}].path: '{s.path}' not found")
+        check_numbers(s, f"data.train_mix[{i}]", ["weight"], low=0, strict=True)
+    names = [s.name for s in d.eval_sets]
+    for i, s in enumerate(d.eval_sets):
+        key = f"data.eval_sets[{i}]"
+        if not s.name or "/" in s.name or s.name in names[:i]:
+            raise ConfigError(f"{key}.name={s.name!r}: give each eval set its own name without '/'")
+        if not data_source_found(s.path):
+            raise ConfigError(f"{key}.path: '{s.path}' not found")
+        check_counts(s, key, ["n"])
+        check_counts(s, key, ["limit", "max_new_tokens"], low=0)
+        check_numbers(s, key, ["temperature", "pass_threshold"], low=0)
+        if s.temperature == 0 and s.n > 1:
+            raise ConfigError(f"{key}: n={s.n} with temperature=0 gives {s.n} equal greedy samples; set "
+                              f"{key}.temperature (e.g. 0.6) or n=1")
+        if not 0 < s.top_p <= 1:
+            raise ConfigError(f"{key}.top_p={s.top_p} must be in (0, 1]")
+        bad = [k for k in s.k if not 1 <= k <= s.n]
+        if bad:
+            raise ConfigError(f"{key}.k={s.k}: each k must be in 1..n={s.n}; raise n or drop {bad}")
+        try:
+            get_reward(s.metric)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{key}.metric={s.metric!r}: {_one_line(e)}") from None
 
 
 def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room: int) -> None:
@@ -438,6 +481,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_reward(cfg)
     check_trainer(cfg)
     check_paths(cfg)
+    check_data(cfg)
     return hf
 
 

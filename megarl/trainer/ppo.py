@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megarl.algos import AdaptiveKLController, FixedKLController
 from megarl.config import Config
 from megarl.config_checks import uses_critic, uses_ref
-from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
+from megarl.data.build import build_eval_sets, build_held_out, build_train_data
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
 from megarl.models.exporter import export_hf
@@ -89,12 +89,9 @@ class PPOTrainer:
     # -- setup ---------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, g = self.cfg, self.groups
-        self.train_set = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.train_path), self.tokenizer)
-        self.eval_set = None
-        if cfg.data.eval_path:
-            self.eval_set = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.eval_path), self.tokenizer)
-        self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size // g.dp_size, g.dp_rank, g.dp_size,
-                                     seed=cfg.data.seed)
+        self.train_set, self.sampler = build_train_data(cfg.data, self.tokenizer, g.dp_rank, g.dp_size)
+        self.eval_set = build_held_out(cfg.data, self.tokenizer)
+        self.eval_sets = build_eval_sets(cfg.data, self.tokenizer)
 
     def _build_roles(self) -> None:
         """Actor, reference, critic, reward model and rollout engine, each with a progress line."""
