@@ -15,6 +15,7 @@ from megarl.config import LORA_TARGETS, REDIS_URL, Config
 from megarl.algos.advantages import get_advantage
 from megarl.algos.losses import get_policy_loss
 from megarl.data.tokenizer import check_tokenizer_dir, check_vocab_fits
+from megarl.models.hub import resolve_hub_models
 from megarl.rewards.registry import get_reward
 
 GROUP_ADVANTAGES = {"grpo", "rloo", "reinforce_pp_baseline"}
@@ -442,6 +443,7 @@ def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room
 
 def validate_sft(cfg: Config, world_size: int) -> dict:
     """Checks for launch/sft.py."""
+    resolve_hub_models(cfg)
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
@@ -464,7 +466,9 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
 
 
 def validate(cfg: Config, world_size: int) -> dict:
-    """Runs every check; returns the policy's HF config for the caller."""
+    """Runs every check; returns the policy's HF config for the caller. Hub ids in the model paths
+    become their local snapshot directories first (megarl/models/hub.py)."""
+    resolve_hub_models(cfg)
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
