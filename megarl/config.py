@@ -305,6 +305,7 @@ class TrainerConfig:
     eval_every: int = opt(0, "held-out evaluation every N steps; 0: before and after only")
     eval_samples: int = opt(0, "held-out prompts evaluated; 0: all")
     export_hf: bool = opt(True, "write the final actor as a Hugging Face directory")
+    export_every: int = opt(0, "also write the actor as a Hugging Face directory RUN_DIR/exports/step_N every N steps (LoRA merged); 0: never")
     tensorboard: bool = opt(True, "write TensorBoard events")
     monitor_interval_s: float = opt(2.0, "resource monitor: seconds between CPU/RAM/GPU samples, logged per step as resources/*; 0 disables")
     dump_rollouts: Optional[str] = opt(None, "write each step's rollout batch to this directory")

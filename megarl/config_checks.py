@@ -280,6 +280,7 @@ def check_trainer(cfg: Config) -> None:
     t = cfg.trainer
     check_counts(t, "trainer", ["steps", "keep_last"])
     check_counts(t, "trainer", ["save_every", "eval_every", "eval_samples", "max_bad_updates"], low=0)
+    check_counts(t, "trainer", ["export_every"], low=0)
     check_numbers(t, "trainer", ["monitor_interval_s"], low=0)
     check_numbers(t, "trainer", ["collective_timeout_s"], low=0, strict=True)
     if 0 < t.monitor_interval_s < 0.1:

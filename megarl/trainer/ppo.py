@@ -29,7 +29,7 @@ from megarl.roles.build import build_actor, build_critic, build_reference, build
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.factory import build_engine
 from megarl.trainer import phases
-from megarl.trainer.checkpoint import Checkpointer
+from megarl.trainer.checkpoint import Checkpointer, checkpoint_build_meta
 from megarl.trainer.resume import Layout, rewind_metrics
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
@@ -70,7 +70,8 @@ class PPOTrainer:
         self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir)
         self.kl_ctl = _kl_controller(cfg)
         self.checkpointer = Checkpointer(cfg.trainer.run_dir, cfg.trainer.keep_last,
-                                         Layout.of(g, cfg.parallel.distributed_optimizer), cfg.trainer.seed)
+                                         Layout.of(g, cfg.parallel.distributed_optimizer), cfg.trainer.seed,
+                                         build=checkpoint_build_meta(cfg))
         if self.rank0 and cfg.trainer.resume:  # rows a killed run logged after its last checkpoint
             rewind_metrics(cfg.trainer.run_dir, self.checkpointer.latest_step())
         self.writer = MetricsWriter(cfg.trainer.run_dir, self.rank0, cfg.trainer.tensorboard, cfg.trainer.wandb,
@@ -217,6 +218,8 @@ class PPOTrainer:
         last = self.step == t.steps and t.save_last
         if not t.rollout_only and (last or (t.save_every and self.step % t.save_every == 0)):
             self.save()
+        if not t.rollout_only and t.export_every and self.step % t.export_every == 0:
+            self.export(os.path.join(t.run_dir, "exports", f"step_{self.step:06d}"))
         return metrics
 
     def finish(self, accuracy_before: float | None) -> None:
@@ -234,12 +237,13 @@ class PPOTrainer:
     def export_path(self) -> str:
         return os.path.join(self.cfg.trainer.run_dir, "hf")
 
-    def export(self) -> None:
-        """The actor as a Hugging Face directory ``RUN_DIR/hf``, with a progress line and an event.
+    def export(self, out: str | None = None) -> None:
+        """The actor as a Hugging Face directory (``out``, default ``RUN_DIR/hf``), with a progress
+        line and an event.
 
-        Written to ``hf.partial`` and renamed when complete, so a kill mid-export never leaves a
+        Written to ``<out>.partial`` and renamed when complete, so a kill mid-export never leaves a
         half-written ``hf`` (a restart of the finished run exports again)."""
-        out = self.export_path()
+        out = out or self.export_path()
         partial = out + ".partial"
         if self.rank0 and os.path.exists(partial):
             shutil.rmtree(partial)
