@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from megarl.cli import main_guard
+from megarl.monitor.curves import eval_set_keys
 from megarl.monitor.run_files import RunDirError, read_events, read_metrics, series
 
 
@@ -80,6 +81,16 @@ def eval_rows(rows, limit: int = 8) -> str | None:
     return ", ".join(cells) or None
 
 
+def eval_sets_line(rows) -> str | None:
+    """'gsm8k pass@1 0.41 -> 0.52, gsm8k mean@4 0.40 -> 0.49' (first -> last logged value)."""
+    cells = []
+    for key in eval_set_keys(rows):
+        steps, values = series(rows, key)
+        cells.append(f"{key[5:].replace('/', ' ')} {values[0]:.3f} (step {steps[0]}) -> {values[-1]:.3f} "
+                     f"(step {steps[-1]})")
+    return ", ".join(cells) or None
+
+
 def throughput(run: RunFiles) -> str | None:
     """Median tokens/s per GPU over the steps (the first, warm-up, left out when there are more)."""
     _, per_gpu = series(run.rows, "perf/tokens_per_s_per_gpu")
@@ -136,6 +147,7 @@ def summary_rows(run: RunFiles) -> list[tuple[str, str]]:
         ("reward (score/mean)", first_last_extreme(run.rows, "score/mean")),
         ("accuracy (eval)", first_last_extreme(run.rows, "eval/accuracy")),
         ("eval rows", eval_rows(run.rows)),
+        ("eval sets", eval_sets_line(run.rows)),
         ("KL (kl/mean)", first_last_extreme(run.rows, "kl/mean", "max")),
         ("entropy", first_last_extreme(run.rows, "policy/entropy", "min", min)),
         ("throughput", throughput(run)),

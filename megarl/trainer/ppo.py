@@ -32,6 +32,7 @@ from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer, checkpoint_build_meta
 from megarl.trainer.resume import Layout, rewind_metrics
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
+from megarl.trainer.eval_sets import describe as describe_eval, evaluate_set
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
@@ -198,6 +199,9 @@ class PPOTrainer:
             self.metrics.update(self.engine.update_weights())
 
     def evaluate(self) -> float | None:
+        """The named eval sets (written as eval/<name>/... at this step), then the held-out
+        accuracy, which is returned (None without data.eval_path)."""
+        self.evaluate_sets()
         if self.eval_set is None:
             return None
         count, start = eval_count(len(self.eval_set), self.cfg.trainer.eval_samples), time.perf_counter()
@@ -206,6 +210,19 @@ class PPOTrainer:
                                 self.cfg.rollout.max_new_tokens, self.cfg.trainer.eval_samples)
         note(f"held-out accuracy {acc:.3f} on {count} prompts ({time.perf_counter() - start:.1f} s)", self.rank0)
         return acc
+
+    def evaluate_sets(self) -> dict[str, float]:
+        """data.eval_sets: n samples per prompt, pass@k and mean@n (megarl/trainer/eval_sets.py)."""
+        out: dict[str, float] = {}
+        for spec in self.cfg.data.eval_sets:
+            start = time.perf_counter()
+            metrics = evaluate_set(self.engine, self.eval_sets[spec.name], self.tokenizer, self.groups, spec,
+                                   self.cfg.rollout.max_new_tokens, self.cfg.rollout.seed,
+                                   tuple(self.cfg.rollout.stop_token_ids))
+            self.writer.write(self.step, metrics)
+            note(f"eval {describe_eval(spec, metrics)} ({time.perf_counter() - start:.1f} s)", self.rank0)
+            out.update(metrics)
+        return out
 
     def log_and_save(self, rollout: Rollout) -> dict[str, float]:
         self.step += 1
