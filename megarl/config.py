@@ -236,6 +236,9 @@ class DataSource:
     weight: float = opt(1.0, "share of the training samples drawn from this set (the weights are normalized)")
     split: str = opt("train", "split of a saved DatasetDict or a hub dataset")
     subset: Optional[str] = opt(None, "configuration name of a hub dataset (e.g. main for openai/gsm8k)")
+    prompt_key: Optional[str] = opt(None, "this set's prompt column; default data.prompt_key")
+    answer_key: Optional[str] = opt(None, "this set's ground-truth column; default data.answer_key")
+    row_map: Optional[str] = opt(None, "this set's module:function row map; default data.row_map")
 
 
 @dataclass
@@ -246,6 +249,9 @@ class EvalSet:
     path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
     split: str = opt("test", "split of a saved DatasetDict or a hub dataset")
     subset: Optional[str] = opt(None, "configuration name of a hub dataset")
+    prompt_key: Optional[str] = opt(None, "this set's prompt column; default data.prompt_key")
+    answer_key: Optional[str] = opt(None, "this set's ground-truth column; default data.answer_key")
+    row_map: Optional[str] = opt(None, "this set's module:function row map; default data.row_map")
     n: int = opt(1, "samples per prompt")
     temperature: float = opt(0.0, "sampling temperature; 0: greedy (then n must be 1)")
     top_p: float = opt(1.0, "nucleus sampling mass")

@@ -14,6 +14,7 @@ from megarl.errors import ConfigError
 from megarl.config import LORA_TARGETS, REDIS_URL, Config
 from megarl.algos.advantages import get_advantage
 from megarl.algos.losses import get_policy_loss
+from megarl.algos.registry import load_dotted
 from megarl.data.tokenizer import check_tokenizer_dir, check_vocab_fits
 from megarl.models.hub import resolve_hub_models
 from megarl.rewards.registry import get_reward
@@ -400,6 +401,14 @@ def data_source_found(path: str) -> bool:
 def check_data(cfg: Config) -> None:
     """data.train_mix and data.eval_sets entries: paths, weights, names, samples, pass@k, metric."""
     d = cfg.data
+    maps = [("data.row_map", d.row_map)] + [(f"data.train_mix[{i}].row_map", s.row_map)
+                                            for i, s in enumerate(d.train_mix)]
+    for key, path in maps + [(f"data.eval_sets[{i}].row_map", s.row_map) for i, s in enumerate(d.eval_sets)]:
+        if path:
+            try:
+                load_dotted(path)  # imports module:function the way the loader will
+            except ValueError as e:
+                raise ConfigError(f"{key}={path!r}: {_one_line(e)}") from None
     for i, s in enumerate(d.train_mix):
         if not data_source_found(s.path):
             raise ConfigError(f"data.train_mix[{i}].path: '{s.path}' not found")

@@ -152,3 +152,13 @@ def test_two_eval_sets_with_one_name_is_an_error():
     cfg = build(Config, {"data": {"eval_sets": [{"name": "a", "path": path}, {"name": "a", "path": path}]}})
     with pytest.raises(ConfigError, match=r"data.eval_sets\[1\].name='a'"):
         check_data(cfg)
+
+
+def test_a_row_map_that_does_not_import_is_a_config_error():
+    from megarl.cli import build
+    from megarl.config_checks import check_data
+    from megarl.errors import ConfigError
+
+    cfg = build(Config, {"data": {"train_mix": [{"path": "yaml/tiny.yaml", "row_map": "no_such_mod:f"}]}})
+    with pytest.raises(ConfigError, match=r"data.train_mix\[0\].row_map='no_such_mod:f': cannot import module"):
+        check_data(cfg)

@@ -22,7 +22,7 @@ def build_train_data(data: Any, tokenizer: Any, dp_rank: int, dp_size: int):
         cfg = PromptDataConfig.from_section(data, data.train_path, data.train_split, data.subset)
         dataset = load_prompt_dataset(cfg, tokenizer)
         return dataset, PromptSampler(len(dataset), per_rank, dp_rank, dp_size, seed=data.seed)
-    parts = [PromptDataConfig.from_section(data, s.path, s.split, s.subset) for s in data.train_mix]
+    parts = [PromptDataConfig.from_section(data, s.path, s.split, s.subset, s) for s in data.train_mix]
     dataset, sizes = load_mixture(parts, tokenizer)
     weights = [s.weight for s in data.train_mix]
     return dataset, MixtureSampler(sizes, weights, per_rank, dp_rank, dp_size, seed=data.seed)
@@ -38,5 +38,5 @@ def build_held_out(data: Any, tokenizer: Any) -> PromptDataset | None:
 
 def build_eval_sets(data: Any, tokenizer: Any) -> dict[str, PromptDataset]:
     """Each of ``data.eval_sets`` by name, in the order given."""
-    return {s.name: load_prompt_dataset(PromptDataConfig.from_section(data, s.path, s.split, s.subset), tokenizer)
+    return {s.name: load_prompt_dataset(PromptDataConfig.from_section(data, s.path, s.split, s.subset, s), tokenizer)
             for s in data.eval_sets}

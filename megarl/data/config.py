@@ -30,10 +30,14 @@ class PromptDataConfig:
 
     @classmethod
     def from_section(cls, data: Any, path: str, split: str | None = None,
-                     subset: str | None = None) -> "PromptDataConfig":
-        """Options for one source from the run config's `data` section (megarl.config.DataConfig)."""
-        columns = Columns(getattr(data, "prompt_key", "prompt"), getattr(data, "answer_key", "answer"),
-                          getattr(data, "row_map", ""))
+                     subset: str | None = None, entry: Any = None) -> "PromptDataConfig":
+        """Options for one source from the run config's `data` section (megarl.config.DataConfig);
+        ``entry`` (a data.train_mix / data.eval_sets entry) may name its own columns."""
+        def pick(key: str, default: str) -> str:
+            own = getattr(entry, key, None)
+            return own if own is not None else getattr(data, key, default)
+
+        columns = Columns(pick("prompt_key", "prompt"), pick("answer_key", "answer"), pick("row_map", ""))
         return cls(paths=[path], max_prompt_len=data.max_prompt_len,
                    apply_chat_template=data.apply_chat_template,
                    skip_malformed=data.skip_malformed,
