@@ -191,3 +191,9 @@ def test_old_training_checkpoint_without_meta_is_one_line(lora_run, tmp_path):
     assert done.stderr.strip() == (f"convert.py: error: '{step / 'actor'}' has no megarl_model.json (saved by an "
                                    "older megarl); pass --hf-config-from with the run's model.path to describe "
                                    "the model")
+    tiny = os.path.join(ROOT, "megarl", "assets", "tiny", "sft")
+    done = convert("mcore-to-hf", "--ckpt", str(step), "--out", str(tmp_path / "x"), "--hf-config-from", tiny)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"convert.py: error: '{step / 'actor'}' holds LoRA adapters but no "
+                                   "megarl_model.json (saved by an older megarl), so their rank and scale are "
+                                   "unknown; evaluate or export it with the megarl that saved it")

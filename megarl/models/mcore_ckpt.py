@@ -118,6 +118,9 @@ def load_training_meta(role_dir: str, hf_config_from: Optional[str] = None) -> d
                                "with the run's model.path to describe the model")
     from megarl.models.hf_config import load_config_json
 
+    if _has_lora(role_dir):
+        raise ModelConfigError(f"{role_dir!r} holds LoRA adapters but no {META} (saved by an older megarl), so "
+                               "their rank and scale are unknown; evaluate or export it with the megarl that saved it")
     return {"arch": None, "value_head": False, "hf_config": load_config_json(hf_config_from),
             "source": hf_config_from, "params_dtype": "fp32", "lora": None}
 
@@ -129,3 +132,14 @@ def load_training_model(model: "nn.Module", role_dir: str) -> None:
 
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, role_dir)
     model.load_state_dict(loaded["model"], strict=True)
+
+
+def _has_lora(role_dir: str) -> bool:
+    """Whether the distributed checkpoint in ``role_dir`` holds LoRA adapter tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(role_dir).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable metadata: the load that follows says why
+        return False
+    return any(".lora_a" in k or ".lora_b" in k for k in keys)
