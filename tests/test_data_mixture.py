@@ -68,6 +68,8 @@ def test_resume_continues_exactly_and_checks_the_sets():
         MixtureSampler(sizes, [0.5, 0.5], batch_size=4, seed=7).load_state_dict(state)
     with pytest.raises(DataError, match="the checkpoint's data position is of one training set"):
         b.load_state_dict(PromptSampler(13, 4).state_dict())
+    with pytest.raises(DataError, match=r"the checkpoint's data position is of several training sets \(data.train_mix\)"):
+        PromptSampler(13, 4).load_state_dict(state)
 
 
 def test_bad_weights_are_one_line():
