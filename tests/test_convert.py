@@ -197,3 +197,13 @@ def test_old_training_checkpoint_without_meta_is_one_line(lora_run, tmp_path):
     assert done.stderr.strip() == (f"convert.py: error: '{step / 'actor'}' holds LoRA adapters but no "
                                    "megarl_model.json (saved by an older megarl), so their rank and scale are "
                                    "unknown; evaluate or export it with the megarl that saved it")
+
+
+def test_meta_of_an_old_checkpoint_comes_from_hf_config_from(tmp_path):
+    from megarl.models.hf_config import ModelInfo, read_hf_config
+    from megarl.models.mcore_ckpt import load_training_meta
+
+    tiny = os.path.join(ROOT, "megarl", "assets", "tiny", "sft")
+    meta = load_training_meta(str(tmp_path), tiny)
+    assert meta["lora"] is None and meta["source"] == tiny and meta["params_dtype"] == "fp32"
+    assert ModelInfo.from_json(meta) == read_hf_config(tiny)
