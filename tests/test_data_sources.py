@@ -132,3 +132,25 @@ def test_missing_local_paths(path, message):
 def test_plain_directory_is_not_a_dataset(tmp_path):
     with pytest.raises(DataError, match="a directory but not a saved dataset"):
         source_kind(str(tmp_path))
+
+
+def test_reward_module_beside_the_yaml_imports_from_another_directory(tmp_path):
+    """A fresh interpreter started in the checkout (not in the yaml's directory, no PYTHONPATH entry for
+    it) loads a yaml whose reward term lives beside it; config checks import it as every rank does."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "my_reward_beside.py").write_text(
+        "def score(prompt, response, ground_truth, extra, bonus=0.0):\n    return len(response) + bonus\n")
+    (conf / "run.yaml").write_text("reward:\n  terms:\n    - {name: 'my_reward_beside:score', kwargs: {bonus: 0.5}}\n")
+    code = ("import sys\nfrom megarl.cli import load_config\nfrom megarl.config import Config\n"
+            "from megarl.config_checks import check_reward\nfrom megarl.rewards import get_reward\n"
+            f"cfg = load_config([{str(conf / 'run.yaml')!r}], Config)\ncheck_reward(cfg)\n"
+            "print(get_reward(cfg.reward.terms[0].name)('p', 'abc', None, {}, **cfg.reward.terms[0].kwargs))\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{root}:{root / 'kernels'}"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "3.5"
