@@ -29,7 +29,7 @@ def opt(default: Any, doc: str):
 class ModelConfig:
     """The policy model (actor, and reference unless ref.path is set)."""
 
-    path: str = opt(f"{ASSETS}/sft", "Hugging Face model directory (config.json + safetensors)")
+    path: str = opt(f"{ASSETS}/sft", "Hugging Face model directory (config.json + safetensors) or hub id (org/name[@revision]), fetched into the HF cache")
     tokenizer: Optional[str] = opt(None, "tokenizer directory; default: model.path")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype")
     attention_backend: Literal["sdpa", "local"] = opt("sdpa", "core attention: PyTorch SDPA or megatron's unfused softmax")
@@ -272,8 +272,8 @@ class DataConfig:
     train_split: str = opt("train", "split of train_path when it is a saved DatasetDict or a hub dataset")
     eval_split: str = opt("test", "split of eval_path when it is a saved DatasetDict or a hub dataset")
     subset: Optional[str] = opt(None, "configuration name of a hub dataset in train_path / eval_path (e.g. main)")
-    train_mix: list[DataSource] = opt([], "several training sets, each with a path and a mixing weight; when set, train_path is not read")
-    eval_sets: list[EvalSet] = opt([], "named evaluation sets, each with its samples per prompt, temperature, pass@k and metric")
+    train_mix: list[DataSource] = opt([], "several training sets mixed by weight, each {path, weight, split, subset, prompt_key, answer_key, row_map}; when set, train_path is not read")
+    eval_sets: list[EvalSet] = opt([], "named evaluation sets, each {name, path, split, subset, prompt_key, answer_key, row_map, n, temperature, top_p, k, metric, metric_kwargs, pass_threshold, limit, max_new_tokens}: eval/<name>/pass@k, mean@n")
     prompt_key: str = opt("prompt", "column holding the prompt text (or chat messages), e.g. question (GSM8K) or problem (MATH)")
     answer_key: str = opt("answer", "column holding the ground truth, e.g. answer (GSM8K, '#### 42') or solution (MATH, \\boxed{})")
     row_map: str = opt("", "module:function(row: dict) -> dict with prompt (or messages), answer and other fields; replaces prompt_key / answer_key")
