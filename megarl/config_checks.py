@@ -422,6 +422,10 @@ def check_data(cfg: Config) -> None:
             raise ConfigError(f"{key}.path: '{s.path}' not found")
         check_counts(s, key, ["n"])
         check_counts(s, key, ["limit", "max_new_tokens"], low=0)
+        if s.max_new_tokens > cfg.rollout.max_new_tokens:
+            raise ConfigError(f"{key}.max_new_tokens={s.max_new_tokens} exceeds rollout.max_new_tokens="
+                              f"{cfg.rollout.max_new_tokens}, which sizes the model's sequences; raise "
+                              "rollout.max_new_tokens or lower the eval set's")
         check_numbers(s, key, ["temperature", "pass_threshold"], low=0)
         if s.temperature == 0 and s.n > 1:
             raise ConfigError(f"{key}: n={s.n} with temperature=0 gives {s.n} equal greedy samples; set "

@@ -104,7 +104,9 @@ def test_saved_dataset_and_dataset_dict(tmp_path, tok):
                           "test": datasets.Dataset.from_list(MATH[:1])}).save_to_disk(str(both))
     cols = Columns(prompt_key="problem", answer_key="solution")
     assert len(load(both, tok, split="train", columns=cols)) == 2
-    assert [it.prompt_text for it in load(both, tok, split="test", columns=cols).items] == [MATH[0]["problem"]]
+    test = load(both, tok, split="test", columns=cols)
+    assert [it.prompt_text for it in test.items] == [MATH[0]["problem"]] and test[0].source == f"{both}[test]:row 0"
+    assert load(single, tok, split="train", columns=Columns(prompt_key="question"))[0].source == f"{single}:row 0"
     with pytest.raises(DataError, match=r"the saved dataset has splits \['test', 'train'\], not 'validation'"):
         load(both, tok, split="validation", columns=cols)
 

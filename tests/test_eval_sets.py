@@ -127,6 +127,7 @@ def test_two_dp_ranks_give_the_one_rank_metrics():
     ({"name": "a", "n": 4, "temperature": 1.0, "k": [8]}, r"data.eval_sets\[0\].k=\[8\]: each k must be in 1..n=4"),
     ({"name": "a", "metric": "nope"}, r"data.eval_sets\[0\].metric='nope': unknown reward function"),
     ({"name": "a/b"}, r"data.eval_sets\[0\].name='a/b': give each eval set its own name"),
+    ({"name": "a", "max_new_tokens": 17}, r"data.eval_sets\[0\].max_new_tokens=17 exceeds rollout.max_new_tokens=16"),
     ({"name": "a", "path": "missing.jsonl"}, r"data.eval_sets\[0\].path: 'missing.jsonl' not found"),
 ])
 def test_eval_set_config_errors(entry, message):

@@ -67,9 +67,9 @@ def iter_source(path: str, split: str | None = None, subset: str | None = None) 
     if kind == "file":
         yield from iter_records(path)
         return
-    table = _load_saved(path, split) if kind == "saved" else _load_hub(path, split, subset)
+    table, used = _load_saved(path, split) if kind == "saved" else (_load_hub(path, split, subset), split or "train")
     for i, rec in enumerate(table):
-        yield f"{path}[{split}]:row {i}" if kind == "hub" or split else f"{path}:row {i}", rec
+        yield f"{path}[{used}]:row {i}" if used else f"{path}:row {i}", rec
 
 
 def _datasets():
@@ -81,14 +81,15 @@ def _datasets():
 
 
 def _load_saved(path: str, split: str | None):
+    """(rows, the split read or None for a plain Dataset)."""
     datasets = _datasets()
     loaded = datasets.load_from_disk(path)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DataError(f"{path}: the saved dataset has splits {sorted(loaded)}, not {split!r}; "
                             f"set the split (data.train_split / data.eval_split / split: of the entry)")
-        return loaded[split]
-    return loaded
+        return loaded[split], split
+    return loaded, None
 
 
 def _load_hub(name: str, split: str | None, subset: str | None):
