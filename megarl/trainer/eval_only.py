@@ -11,13 +11,11 @@ checkpoint; the optimizer, the critic and the trainer state are not read.
 """
 from __future__ import annotations
 
-import time
-
 from megarl.config import Config
 from megarl.data.build import build_eval_sets, build_held_out
 from megarl.errors import CheckpointError
 from megarl.monitor.progress import note
-from megarl.trainer.eval_sets import describe, evaluate_set
+from megarl.trainer.eval_sets import evaluate_named_sets
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
 
 
@@ -58,14 +56,7 @@ def _checkpoint_lora(role_dir: str, cfg: Config) -> dict | None:
 
 def evaluate_all(cfg: Config, engine, tokenizer, groups, say: bool) -> dict[str, float]:
     """data.eval_sets and data.eval_path (eval/accuracy), each with a console line on rank 0."""
-    out: dict[str, float] = {}
-    sets = build_eval_sets(cfg.data, tokenizer)
-    for spec in cfg.data.eval_sets:
-        start = time.perf_counter()
-        metrics = evaluate_set(engine, sets[spec.name], tokenizer, groups, spec, cfg.rollout.max_new_tokens,
-                               cfg.rollout.seed, tuple(cfg.rollout.stop_token_ids))
-        note(f"eval {describe(spec, metrics)} ({time.perf_counter() - start:.1f} s)", say)
-        out.update(metrics)
+    out = evaluate_named_sets(cfg, engine, build_eval_sets(cfg.data, tokenizer), tokenizer, groups, say)
     held_out = build_held_out(cfg.data, tokenizer)
     if held_out is not None:
         count = eval_count(len(held_out), cfg.trainer.eval_samples)

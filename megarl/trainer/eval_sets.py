@@ -18,11 +18,13 @@ with i the prompt's index in the set, so results do not depend on the DP size.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from megarl.monitor.progress import note
 from megarl.rollout.engine import Request, SamplingParams, mix_seed
 from megarl.trainer.evaluate import eval_indices
 
@@ -99,3 +101,16 @@ def describe(spec, metrics: dict[str, Any]) -> str:
     failed = int(metrics.get(f"eval/{spec.name}/failed", 0))
     return (f"{spec.name} ({int(metrics[f'eval/{spec.name}/prompts'])} prompts x {spec.n}): {values}"
             + (f"  ({failed} samples failed to score)" if failed else ""))
+
+
+def evaluate_named_sets(cfg, engine, sets: dict, tokenizer, groups, say: bool) -> dict[str, float]:
+    """Every ``cfg.data.eval_sets`` entry on its dataset in ``sets`` (by name), with the run's
+    rollout limits and seed; one console line per set on rank 0 (``say``)."""
+    out: dict[str, float] = {}
+    for spec in cfg.data.eval_sets:
+        start = time.perf_counter()
+        metrics = evaluate_set(engine, sets[spec.name], tokenizer, groups, spec, cfg.rollout.max_new_tokens,
+                               cfg.rollout.seed, tuple(cfg.rollout.stop_token_ids))
+        note(f"eval {describe(spec, metrics)} ({time.perf_counter() - start:.1f} s)", say)
+        out.update(metrics)
+    return out

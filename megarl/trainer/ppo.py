@@ -32,7 +32,7 @@ from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer, checkpoint_build_meta
 from megarl.trainer.resume import Layout, rewind_metrics
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
-from megarl.trainer.eval_sets import describe as describe_eval, evaluate_set
+from megarl.trainer.eval_sets import evaluate_named_sets
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
@@ -213,16 +213,10 @@ class PPOTrainer:
 
     def evaluate_sets(self) -> dict[str, float]:
         """data.eval_sets: n samples per prompt, pass@k and mean@n (megarl/trainer/eval_sets.py)."""
-        out: dict[str, float] = {}
-        for spec in self.cfg.data.eval_sets:
-            start = time.perf_counter()
-            metrics = evaluate_set(self.engine, self.eval_sets[spec.name], self.tokenizer, self.groups, spec,
-                                   self.cfg.rollout.max_new_tokens, self.cfg.rollout.seed,
-                                   tuple(self.cfg.rollout.stop_token_ids))
+        metrics = evaluate_named_sets(self.cfg, self.engine, self.eval_sets, self.tokenizer, self.groups, self.rank0)
+        if metrics:
             self.writer.write(self.step, metrics)
-            note(f"eval {describe_eval(spec, metrics)} ({time.perf_counter() - start:.1f} s)", self.rank0)
-            out.update(metrics)
-        return out
+        return metrics
 
     def log_and_save(self, rollout: Rollout) -> dict[str, float]:
         self.step += 1
