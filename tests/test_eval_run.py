@@ -3,10 +3,10 @@
 A two-step LoRA PPO run on the tiny task with one named eval set (16 prompts x 4
 samples at temperature 1, every step) logs eval/tiny/pass@1, pass@4 and mean@4
 at steps 0, 1, 2. launch/eval.py then evaluates the run's newest checkpoint
-(the actor rebuilt with its adapters) and must log exactly the values the run
-logged after its last step: a response depends only on its seed and the
-weights. The run's HF export (adapters merged into W, rounded once) must agree
-within one sample. One process; the CLI paths of megarl.report and curves.png
+(the actor rebuilt with its adapters) on two DP ranks and must log exactly the
+values the one-process run logged after its last step: a response depends only
+on its seed and the weights, and the seeds follow the prompt. The run's HF export (adapters merged into W, rounded once) must agree
+within one sample. The CLI paths of megarl.report and curves.png
 are read from the same run.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from dist_helpers import free_port
 from megarl.monitor.curves import panels_present
 from megarl.monitor.run_files import read_metrics
 
@@ -28,8 +29,10 @@ COMMON = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2", "dat
           f"data.eval_sets={EVAL_SET}", "trainer.eval_samples=16"]
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, os.path.join("launch", script), "yaml/tiny.yaml", *COMMON, *args],
+def run(script: str, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                str(free_port())] if nproc > 1 else []
+    done = subprocess.run([sys.executable, *launcher, os.path.join("launch", script), "yaml/tiny.yaml", *COMMON, *args],
                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -65,7 +68,8 @@ def test_eval_py_on_the_checkpoint_gives_the_runs_last_values(trained, tmp_path)
     run_dir, _ = trained
     rows = read_metrics(str(run_dir / "metrics.jsonl"))
     out = tmp_path / "ckpt.json"
-    done = run("eval.py", "--checkpoint", str(run_dir), "--out", str(out), f"trainer.run_dir={tmp_path / 'x'}")
+    done = run("eval.py", "--checkpoint", str(run_dir), "--out", str(out), f"trainer.run_dir={tmp_path / 'x'}",
+               nproc=2)  # two DP ranks: each evaluates half the prompts, seeds follow the prompt
     got = json.loads(out.read_text())
     assert set(got) == {"eval/tiny/pass@1", "eval/tiny/pass@4", "eval/tiny/mean@4", "eval/tiny/prompts",
                         "eval/tiny/failed", "eval/accuracy"}
