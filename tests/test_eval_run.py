@@ -5,9 +5,9 @@ samples at temperature 1, every step) logs eval/tiny/pass@1, pass@4 and mean@4
 at steps 0, 1, 2. launch/eval.py then evaluates the run's newest checkpoint
 (the actor rebuilt with its adapters) on two DP ranks and must log exactly the
 values the one-process run logged after its last step: a response depends only
-on its seed and the weights, and the seeds follow the prompt. The run's HF export (adapters merged into W, rounded once) must agree
-within one sample. The CLI paths of megarl.report and curves.png
-are read from the same run.
+on its seed and the weights, and the seeds follow the prompt. The run's HF
+export (adapters merged into W, rounded once) must agree within one sample.
+megarl.report and curves.png are read from the same run.
 """
 from __future__ import annotations
 
