@@ -40,6 +40,7 @@ setup(
         "redis>=5",  # client for reward.cache=redis (pure Python)
         "datasets",  # prompt sets from save_to_disk directories and hub names (megarl/data/sources.py)
     ],
+    entry_points={"console_scripts": ["megarl = megarl.launcher:main"]},  # megarl train CONFIG.yaml --nproc N
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "sglang": ["sglang==0.5.23"],  # the release megarl/rollout/sglang.py is written against

@@ -99,3 +99,20 @@ def test_build_train_data_concatenates_the_mix(tmp_path):
     cfg.train_path = str(a)
     ds, sampler = build_train_data(cfg, tok, 0, 1)
     assert isinstance(sampler, PromptSampler) and len(ds) == 4
+
+
+def test_yaml_relative_paths_of_mix_and_eval_entries(tmp_path, monkeypatch):
+    """An entry's relative path is read beside the yaml when the working directory lacks it (as
+    data.train_path is); a hub name stays as written."""
+    from megarl.cli import load_config
+
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "a.jsonl").write_text('{"prompt": "x"}\n')
+    (project / "run.yaml").write_text(
+        "data:\n  train_mix:\n    - {path: data/a.jsonl, weight: 2}\n    - {path: openai/gsm8k, subset: main}\n"
+        "  eval_sets:\n    - {name: a, path: data/a.jsonl}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["project/run.yaml"], Config)
+    assert [s.path for s in cfg.data.train_mix] == ["project/data/a.jsonl", "openai/gsm8k"]
+    assert cfg.data.train_mix[0].weight == 2.0 and cfg.data.eval_sets[0].path == "project/data/a.jsonl"

@@ -11,9 +11,12 @@ from megarl_kernels.dispatch import BACKENDS, HAS_TRITON, choose, interpret_mode
 from megarl_kernels.fc1_swiglu import fc1_silu_mul, fc1_silu_mul_ref
 from megarl_kernels.feed_tokens import feed_tokens, feed_tokens_ref
 from megarl_kernels.gae import gae, gae_ref, gae_torch
+from megarl_kernels.fused_moe import fused_moe, fused_moe_local, fused_moe_ref, fused_moe_torch
 from megarl_kernels.host_copy import copy_words, copy_words_ref
 from megarl_kernels.group_advantage import group_advantage, group_advantage_ref, group_advantage_torch
 from megarl_kernels.logprob import logprob_entropy, logprob_entropy_ref
+from megarl_kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
+from megarl_kernels.moe_routing import ROUTING_KINDS, moe_route, moe_route_ref, moe_route_replay
 from megarl_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -59,4 +62,6 @@ __all__ = [
     "fc1_split", "fc1_merge", "fc1_split_ref", "fc1_merge_ref",
     "split_interleaved", "merge_interleaved", "split_interleaved_ref", "merge_interleaved_ref",
     "padded_vocab_size", "pad_vocab", "unpad_vocab", "tp_split", "tp_concat",
+    "fused_moe", "fused_moe_local", "fused_moe_ref", "fused_moe_torch",
+    "MoeAlignment", "moe_align", "moe_align_ref", "ROUTING_KINDS", "moe_route", "moe_route_ref", "moe_route_replay",
 ]
