@@ -80,11 +80,10 @@ class PrefillGraphs:
         return (len(plan.input_ids) <= MAX_TOKENS and max(len(plan.seqs), len(plan.sampled)) <= self.max_rows
                 and plan.block_table.shape[1] <= self.max_pages)
 
-    def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and log-probs (S,) of a prefill step, through its bucket's graph (any PP)."""
+    def run_between_stages(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and log-probs (S,) of a prefill step under PP, on every stage: hidden states in from the
+        previous stage, the bucket's graph, hidden states out to the next, tokens from the last."""
         engine, n_tokens, n_sampled = self.engine, len(plan.input_ids), len(plan.sampled)
-        if engine.groups.pp_size == 1:
-            return self.launch(plan, rows).result()
         self._replay(plan, rows)
         engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n_tokens])
         if n_sampled == 0:  # a chunk that completes no prompt (as eager: nothing to share)
