@@ -18,6 +18,7 @@ request waits in the queue and is admitted like any refill.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from megarl.rollout.runners import StepOutput, StepRunner
@@ -33,10 +34,65 @@ class Feed(Protocol):
         """Hands out ``sched``'s finished sequences and queues new ones; ``idle``: nothing else runs."""
 
 
-def new_counters() -> dict:
-    return {"prefill": 0, "prefill_tokens": 0, "prefill_graph": 0, "decode": 0, "graph": 0, "ahead": 0,
-            "prefill_ahead": 0, "mixed": 0,
-            "prefill_s": 0.0, "sync_s": 0.0, "wait_s": 0.0, "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
+@dataclass
+class StepCounters:
+    """What one generate call's loop did: step counts, and wall seconds (run-dependent, unlike the counts)."""
+
+    prefill: int = 0
+    """prefill steps, mixed ones included"""
+    prefill_tokens: int = 0
+    """prompt tokens computed (those shared with a group's leader or found in the prefix cache are not)"""
+    mixed: int = 0
+    """prefill steps that also decoded a token of every running sequence"""
+    decode: int = 0
+    """decode steps"""
+    graph: int = 0
+    """decode steps replayed through a CUDA graph"""
+    prefill_graph: int = 0
+    """prefill steps replayed through a CUDA graph"""
+    ahead: int = 0
+    """decode steps launched before the pending step's tokens were read back"""
+    prefill_ahead: int = 0
+    """refills launched before the pending step's tokens were read back"""
+    prefill_s: float = 0.0
+    """seconds in prefill steps run synchronously (run and recorded at once)"""
+    sync_s: float = 0.0
+    """seconds in decode steps run synchronously"""
+    wait_s: float = 0.0
+    """seconds waiting for a pending step's tokens"""
+    plan_s: float = 0.0
+    """seconds in the scheduler's ``next_step``"""
+    launch_s: float = 0.0
+    """seconds launching steps ahead"""
+    loop_s: float = 0.0
+    """seconds of the whole loop"""
+
+    def count(self, plan: StepPlan, out: StepOutput) -> None:
+        """One step run (or launched)."""
+        if plan.decode:
+            self.decode += 1
+            self.graph += out.via_graph
+        else:
+            self.prefill += 1
+            self.prefill_tokens += len(plan.input_ids) - plan.decoding
+            self.mixed += plan.decoding > 0
+            self.prefill_graph += out.via_graph
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's ``rollout/`` counters and ``timing/rollout_*`` seconds of this call."""
+        return {
+            "rollout/prefill_steps": float(self.prefill), "rollout/decode_steps": float(self.decode),
+            "rollout/prefill_tokens": float(self.prefill_tokens),
+            "rollout/graph_steps": float(self.graph), "rollout/planned_ahead_steps": float(self.ahead),
+            "rollout/prefill_graph_steps": float(self.prefill_graph),
+            "rollout/planned_ahead_prefills": float(self.prefill_ahead),
+            "rollout/mixed_steps": float(self.mixed),
+            "timing/rollout_prefill": self.prefill_s, "timing/rollout_device_wait": self.wait_s,
+            "timing/rollout_loop": self.loop_s,
+            # host time of the steps launched ahead: planning, launching, recording
+            "timing/rollout_host": self.loop_s - self.wait_s - self.prefill_s - self.sync_s,
+            "timing/rollout_host_plan": self.plan_s, "timing/rollout_host_launch": self.launch_s,
+        }
 
 
 class StepLoop:
@@ -44,18 +100,18 @@ class StepLoop:
 
     def __init__(self, sched: Scheduler, runner: StepRunner, feed: Feed | None = None):
         self.sched, self.runner, self.feed = sched, runner, feed
-        self.steps = new_counters()
+        self.counters = StepCounters()
         self.pending: tuple[StepPlan, StepOutput] | None = None  # launched ahead, not yet recorded
 
-    def run(self) -> dict:
-        """Steps until every request is done; returns the counters."""
+    def run(self) -> StepCounters:
+        """Steps until every request is done; what they were."""
         start = clock()
         while self._turn():
             pass
         if self.pending is not None:
             self._record_pending()
-        self.steps["loop_s"] = clock() - start
-        return self.steps
+        self.counters.loop_s = clock() - start
+        return self.counters
 
     def _turn(self) -> bool:
         """Plans and runs (or launches) the next step; False when nothing is left."""
@@ -75,7 +131,7 @@ class StepLoop:
             return False
         start = clock()
         plan = sched.next_step()
-        self.steps["plan_s"] += clock() - start
+        self.counters.plan_s += clock() - start
         if self.runner.runs_ahead(plan):
             self._launch_ahead(plan)
         else:
@@ -86,20 +142,26 @@ class StepLoop:
         """Runs ``plan`` and records its tokens at once."""
         start = clock()
         out = self.runner.run(plan)
-        self._count(plan, out)
+        self.counters.count(plan, out)
         self.sched.commit(plan, *out.result())
-        self.steps["prefill_s" if not plan.decode else "sync_s"] += clock() - start
+        if plan.decode:
+            self.counters.sync_s += clock() - start
+        else:
+            self.counters.prefill_s += clock() - start
 
     def _launch_ahead(self, plan: StepPlan) -> None:
         """Launches ``plan``, advances it with its tokens left on the device, then records the step that
         was pending; ``plan`` is pending now."""
         start = clock()
         out = self.runner.run(plan)
-        self._count(plan, out)
-        self.steps["launch_s"] += clock() - start
+        self.counters.count(plan, out)
+        self.counters.launch_s += clock() - start
         self.sched.advance(plan, on_device=True, row_base=out.row_base)
         if self.pending is not None:
-            self.steps["ahead" if plan.decode else "prefill_ahead"] += 1
+            if plan.decode:
+                self.counters.ahead += 1
+            else:
+                self.counters.prefill_ahead += 1
             self._record_pending()
         self.pending = plan, out
 
@@ -107,15 +169,6 @@ class StepLoop:
         plan, out = self.pending
         start = clock()
         tokens, logprobs = out.result()
-        self.steps["wait_s"] += clock() - start
+        self.counters.wait_s += clock() - start
         self.sched.record(plan, tokens, logprobs)
         self.pending = None
-
-    def _count(self, plan: StepPlan, out: StepOutput) -> None:
-        s = self.steps
-        s["decode" if plan.decode else "prefill"] += 1
-        if not plan.decode:
-            s["prefill_tokens"] += len(plan.input_ids) - plan.decoding
-            s["mixed"] += plan.decoding > 0
-        if out.via_graph:
-            s["graph" if plan.decode else "prefill_graph"] += 1

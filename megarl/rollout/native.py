@@ -39,7 +39,7 @@ from megarl.errors import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
 from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
-from megarl.rollout.loop import StepLoop
+from megarl.rollout.loop import StepCounters, StepLoop
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
 from megarl.rollout.prefill_graphs import PrefillGraphs
 from megarl.rollout.runners import EagerRunner, GraphRunner, PipelineGraphRunner, SamplingRows, StepRunner
@@ -126,8 +126,8 @@ class NativeEngine:
         # no module.eval(): the engine reads the weights, never calls a module (a train/eval walk over
         # every module would cost host time per call)
         with torch.no_grad(), cpu_compat.paused():
-            steps = StepLoop(sched, runner, feed).run()
-        self._record(sched, steps)
+            counters = StepLoop(sched, runner, feed).run()
+        self._record(sched, counters)
         return sched
 
     def update_weights(self) -> dict:
@@ -293,26 +293,14 @@ class NativeEngine:
         return packed[0].astype(np.int64), packed[1].astype(np.float32)
 
     # -- results -------------------------------------------------------------
-    def _record(self, sched: Scheduler, steps: dict) -> None:
-        cache = self.cache
-        self.stats = {
-            "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
-            "rollout/prefill_tokens": float(steps["prefill_tokens"]),  # computed (shared or cached prefixes not)
-            "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
-            "rollout/prefill_graph_steps": float(steps["prefill_graph"]),
-            "rollout/planned_ahead_prefills": float(steps["prefill_ahead"]),  # refills launched before a
-            #                                                                   pending decode's tokens came back
-            "rollout/mixed_steps": float(steps["mixed"]),  # prefill steps that decoded the running sequences too
+    def _record(self, sched: Scheduler, counters: StepCounters) -> None:
+        """``stats``: this call's step counters and seconds, preemptions, prefix-cache hits, memory."""
+        self.stats = counters.metrics()
+        self.stats.update({
             "rollout/preemptions": float(sched.preemptions),
-            # wall seconds of this call (timing/: run-dependent, unlike the counters)
-            "timing/rollout_prefill": steps["prefill_s"], "timing/rollout_device_wait": steps["wait_s"],
-            "timing/rollout_loop": steps["loop_s"],
-            # host time of the planned-ahead decode steps: planning, launching, recording
-            "timing/rollout_host": steps["loop_s"] - steps["wait_s"] - steps["prefill_s"] - steps["sync_s"],
-            "timing/rollout_host_plan": steps["plan_s"], "timing/rollout_host_launch": steps["launch_s"],
             "rollout/prefix_cached_tokens": float(sched.reused_tokens),
-            "rollout/kv_cache_gb": cache.nbytes / 2**30,
-        }
+            "rollout/kv_cache_gb": self.cache.nbytes / 2**30,
+        })
         if self.device.type == "cuda":
             self.stats["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
 
