@@ -29,12 +29,13 @@ runner shares: the KV cache, the graphs and the stage's forward pieces
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.config import RolloutConfig
 from megarl.errors import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
 from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
@@ -46,19 +47,32 @@ from megarl.rollout.runners import EagerRunner, GraphRunner, PipelineGraphRunner
 from megarl.rollout.scheduler import Scheduler, Sequence
 from megarl.rollout.stage import ForwardBatch, StageForward
 
+
+def _rollout_default(key: str):
+    """``rollout.<key>``'s default, read from :class:`~megarl.config.RolloutConfig` (its one source)."""
+    return next(f.default for f in fields(RolloutConfig) if f.name == key)
+
+
 @dataclass(frozen=True)
 class EngineOptions:
-    """Sizes of the engine (from ``rollout.*``)."""
+    """Sizes of the engine: the ``rollout.*`` keys of the same names (documented there, defaults
+    read from there), and the longest sequence the graphs are sized for."""
 
-    max_batch: int = 256  # sequences decoding at once (CUDA-graph batch sizes go up to it)
-    page_size: int = 16
-    max_num_batched_tokens: int = 8192  # new tokens per prefill step
-    kv_cache_gb: float = 0.0  # KV budget; 0: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.5
-    cuda_graphs: bool = True
-    max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: model max
-    prefix_cache: bool = False  # keep full K/V pages across generate calls until the weights change
-    mixed_prefill: bool = True  # prefill steps also decode a token of every running sequence
+    max_batch: int = _rollout_default("max_batch")
+    page_size: int = _rollout_default("page_size")
+    max_num_batched_tokens: int = _rollout_default("max_num_batched_tokens")
+    kv_cache_gb: float = _rollout_default("kv_cache_gb")
+    kv_cache_fraction: float = _rollout_default("kv_cache_fraction")
+    cuda_graphs: bool = _rollout_default("cuda_graphs")
+    prefix_cache: bool = _rollout_default("prefix_cache")
+    mixed_prefill: bool = _rollout_default("mixed_prefill")
+    max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: the model's maximum
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, max_model_len: int = 0) -> "EngineOptions":
+        """The options a run's ``rollout`` section sets."""
+        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls) if f.name != "max_model_len"},
+                   max_model_len=max_model_len)
 
 
 class NativeEngine:
