@@ -73,3 +73,26 @@ def test_ragged_refills_are_mixed_and_every_token_is_made():
     refills = [p for p in plans if not p.decode][2:]  # after the first wave's two prefills
     assert refills and all(p.decoding > 0 and len(p.input_ids) <= GRAPH_TOKENS for p in refills)
     assert [s.generated for s in done] == [[(s.seed + k) % 50 + 10 for k in range(n)] for s, n in zip(done, limits)]
+
+
+def test_counters_count_every_step_once_under_the_engine_metric_names():
+    """Ragged refills: each launched step is counted once by kind (every fake step is a graph step), and
+    the counters come out under the names the engine has always logged."""
+    limits = np.random.default_rng(3).integers(4, 40, 3 * SLOTS).tolist()
+    runner = _FakeGraphs()
+    max_pages = pages_for(PROMPT + max(limits), PAGE)
+    sched = Scheduler(PagePool(SLOTS * max_pages + 8), PAGE, SLOTS, BUDGET, max_pages, set(), mixed=True)
+    for i, n in enumerate(limits):
+        sched.add_group([Sequence(i, i, [1 + i % 7] * PROMPT, seed=i, max_new=n)])
+    m = StepLoop(sched, runner).run().metrics()
+    decodes = [p for p in runner.plans if p.decode]
+    prefills = [p for p in runner.plans if not p.decode]
+    assert set(m) == {f"rollout/{k}" for k in ("prefill_steps", "decode_steps", "prefill_tokens", "graph_steps",
+                                                "planned_ahead_steps", "prefill_graph_steps",
+                                                "planned_ahead_prefills", "mixed_steps")} | {
+        f"timing/rollout_{k}" for k in ("prefill", "device_wait", "loop", "host", "host_plan", "host_launch")}
+    assert m["rollout/decode_steps"] == m["rollout/graph_steps"] == len(decodes) > 0
+    assert m["rollout/prefill_steps"] == m["rollout/prefill_graph_steps"] == len(prefills) > 0
+    assert m["rollout/prefill_tokens"] == sum(len(p.input_ids) - p.decoding for p in prefills) == PROMPT * len(limits)
+    assert m["rollout/mixed_steps"] == sum(p.decoding > 0 for p in prefills) > 0
+    assert 0 < m["rollout/planned_ahead_steps"] < len(decodes) and m["rollout/planned_ahead_prefills"] > 0

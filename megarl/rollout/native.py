@@ -135,6 +135,7 @@ class NativeEngine:
         return seqs, longest
 
     def _run(self, seqs: list[Sequence], params: SamplingParams, longest: int, feed: "_Feed | None") -> Scheduler:
+        """Schedule -> run -> record until every sequence is done; the scheduler holds them (``done``)."""
         sched = self._scheduler(seqs, params, longest, every_prompt=feed is not None)
         runner = self._runner(SamplingRows(params, self.device), longest)
         # no module.eval(): the engine reads the weights, never calls a module (a train/eval walk over

@@ -99,8 +99,9 @@ class EagerRunner(StepRunner):
     def execute(self, plan: StepPlan) -> StepOutput:
         engine = self.engine
         batch = self.to_device(plan)
-        x = engine.receive_hidden(batch.input_ids.shape[0])
-        logits = engine.send_hidden(engine.compute(batch, x, torch.as_tensor(plan.sample_rows, device=engine.device)))
+        sample_rows = torch.as_tensor(plan.sample_rows, device=engine.device)  # (S,)
+        x = engine.receive_hidden(batch.input_ids.shape[0])  # (T, h) from the previous stage, or None
+        logits = engine.send_hidden(engine.compute(batch, x, sample_rows))  # (S, V_padded) on the last stage
         tokens, logprobs = self._sample_and_share(logits, plan)
         return StepOutput(tokens=tokens, logprobs=logprobs)
 
