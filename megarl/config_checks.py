@@ -67,7 +67,7 @@ def check_cpu_offload(cfg: Config, o, prefix: str) -> None:
     optimizer takes half-precision parameters only (an fp32 one reaches it as a non-leaf view and
     its constructor raises), and steps only parameters that live on a CUDA device. Every trained
     weight of a bf16/fp16 model is half precision, the local spec's norms included (built in the
-    params dtype; run with offload on an H200, ``tests/test_cpu_offload.py``)."""
+    params dtype; ``tests/test_cpu_offload.py`` runs offload on a GPU)."""
     if not o.cpu_offload:
         return
     key = f"{prefix}.cpu_offload=true"
