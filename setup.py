@@ -39,6 +39,7 @@ setup(
         "pyarrow",
         "redis>=5",  # client for reward.cache=redis (pure Python)
     ],
+    entry_points={"console_scripts": ["megarl = megarl.launcher:main"]},  # megarl train CONFIG.yaml --nproc N
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "sglang": ["sglang==0.5.23"],  # the release megarl/rollout/sglang.py is written against

@@ -184,6 +184,7 @@ class RewardTerm:
     name: str = opt("math", "a registered reward (format, math, ...) or module:function")
     weight: float = opt(1.0, "weight in the sum")
     kwargs: dict = opt({}, "keyword arguments for the reward function")
+    cache: Optional[bool] = opt(None, "serve this term from the reward cache (keyed on prompt, response, answer and extra); default: registered rewards yes, module:function ones no (set true for a pure function)")
 
 
 @dataclass
@@ -212,6 +213,30 @@ class RewardConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance weights / masks for tokens the rollout engine sampled (megarl/algos/rollout_correction.py)."""
+
+    preset: Literal["none", "sglang", "async"] = opt("none", "none: the keys below; sglang: tis with cap 2 (another engine's rounding); async: icepop in [0.5, 2] (stale tokens); a preset leaves the keys below at their defaults")
+    mode: Literal["none", "tis", "seq_is", "mis", "icepop"] = opt("none", "none | tis (token weights min(ratio, cap)) | seq_is (sequence weight min(ratio, cap)) | mis (drop tokens or sequences outside [low, high]) | icepop (drop tokens outside [low, high], weight the rest by their ratio)")
+    cap: float = opt(2.0, "tis / seq_is: the weight cap C (>= 1)")
+    level: Literal["token", "sequence"] = opt("token", "mis: drop single tokens or whole sequences")
+    seq_ratio: Literal["product", "geo_mean"] = opt("geo_mean", "seq_is and mis at sequence level: the sequence ratio is the product or the geometric mean of its token ratios")
+    low: float = opt(0.5, "mis / icepop: lower end of the kept band, in (0, 1)")
+    high: float = opt(2.0, "mis / icepop: upper end of the kept band, > 1")
+
+
+@dataclass
+class DapoConfig:
+    """DAPO's dynamic sampling and overlong shaping (megarl/algos/dapo.py, megarl/trainer/dapo.py)."""
+
+    dynamic_sampling: bool = opt(False, "drop prompt groups whose scores are all equal (no group-advantage signal) and generate more prompts until the batch is full")
+    max_rounds: int = opt(4, "dynamic sampling: generation rounds per step at most, the first included; a batch still short is filled with dropped groups (dapo/groups_filled)")
+    overlong_buffer: int = opt(0, "L_cache: responses longer than rollout.max_new_tokens - L_cache lose score linearly, up to overlong_penalty at max_new_tokens; 0 disables")
+    overlong_penalty: float = opt(1.0, "the overlong penalty at rollout.max_new_tokens tokens (DAPO: 1)")
+    mask_truncated: bool = opt(False, "responses cut at rollout.max_new_tokens get no loss (their scores still count in their group)")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages and the KL penalty."""
 
@@ -226,6 +251,8 @@ class AlgorithmConfig:
     kl_coef: float = opt(0.001, "beta: initial KL coefficient")
     kl_target: float = opt(6.0, "adaptive controller: target KL")
     kl_horizon: int = opt(10000, "adaptive controller: horizon in samples")
+    rollout_correction: RolloutCorrectionConfig = opt(RolloutCorrectionConfig(), "rollout correction (TIS / MIS / icepop): off by default")
+    dapo: DapoConfig = opt(DapoConfig(), "DAPO: dynamic sampling, overlong shaping, truncated responses masked")
 
 
 @dataclass
@@ -258,12 +285,12 @@ class TrainerConfig:
     """The loop, logging and checkpoints."""
 
     steps: int = opt(20, "PPO steps")
-    run_dir: str = opt("runs/tiny", "metrics.jsonl, TensorBoard events, checkpoints and exports go here")
+    run_dir: str = opt("runs/default", "config.yaml, metrics.jsonl, TensorBoard events, checkpoints and exports go here; default: runs/<the yaml file's name> (runs/default without a yaml)")
     seed: int = opt(42, "model-init and dropout seed")
     save_every: int = opt(0, "checkpoint every N steps; 0: only at the end (if save_last)")
     save_last: bool = opt(True, "checkpoint after the last step")
     keep_last: int = opt(2, "checkpoints kept")
-    resume: bool = opt(True, "resume from the newest checkpoint in run_dir")
+    resume: bool | Literal["force"] = opt(True, "resume from the newest checkpoint in run_dir, refused when its config.yaml names another algorithm, model, critic or task; force: resume anyway; false: start over")
     collective_timeout_s: float = opt(600.0, "a collective (all-reduce, barrier, ...) waiting longer than this fails the job loudly: a rank whose peer died or hangs exits instead of waiting forever")
     eval_every: int = opt(0, "held-out evaluation every N steps; 0: before and after only")
     eval_samples: int = opt(0, "held-out prompts evaluated; 0: all")
@@ -306,3 +333,8 @@ class Config:
     data: DataConfig = opt(DataConfig(), "prompts")
     trainer: TrainerConfig = opt(TrainerConfig(), "loop and checkpoints")
     sft: SFTConfig = opt(SFTConfig(), "supervised warm start")
+
+    # inputs a yaml names relative to itself when not found from the working directory (megarl.cli)
+    INPUT_PATH_KEYS = ("model.path", "model.tokenizer", "critic.path", "ref.path", "reward.model.path",
+                       "data.train_path", "data.eval_path", "sft.train_path", "trainer.replay_rollouts")
+    RUN_DIR_KEY = "trainer.run_dir"  # default: runs/<yaml file name> (megarl.cli.load_config)

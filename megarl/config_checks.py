@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 
 from megarl.errors import ConfigError
-from megarl.config import LORA_TARGETS, REDIS_URL, Config
+from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutCorrectionConfig
 from megarl.algos.advantages import get_advantage
+from megarl.algos.rollout_correction import from_section as correction_from_section, keys_read
 from megarl.algos.losses import get_policy_loss
 from megarl.data.tokenizer import check_tokenizer_dir, check_vocab_fits
 from megarl.rewards.registry import get_reward
@@ -85,6 +86,7 @@ def check_cpu_offload(cfg: Config, o, prefix: str) -> None:
 
 
 def check_model(cfg: Config) -> None:
+    check_counts(cfg.model, "model", ["vocab_divisible_by"])  # 0 would divide by zero when padding
     spec = cfg.model.layer_spec
     if spec == "te" and not have_te():
         raise ConfigError("model.layer_spec=te but transformer_engine is not installed; use model.layer_spec=local")
@@ -185,6 +187,8 @@ def check_rollout(cfg: Config) -> None:
     check_numbers(r, "rollout", ["temperature"], low=0)
     if not 0 < r.top_p <= 1:  # NaN fails too
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k == 0 or r.top_k < -1:
+        raise ConfigError(f"rollout.top_k={r.top_k} keeps no token; use a count >= 1, or -1 to turn top-k off")
     if r.page_size not in (8, 16, 32, 64, 128):
         raise ConfigError(f"rollout.page_size={r.page_size} must be a power of two in 8..128")
     if r.kv_cache_gb < 0 or not 0 < r.kv_cache_fraction <= 1:
@@ -193,6 +197,17 @@ def check_rollout(cfg: Config) -> None:
         raise ConfigError(
             f"algorithm.advantage={cfg.algorithm.advantage} compares samples of one prompt; set rollout.n >= 2"
         )
+
+
+def check_stop_tokens(cfg: Config, hf: dict) -> None:
+    """Each rollout.stop_token_ids entry is a token id of the model (0 <= id < vocab_size)."""
+    vocab = hf.get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    bad = [i for i in cfg.rollout.stop_token_ids if not 0 <= i < vocab]
+    if bad:
+        raise ConfigError(f"rollout.stop_token_ids: {bad} outside the vocabulary of {cfg.model.path} (ids 0.."
+                          f"{vocab - 1}); list token ids of the model's tokenizer")
 
 
 def check_actor(cfg: Config) -> None:
@@ -326,6 +341,55 @@ def check_algorithm(cfg: Config) -> None:
                           "(KL as a loss) or advantage gae / reinforce_pp_baseline")
 
 
+def check_rollout_correction(cfg: Config) -> None:
+    """algorithm.rollout_correction: a preset or the keys; thresholds in range; no key its mode ignores."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    default = RolloutCorrectionConfig()
+    changed = [k for k in ("mode", "cap", "level", "seq_ratio", "low", "high") if getattr(rc, k) != getattr(default, k)]
+    if rc.preset != "none" and changed:
+        raise ConfigError(f"{key}.preset={rc.preset} sets the mode and thresholds itself; drop "
+                          f"{key}.{changed[0]}={getattr(rc, changed[0])} or set {key}.preset=none")
+    read = keys_read(correction_from_section(rc))
+    if "cap" in read and not (math.isfinite(rc.cap) and rc.cap >= 1):
+        raise ConfigError(f"{key}.cap={rc.cap} must be a finite number >= 1 (a cap below 1 would down-weight "
+                          "tokens on which both policies agree)")
+    if "low" in read and not 0 < rc.low < 1:
+        raise ConfigError(f"{key}.low={rc.low} must be in (0, 1): the band must hold ratio 1")
+    if "high" in read and not 1 < rc.high < math.inf:
+        raise ConfigError(f"{key}.high={rc.high} must be a finite number > 1: the band must hold ratio 1")
+    unread = next((k for k in changed if k != "mode" and k not in read), None)
+    if unread:
+        raise ConfigError(f"{key}.{unread}={getattr(rc, unread)} is not read by {key}.mode={rc.mode}; "
+                          f"drop it or pick a mode that reads it")
+
+
+def check_dapo(cfg: Config) -> None:
+    """algorithm.dapo: dynamic sampling needs group advantages; the overlong buffer fits the response."""
+    d, key = cfg.algorithm.dapo, "algorithm.dapo"
+    check_counts(d, key, ["max_rounds"])
+    check_counts(d, key, ["overlong_buffer"], low=0)
+    check_numbers(d, key, ["overlong_penalty"], low=0)
+    if d.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"{key}.overlong_buffer={d.overlong_buffer} must be <= rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (the buffer ends at the response limit)")
+    default = DapoConfig()
+    if not d.overlong_buffer and d.overlong_penalty != default.overlong_penalty:
+        raise ConfigError(f"{key}.overlong_penalty is read only with {key}.overlong_buffer > 0; set the buffer "
+                          "or drop the penalty")
+    if not d.dynamic_sampling:
+        if d.max_rounds != default.max_rounds:
+            raise ConfigError(f"{key}.max_rounds is read only with {key}.dynamic_sampling=true; set it or drop "
+                              "max_rounds")
+        return
+    if cfg.algorithm.advantage not in GROUP_ADVANTAGES:
+        raise ConfigError(f"{key}.dynamic_sampling=true keeps groups whose scores differ, a signal only group "
+                          f"advantages read ({', '.join(sorted(GROUP_ADVANTAGES))}); algorithm.advantage="
+                          f"{cfg.algorithm.advantage}: pick one of them or set {key}.dynamic_sampling=false")
+    if cfg.trainer.replay_rollouts:
+        raise ConfigError(f"{key}.dynamic_sampling=true generates; trainer.replay_rollouts trains on dumped "
+                          f"batches as they are: set {key}.dynamic_sampling=false to replay")
+
+
 def check_sglang(cfg: Config) -> None:
     s = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang":
@@ -362,13 +426,24 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e.args[0] if e.args else e).split())
 
 
-def check_paths(cfg: Config) -> None:
-    run_dir = Path(cfg.trainer.run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"trainer.run_dir: '{run_dir}' is a file, not a directory; pick another run_dir")
-    parent = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
+def check_output_dir(key: str, path: str) -> None:
+    """``path`` is, or can be created as, a directory this process may write to."""
+    if not path.strip():
+        raise ConfigError(f"{key} is empty; name a directory, e.g. {key}=runs/my_run")
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}: '{out}' is a file, not a directory; pick another directory")
+    parent = next((p for p in [out, *out.parents] if p.exists() or p.is_symlink()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{key}: '{out}' cannot be created: '{parent}' is not a directory; pick another path")
     if parent is not None and not os.access(parent, os.W_OK):
-        raise ConfigError(f"trainer.run_dir: '{parent}' is not writable; pick a run_dir you can write to")
+        raise ConfigError(f"{key}: '{parent}' is not writable; pick a directory you can write to")
+
+
+def check_paths(cfg: Config) -> None:
+    check_output_dir("trainer.run_dir", cfg.trainer.run_dir)
+    if cfg.trainer.dump_rollouts:
+        check_output_dir("trainer.dump_rollouts", cfg.trainer.dump_rollouts)
     replay = cfg.trainer.replay_rollouts
     if replay and (not Path(replay).is_dir() or not any(Path(replay).glob("step_*_dp*.pt"))):
         raise ConfigError(f"trainer.replay_rollouts: '{replay}' holds no dumped rollouts (step_*_dp*.pt); "
@@ -381,6 +456,29 @@ def check_paths(cfg: Config) -> None:
                       ("reward.model.path", cfg.reward.model.path)):
         if path:
             read_hf_config(path, key)
+
+
+def check_replay_steps(cfg: Config, world_size: int) -> None:
+    """trainer.replay_rollouts holds a dump of every step 1..trainer.steps for every DP rank: checked
+    up front, so a replay never stops half-way through the run (and its trained steps)."""
+    replay = cfg.trainer.replay_rollouts
+    if not replay:
+        return
+    from megarl.trainer.dump import dump_path
+
+    p = cfg.parallel
+    dp = world_size // (p.tp * p.pp * p.cp)
+    missing = next(((step, r) for step in range(1, cfg.trainer.steps + 1) for r in range(dp)
+                    if not os.path.isfile(dump_path(replay, step, r))), None)
+    if missing is None:
+        return
+    step, rank = missing
+    if step == 1:
+        raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step 1 for data-parallel rank {rank}; "
+                          f"replay with the data-parallel size it was dumped with")
+    raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step {step} for data-parallel rank "
+                      f"{rank} (dumped: steps 1..{step - 1}); set trainer.steps={step - 1} or fewer, or dump "
+                      f"more steps with the same data-parallel size")
 
 
 def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room: int) -> None:
@@ -426,6 +524,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
+    check_stop_tokens(cfg, hf)
     check_model_inputs(cfg, hf, "rollout.max_new_tokens", cfg.rollout.max_new_tokens, room=1)
     check_multi_turn(cfg)
     check_sglang(cfg)
@@ -435,9 +534,22 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_packing(cfg)
     check_context_parallel(cfg)
     check_algorithm(cfg)
+    check_rollout_correction(cfg)
+    check_dapo(cfg)
     check_reward(cfg)
     check_trainer(cfg)
     check_paths(cfg)
+    check_replay_steps(cfg, world_size)
+    return hf
+
+
+def validate_run(cfg: Config, world_size: int) -> dict:
+    """:func:`validate`, then the run directory: resuming a run of another config is refused
+    (megarl/trainer/run_config.py; trainer.resume=force overrides). For launch/ppo.py and `megarl train`."""
+    from megarl.trainer.run_config import check_resume
+
+    hf = validate(cfg, world_size)
+    check_resume(cfg)
     return hf
 
 

@@ -122,6 +122,21 @@ def checkpoint_line(run: RunFiles) -> str | None:
     return f"{os.path.abspath(os.path.join(run.run_dir, 'checkpoints'))}/ {', '.join(run.checkpoints)}"
 
 
+AGENT_KEYS = (("agent/tool_calls_mean", "calls"), ("agent/turns_mean", "turns"),
+              ("agent/tool_errors_mean", "errors"), ("agent/tool_truncations_mean", "truncated outputs"),
+              ("agent/max_turns_frac", "at the turn limit"))
+
+
+def tool_use(rows) -> str | None:
+    """Multi-turn runs, per sample: 'calls 0.3 -> 0.95, turns 1.3 -> 2, errors 0.1 -> 0, ...' (first -> last step)."""
+    parts = []
+    for key, name in AGENT_KEYS:
+        _, values = series(rows, key)
+        if values:
+            parts.append(f"{name} {values[0]:.3g} -> {values[-1]:.3g}")
+    return ", ".join(parts) or None
+
+
 def summary_rows(run: RunFiles) -> list[tuple[str, str]]:
     """(label, value) lines of the table; a quantity the run did not log is left out."""
     steps, _ = series(run.rows, "perf/step_seconds")
@@ -138,6 +153,7 @@ def summary_rows(run: RunFiles) -> list[tuple[str, str]]:
         ("eval rows", eval_rows(run.rows)),
         ("KL (kl/mean)", first_last_extreme(run.rows, "kl/mean", "max")),
         ("entropy", first_last_extreme(run.rows, "policy/entropy", "min", min)),
+        ("tool use per sample", tool_use(run.rows)),
         ("throughput", throughput(run)),
         ("peak memory", peak_memory(run.rows)),
         ("checkpoints", checkpoint_line(run)),

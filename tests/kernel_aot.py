@@ -46,10 +46,10 @@ def moe_kernels():
     unit = {"stride_xk": 1, "stride_wk": 1}  # the JIT specializes strides of 1 as constants
     kernels = []
     for block_m in (16, 64):
-        bn, bk, warps, stages = fm.GATE_UP_TILES
+        bn, bk, warps, stages = fm.launch_tiles(block_m)
         kernels.append((f"gate_up BLOCK_M={block_m}", fm._moe_gate_up_kernel, gate_up,
                         dict(unit, TOP_K=8, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=False), warps, stages))
-        bn, bk, warps, stages = fm.DOWN_TILES
+        bn, bk, warps, stages = fm.launch_tiles(block_m)
         kernels.append((f"down BLOCK_M={block_m}", fm._moe_down_kernel, down,
                         dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=False, stride_wk=1), warps, stages))
     align = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_experts_ptr": "*i32", "num_padded_ptr": "*i32",

@@ -182,7 +182,7 @@ def test_alignment_equals_its_spec_and_keeps_its_invariants(backend, t, k, e, bl
 
 
 def test_block_rows_by_slots_per_expert():
-    assert [block_rows(s, 128) for s in (256, 2048, 4096, 16384)] == [16, 16, 32, 64]
+    assert [block_rows(s, 128) for s in (256, 2048, 4096, 16384)] == [16, 32, 32, 64]
 
 
 # ---- fused_moe ----

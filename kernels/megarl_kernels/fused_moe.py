@@ -41,18 +41,27 @@ from megarl_kernels.moe_align import local_experts, moe_align
 from megarl_kernels.paged_decode import f32_dot
 from megarl_kernels.swiglu import silu_mul_ref, silu_mul_rounded
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of each launch; BLOCK_M from `block_rows`. Unswept:
-# benchmarks/bench_moe_kernels.py is the sweep's harness (not yet run on a GPU).
-GATE_UP_TILES = (64, 64, 4, 3)
-DOWN_TILES = (64, 64, 4, 3)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of both GEMM launches, by BLOCK_M. Chosen by
+# `benchmarks/bench_moe_kernels.py --sweep` on the Qwen3-30B-A3B expert shape (H 2048, F 768,
+# 128 experts, top-8) at 32-2,048 tokens; the table is in docs/performance.md. Deeper K tiles pay
+# while blocks are short (decode: few slots an expert, the weight stream is the cost); at BLOCK_M 64
+# they spill shared memory's budget. Other shapes get the same rule, narrowed by `_tile` where a
+# dimension is smaller than the tile; results do not depend on the tiles (the tests vary them).
+SHORT_BLOCK_TILES = (64, 128, 4, 3)  # BLOCK_M 16 / 32
+LONG_BLOCK_TILES = (64, 64, 4, 3)  # BLOCK_M 64
 SUM_BLOCK = 1024  # hidden columns per program of the sum over k
 
 
+def launch_tiles(block_m: int):
+    """The GEMM launches' tiles for blocks of `block_m` rows."""
+    return SHORT_BLOCK_TILES if block_m <= 32 else LONG_BLOCK_TILES
+
+
 def block_rows(num_slots: int, num_experts: int) -> int:
-    """BLOCK_M: the smallest of 16 / 32 / 64 that holds an average expert's slots (16: tl.dot's least;
-    a decode batch gives each expert a few slots, so most of a larger block would be padding)."""
+    """BLOCK_M from the average slots an expert gets: 16 (tl.dot's least) up to 8, 32 up to 32, else 64;
+    a decode batch gives each expert a few slots, so most of a larger block would be padding (same sweep)."""
     per_expert = num_slots / max(num_experts, 1)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    return 16 if per_expert <= 8 else 32 if per_expert <= 32 else 64
 
 
 def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, first_expert: int = 0):
@@ -185,7 +194,7 @@ def _tile(tiles, n: int, k: int):
 def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, first_expert: int = 0,
                      block_m: int | None = None, gate_up_tiles=None, down_tiles=None):
     """The launches of the module docstring for w13 / w2 holding experts [first_expert, + E); other
-    choices add nothing. Tiles default to `block_rows` and `GATE_UP_TILES` / `DOWN_TILES` (the tests
+    choices add nothing. Tiles default to `block_rows` and `launch_tiles` (the tests
     pass small ones)."""
     (t_count, h), (e_count, f2, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     f, slots = f2 // 2, t_count * k
@@ -199,12 +208,12 @@ def fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, first_expert: int 
     out = hidden.new_empty(t_count, h)
     dot32 = f32_dot(hidden.dtype)
     if blocks and slots:
-        bn, bk, warps, stages = _tile(gate_up_tiles or GATE_UP_TILES, f, h)
+        bn, bk, warps, stages = _tile(gate_up_tiles or launch_tiles(block_m), f, h)
         _moe_gate_up_kernel[(blocks * triton.cdiv(f, bn),)](
             hidden, w13, act, align.sorted_slots, align.block_experts, align.num_padded, slots, f, h,
             hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
             TOP_K=k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=dot32, num_warps=warps, num_stages=stages)
-        bn, bk, warps, stages = _tile(down_tiles or DOWN_TILES, h, f)
+        bn, bk, warps, stages = _tile(down_tiles or launch_tiles(block_m), h, f)
         _moe_down_kernel[(blocks * triton.cdiv(h, bn),)](
             act, w2, weights, contrib, align.sorted_slots, align.block_experts, align.num_padded, slots, h, f,
             act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), contrib.stride(0),

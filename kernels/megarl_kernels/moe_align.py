@@ -30,9 +30,10 @@ import torch
 
 from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
-# Slots up to which the one-program kernel lays them out (a decode batch of 256 tokens at top-8);
-# above it the torch ops. Unmeasured: bench_moe_kernels.py times both at each T.
-KERNEL_MAX_SLOTS = 2048
+# Slots up to which the one-program kernel lays them out (a decode batch of 128 tokens at top-8);
+# above it the torch ops, whose time grows more slowly (bench_moe_kernels.py times both at each T;
+# the kernel wins at 1,024 slots, the torch ops at 2,048: docs/performance.md).
+KERNEL_MAX_SLOTS = 1024
 FILL = 1024  # layout rows the kernel fills with the sentinel per step
 
 

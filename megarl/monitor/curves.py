@@ -1,4 +1,4 @@
-"""End-of-run figure ``RUN_DIR/curves.png``: reward, KL, entropy and held-out accuracy vs step.
+"""End-of-run figure ``RUN_DIR/curves.png``: reward, KL, entropy, held-out accuracy and tool use vs step.
 
 A panel shows each of its metrics that the run logged; a panel with none is
 left out, and a run with no such metric at all gets no figure.
@@ -15,6 +15,8 @@ PANELS = (  # (title, metric keys drawn in it)
     ("KL", ("kl/mean", "actor/approx_kl", "actor/kl_loss")),
     ("entropy", ("policy/entropy", "actor/entropy")),
     ("held-out accuracy", ("eval/accuracy",)),
+    ("tool use (per sample)", ("agent/tool_calls_mean", "agent/turns_mean", "agent/tool_errors_mean",
+                               "agent/tool_truncations_mean", "agent/max_turns_frac")),
 )
 
 

@@ -84,10 +84,32 @@ def _save_rng(path: str) -> None:
                 "tracker": get_cuda_rng_tracker().get_states()}, path)
 
 
-def _restore_rng(path: str) -> None:
-    rng = torch.load(path, weights_only=False)
+def _read_rng(path: str) -> tuple[dict | None, str | None]:
+    """The RNG states saved in ``path``, or None and a one-line reason it cannot be read."""
+    try:
+        rng = torch.load(path, weights_only=False)
+        if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
+            raise TypeError("not a megarl RNG-state dict")
+        return rng, None
+    except Exception as e:  # noqa: BLE001 - truncated (OSError / EOFError), unpicklable, not ours
+        why = " ".join(str(e).split())[:200]
+        return None, (f"cannot read {path} (a truncated or damaged RNG-state file?): {type(e).__name__}"
+                      f"{': ' + why if why else ''}; {resume.FIX_DAMAGED}")
+
+
+def _agree_on(problem: str | None) -> None:
+    """Raises on every rank the first rank's problem, so a bad file on any rank stops all of them
+    with one line (rank 0's host prints it) instead of one rank dying while the others wait."""
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def _restore_rng(rng: dict) -> None:
     torch.set_rng_state(rng["cpu"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
+    if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     if rng.get("tracker"):
         get_cuda_rng_tracker().set_states(rng["tracker"])
@@ -178,11 +200,13 @@ class Checkpointer:
         resume.check_role_dirs(path, roles)
         resume.check_models(path, state, roles)
         same_layout = resume.check_layout(path, state, self.layout)
+        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
+        rng, problem = _read_rng(rng_file) if same_layout and os.path.isfile(rng_file) else (None, None)
+        _agree_on(problem)  # before the (slow) role loads
         for name, role in roles.items():
             self._load_role(role, os.path.join(path, name), state, name)
-        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
-        if same_layout and os.path.isfile(rng_file):
-            _restore_rng(rng_file)
+        if rng is not None:
+            _restore_rng(rng)
         else:
             _reseed(self.seed, state["step"])
             if self.rank == 0:

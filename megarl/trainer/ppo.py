@@ -20,6 +20,7 @@ from megarl.config_checks import uses_critic, uses_ref
 from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
+from megarl.errors import CheckpointError, UserInputError
 from megarl.models.exporter import export_hf
 from megarl.models.lora import merged_lora
 from megarl.monitor.curves import plot_curves
@@ -30,12 +31,15 @@ from megarl.rollout.engine import SamplingParams
 from megarl.rollout.factory import build_engine
 from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer
+from megarl.trainer.correction import rollout_correction_metrics
 from megarl.trainer.resume import Layout, rewind_metrics
+from megarl.trainer.run_config import check_resume, save_run_config
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
 from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
+from megarl.trainer.dapo import dynamic_sampling_rollout, mask_truncated, score_and_shape
 
 
 def _kl_controller(cfg: Config):
@@ -82,6 +86,8 @@ class PPOTrainer:
         self.rollout_stats: dict[str, float] = {}
         self.updater = phases.Updater(cfg, self.actor, self.critic, self.kl_ctl, g)  # critic and actor updates
         self._resume()
+        if self.rank0:
+            print(f"run directory {cfg.trainer.run_dir} (resolved config: {save_run_config(cfg)})", flush=True)
         if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
             self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
         self.writer.event("start", self.step, time=started, world_size=torch.distributed.get_world_size())
@@ -132,13 +138,22 @@ class PPOTrainer:
         step = self.checkpointer.latest_step() if self.cfg.trainer.resume else None
         if step is None:
             return
+        forced = check_resume(self.cfg)  # another run's config: refused unless trainer.resume=force
         with stage(f"loading the checkpoint of step {step} from {self.checkpointer.root}", self.rank0):
             state = self.checkpointer.load(step, self.trainable_roles(), expect=("sampler", "kl_controller"))
         self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except UserInputError:
+            raise
+        except ValueError as e:  # the data set changed under the same path
+            raise CheckpointError(f"{self.checkpointer.root}/step_{step:06d}: {e} (data.train_path="
+                                  f"{self.cfg.data.train_path}); pick a new trainer.run_dir for new data, or set "
+                                  f"trainer.resume=false to start over") from None
         self.kl_ctl.load_state_dict(state["kl_controller"])
         if self.rank0:
-            print(f"resumed from step {self.step}", flush=True)
+            print(f"resumed from step {self.step}" + (f" (trainer.resume=force: {'; '.join(forced)})" if forced
+                                                      else ""), flush=True)
 
     # -- the phases of a step ------------------------------------------------
     def sampling_params(self) -> SamplingParams:
@@ -160,18 +175,25 @@ class PPOTrainer:
             rollout = load_rollout(t.replay_rollouts, self.step + 1, self.groups.dp_rank, self.device)
             rollout.metrics.update(response_metrics(rollout))
             return rollout
+        if self.cfg.algorithm.dapo.dynamic_sampling:  # generates and scores rounds until the batch is full
+            rollout = dynamic_sampling_rollout(self)
+        else:
+            rollout = self.generate_prompts(self.sampler.next_batch(self.train_set), self.sampling_seed())
+        self.rollout_stats = dict(self.engine.stats)  # this rank's engine counters (not DP-summed)
+        rollout.metrics.update(response_metrics(rollout))
+        return rollout
+
+    def generate_prompts(self, prompts, seed: int) -> Rollout:
+        """This rank's prompts generated ``rollout.n`` times each from ``seed``."""
         with self.timer("rollout"):
-            prompts = self.sampler.next_batch(self.train_set)
             self.engine.resume_memory()
             r = self.cfg.rollout
             rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer, self.pad_id,
-                                       self.device, n=r.n, seed=self.sampling_seed(), max_new_tokens=r.max_new_tokens)
+                                       self.device, n=r.n, seed=seed, max_new_tokens=r.max_new_tokens)
             rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
             if self.cfg.algorithm.advantage == "remax":
                 self._greedy_baseline(prompts, rollout)
             self.engine.release_memory()
-        self.rollout_stats = dict(self.engine.stats)  # this rank's engine counters (not DP-summed)
-        rollout.metrics.update(response_metrics(rollout))
         return rollout
 
     def _greedy_baseline(self, prompts, rollout: Rollout) -> None:
@@ -184,12 +206,17 @@ class PPOTrainer:
         rollout.batch.greedy_scores = greedy.scores.repeat_interleave(r.n)
 
     def score(self, rollout: Rollout) -> None:
-        """Rewards (kept as they are for replayed rollouts that carry scores); dumps if asked."""
+        """Rewards and DAPO's overlong shaping (kept as they are for replayed rollouts that carry
+        scores, and for dynamic sampling, which scored while generating); DAPO's truncated
+        responses masked; dumps if asked."""
         with self.timer("reward"):
-            if rollout.scores is None or not self.cfg.trainer.replay_rollouts:
-                rollout.metrics.update(score_rollout(self.reward, rollout))
-            else:
+            if rollout.scores is None:
+                dapo, limit = self.cfg.algorithm.dapo, self.cfg.rollout.max_new_tokens
+                rollout.metrics.update(score_and_shape(self.reward, rollout, dapo, limit))
+            elif self.cfg.trainer.replay_rollouts:
                 rollout.metrics.update(score_metrics(rollout.scores))
+        if self.cfg.algorithm.dapo.mask_truncated:
+            mask_truncated(rollout)
         if self.cfg.trainer.dump_rollouts:
             save_rollout(rollout, self.cfg.trainer.dump_rollouts, self.step + 1, self.groups)
 
@@ -204,13 +231,16 @@ class PPOTrainer:
 
     def update(self, rollout: Rollout) -> None:
         self.updater.update(rollout, self.step, self.timer, self.metrics)
+        dp = self.groups.dp if self.groups.dp_size > 1 else None
+        self.metrics.update(rollout_correction_metrics(rollout.batch, self.actor.correction, dp))
 
     def sync_weights(self) -> None:
         with self.timer("weight_sync"):
             self.metrics.update(self.engine.update_weights())
 
     def evaluate(self) -> float | None:
-        if self.eval_set is None:
+        """Held-out accuracy; None without an eval set, and in a rollout-only run (the model never changes)."""
+        if self.eval_set is None or self.cfg.trainer.rollout_only:
             return None
         count, start = eval_count(len(self.eval_set), self.cfg.trainer.eval_samples), time.perf_counter()
         note(f"evaluating {count} held-out prompts ...", self.rank0)
@@ -240,9 +270,13 @@ class PPOTrainer:
             if self.rank0:
                 before = "n/a (resumed)" if accuracy_before is None else f"{accuracy_before:.3f}"
                 print(f"held-out accuracy: before {before}  after {after:.3f}", flush=True)
-        if self.cfg.trainer.export_hf:
+        if self.exports():
             self.export()
         self.close("end")
+
+    def exports(self) -> bool:
+        """Whether the run ends with an HF export (trainer.export_hf; a rollout-only run trains nothing)."""
+        return self.cfg.trainer.export_hf and not self.cfg.trainer.rollout_only
 
     def export_path(self) -> str:
         return os.path.join(self.cfg.trainer.run_dir, "hf")
