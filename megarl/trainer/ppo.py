@@ -36,10 +36,10 @@ from megarl.trainer.resume import Layout, rewind_metrics
 from megarl.trainer.run_config import check_resume, save_run_config
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
 from megarl.trainer.eval_sets import evaluate_named_sets
-from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
+from megarl.trainer.metrics import MetricsWriter, PhaseTimer
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
-from megarl.trainer.scoring import build_reward, score_metrics
+from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
 from megarl.trainer.dapo import dynamic_sampling_rollout, mask_truncated, score_and_shape
 
 
@@ -86,7 +86,7 @@ class PPOTrainer:
         self.timer = PhaseTimer()
         self.metrics: dict[str, float] = {}
         self.rollout_stats: dict[str, float] = {}
-        self.bad_updates: dict[str, int] = {}  # role -> optimizer updates skipped in a row (non-finite)
+        self.updater = phases.Updater(cfg, self.actor, self.critic, self.kl_ctl, g)  # critic and actor updates
         self._resume()
         if self.rank0:
             print(f"run directory {cfg.trainer.run_dir} (resolved config: {save_run_config(cfg)})", flush=True)
@@ -191,9 +191,18 @@ class PPOTrainer:
                                        self.device, n=r.n, seed=seed, max_new_tokens=r.max_new_tokens)
             rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
             if self.cfg.algorithm.advantage == "remax":
-                phases.greedy_baseline(self, prompts, rollout)
+                self._greedy_baseline(prompts, rollout)
             self.engine.release_memory()
         return rollout
+
+    def _greedy_baseline(self, prompts, rollout: Rollout) -> None:
+        """ReMax: the score of each prompt's greedy response, per sample."""
+        r = self.cfg.rollout
+        params = SamplingParams(temperature=0.0, stop_token_ids=tuple(r.stop_token_ids))
+        greedy = generate_rollout(self.engine, prompts, params, self.tokenizer, self.pad_id, self.device,
+                                  n=1, seed=0, max_new_tokens=r.max_new_tokens)  # greedy: seed unused
+        score_rollout(self.reward, greedy)
+        rollout.batch.greedy_scores = greedy.scores.repeat_interleave(r.n)
 
     def score(self, rollout: Rollout) -> None:
         """Rewards and DAPO's overlong shaping (kept as they are for replayed rollouts that carry
@@ -212,14 +221,15 @@ class PPOTrainer:
 
     def prepare(self, rollout: Rollout) -> None:
         """Old and reference log-probs and values, with the weights that generated."""
-        phases.prepare(self, rollout)
+        phases.prepare(rollout, self.cfg, self.step, self.groups.dp_size, self.actor, self.ref, self.critic,
+                       self.timer)
 
     def advantages(self, rollout: Rollout) -> None:
         with self.timer("advantage"):
-            phases.advantages(self, rollout)
+            self.metrics.update(phases.advantages(rollout, self.cfg.algorithm, self.kl_ctl, self.groups))
 
     def update(self, rollout: Rollout) -> None:
-        phases.update(self, rollout)
+        self.updater.update(rollout, self.step, self.timer, self.metrics)
         dp = self.groups.dp if self.groups.dp_size > 1 else None
         self.metrics.update(rollout_correction_metrics(rollout.batch, self.actor.correction, dp))
 
@@ -252,7 +262,7 @@ class PPOTrainer:
 
     def log_and_save(self, rollout: Rollout) -> dict[str, float]:
         self.step += 1
-        metrics = phases.step_metrics(self, rollout)
+        metrics = phases.step_metrics(rollout, self.groups, self.metrics, self.timer, self.step_start)
         metrics.update(self.rollout_stats)
         if self.monitor:  # rank 0's node only
             metrics.update(self.monitor.drain())
@@ -333,6 +343,3 @@ class PPOTrainer:
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()}
         self.checkpointer.save(self.step, self.trainable_roles(), state)
-
-    def reduce(self, values: dict[str, float]) -> dict[str, float]:
-        return dp_sum(values, self.groups.dp if self.groups.dp_size > 1 else None)
