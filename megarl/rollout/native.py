@@ -90,7 +90,8 @@ class NativeEngine:
                                options.page_size, cfg.params_dtype)
         self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
         self.cache: KVCache | None = None
-        use_graphs = options.cuda_graphs and self.device.type == "cuda"
+        # EP > 1: the MoE layers' EP collectives (moe_step.EpStep) run eagerly, outside CUDA graphs
+        use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.stage.ep is None
         self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if use_graphs else None
         self.stats: dict[str, float] = {}
@@ -141,7 +142,9 @@ class NativeEngine:
         # no module.eval(): the engine reads the weights, never calls a module (a train/eval walk over
         # every module would cost host time per call)
         with torch.no_grad(), cpu_compat.paused():
+            self.stage.refresh_experts()
             counters = StepLoop(sched, runner, feed).run()
+            self.stage.idle_until_done()  # EP > 1: serve the group's other ranks until they are done too
         self._record(sched, counters)
         return sched
 

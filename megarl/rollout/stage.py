@@ -44,6 +44,7 @@ from megarl_kernels.paged_attention import paged_decode_attention, paged_prefill
 from megarl_kernels.rms_norm import add_rms_norm
 from megarl_kernels.rope_cache import rope_cache
 from megarl_kernels.swiglu import silu_mul
+from megarl.rollout.moe_step import EpStep, MoeWeights, idle_layer, moe_mlp, moe_weights
 from megarl.rollout.split_linear import split_k_linear, split_parts
 
 @dataclass
@@ -85,9 +86,10 @@ class LayerWeights:
     k_norm: Optional[torch.Tensor]
     proj: torch.Tensor  # (h, np/tp * hn)
     mlp_norm: torch.Tensor  # (h,)
-    fc1: torch.Tensor  # (2 * ffn/tp, h): gate rows, then up rows
-    fc2: torch.Tensor  # (h, ffn/tp)
+    fc1: Optional[torch.Tensor]  # (2 * ffn/tp, h): gate rows, then up rows; None in an MoE layer
+    fc2: Optional[torch.Tensor]  # (h, ffn/tp)
     lora: dict = field(default_factory=dict)  # linear name -> LoraWeights, where adapted
+    moe: Optional[MoeWeights] = None  # a mixture-of-experts layer's router and experts (megarl.rollout.moe_step)
 
 
 @dataclass
@@ -121,8 +123,10 @@ def _lora(linears: dict) -> dict:
             if getattr(m, "lora_enabled", False)}
 
 
-def _layer_weights(layer) -> LayerWeights:
+def _layer_weights(layer, groups) -> LayerWeights:
     attn, mlp = layer.self_attention, layer.mlp
+    moe = moe_weights(mlp, groups)
+    dense = {} if moe is not None else {"fc1": mlp.linear_fc1, "fc2": mlp.linear_fc2}
     q_norm = getattr(attn, "q_layernorm", None)
     k_norm = getattr(attn, "k_layernorm", None)
     return LayerWeights(
@@ -131,8 +135,8 @@ def _layer_weights(layer) -> LayerWeights:
         q_norm=getattr(q_norm, "weight", None), k_norm=getattr(k_norm, "weight", None),
         proj=attn.linear_proj.weight,
         mlp_norm=_norm_weight(layer, "pre_mlp_layernorm", "mlp.linear_fc1.layer_norm_weight"),
-        fc1=mlp.linear_fc1.weight, fc2=mlp.linear_fc2.weight,
-        lora=_lora({"qkv": attn.linear_qkv, "proj": attn.linear_proj, "fc1": mlp.linear_fc1, "fc2": mlp.linear_fc2}),
+        fc1=dense["fc1"].weight if dense else None, fc2=dense["fc2"].weight if dense else None,
+        lora=_lora({"qkv": attn.linear_qkv, "proj": attn.linear_proj, **dense}), moe=moe,
     )
 
 
@@ -150,7 +154,12 @@ class StageForward:
         self.kv_heads = cfg.num_query_groups // groups.tp_size
         self.scale = 1.0 / self.head_dim ** 0.5
         self.dtype = cfg.params_dtype
-        self.layers = [_layer_weights(layer) for layer in module.decoder.layers]
+        self.layers = [_layer_weights(layer, groups) for layer in module.decoder.layers]
+        moe = [lw.moe for lw in self.layers if lw.moe is not None]
+        self.moe_ids: Optional[list] = None  # a list: each MoE layer's (T, k) expert ids of the step append
+        # EP > 1: the group's ranks run their MoE layers in lockstep (moe_step.EpStep)
+        self.ep = (EpStep(groups.ep, groups.ep_size, groups.ep_rank, cfg.num_moe_experts)
+                   if moe and groups.ep_size > 1 else None)
         self.first, self.last = groups.is_first_stage, groups.is_last_stage
         self.embedding = module.embedding.word_embeddings if self.first else None
         self.final_norm = module.decoder.final_layernorm.weight if self.last else None
@@ -158,7 +167,23 @@ class StageForward:
         self.cos, self.sin = self._rope_tables(module)  # (S_max, hn) in the model dtype
         # decode steps' QKV / proj / fc2 as split-K partials into the next kernel (CUDA only: bf16 -> fp32
         # bmm; not under TP, whose all-reduces want the summed outputs). CPU tests switch it on.
-        self.split_k = self.tp is None and bool(self.layers) and self.layers[0].fc2.is_cuda
+        self.split_k = self.tp is None and bool(self.layers) and self.layers[0].proj.is_cuda
+
+    def refresh_experts(self) -> None:
+        """Re-stacks SequentialMLP experts (moe_step.MoeWeights.refresh): once per generate call."""
+        for lw in self.layers:
+            if lw.moe is not None:
+                lw.moe.refresh()
+
+    def idle_until_done(self) -> None:
+        """EP > 1, this rank done: idle steps (its experts serve the group) until every rank is done."""
+        if self.ep is None:
+            return
+        device = self.layers[0].proj.device
+        while self.ep.agree(0, device):
+            for lw in self.layers:
+                if lw.moe is not None:
+                    idle_layer(lw.moe, self.ep, self.hidden, self.dtype, device)
 
     @staticmethod
     def _head_weight(module) -> torch.Tensor:
@@ -176,6 +201,7 @@ class StageForward:
     def parameters(self) -> list[torch.Tensor]:
         """Every tensor the forward reads (for the CUDA-graph pointer check)."""
         out = [t for lw in self.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+        out += [t for lw in self.layers if lw.moe is not None for t in lw.moe.tensors()]
         out += [t for lw in self.layers for ad in lw.lora.values() for t in (ad.a, ad.b)]
         extra = [self.embedding.weight if self.embedding is not None else None, self.final_norm, self.head]
         return out + [t for t in extra if t is not None]
@@ -200,6 +226,8 @@ class StageForward:
         (``megarl_kernels.rms_norm``), the same numbers as ``x = x + f(x); h = rms_norm(x)``.
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
+        if self.ep is not None:
+            self.ep.agree(h.shape[0], h.device)
         mixed = self._mixed_rows(batch)
         plan = self._decode_plan(batch, mixed, cache.keys(0))
         for i, lw in enumerate(self.layers):
@@ -277,6 +305,8 @@ class StageForward:
     def _mlp(self, h, lw: LayerWeights, decode: bool, split: bool):
         """fc2(SwiGLU(fc1(h))); a decode step's fc1 and SwiGLU as one kernel (`fc1_silu_mul`: Hopper or
         newer, up to its row limit; else the same two ops) unless fc1 has an adapter."""
+        if lw.moe is not None:  # router + routed experts (+ shared expert), summed in (T, h)
+            return moe_mlp(h, lw.moe, self.ep, self.moe_ids)
         if decode and "fc1" not in lw.lora:
             act = fc1_silu_mul(h, lw.fc1)
         else:

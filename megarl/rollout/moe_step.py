@@ -1,0 +1,165 @@
+"""The MLP of a mixture-of-experts layer in the rollout engine, on the actor's MoE modules in place.
+
+One layer's step: the router (its fp32 logits and top-k, as megatron-core's ``TopKRouter``
+computes them, so rollout and training pick the same experts), the routed experts in one
+`fused_moe` call over the layer's expert weights, and Qwen2-MoE's shared expert scaled by
+``sigmoid(gate(x))``. Routing mirrors ``moe_utils.topk_routing_with_score_function`` with the
+softmax score: ``pre_softmax`` (Qwen2-MoE without norm_topk_prob) takes the softmax over all
+experts, then the k largest probabilities; otherwise the k largest logits, then a softmax over
+those k (Mixtral; Qwen with norm_topk_prob) — megarl/models/moe.py maps the families onto it.
+
+Expert weights. ``GroupedMLP`` (CUDA bf16) keeps all local experts in ``weight1`` (H, E * 2F)
+and ``weight2`` (E * F, H): ``w13`` (E, 2F, H) and ``w2`` (E, H, F) are strided views of them, no
+copy. ``SequentialMLP`` (one ``MLP`` per expert, CPU / fp32) has no common storage, so its
+weights are stacked into engine-owned tensors by :meth:`MoeWeights.refresh`, which the engine
+calls at the start of every generate call (a copy of the experts, taken after the last update).
+
+Expert parallelism (EP > 1): each rank holds experts [first, first + E_local). Every rank of the
+EP group routes its own rows, the group all-gathers the rows (padded to the group's largest row
+count, pads routed to no expert) with their routing, each rank adds its experts' share of every
+row (`fused_moe_local`), and an all-reduce sums the shares; each rank keeps its own rows. The
+ranks must therefore run their MoE layers in lockstep: :class:`EpStep` agrees on the row count
+per step, and a rank with nothing left runs idle steps (no rows of its own, its experts still
+serve the others) until the whole group is done. These collectives are not captured in CUDA
+graphs: with EP > 1 the engine runs eagerly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megarl_kernels.fused_moe import fused_moe_local
+from megarl_kernels.swiglu import silu_mul
+
+
+@dataclass
+class MoeWeights:
+    """One MoE layer's parameters: references, except the stacked copy of a SequentialMLP's experts."""
+
+    router: torch.Tensor  # (E, h)
+    w13: torch.Tensor  # (E_local, 2F, h): gate rows, then up rows
+    w2: torch.Tensor  # (E_local, h, F)
+    first_expert: int  # global id of local expert 0
+    topk: int
+    pre_softmax: bool  # softmax over all experts before the top-k (no renormalization)
+    shared_fc1: Optional[torch.Tensor]  # (2 Fs, h)
+    shared_fc2: Optional[torch.Tensor]  # (h, Fs)
+    shared_gate: Optional[torch.Tensor]  # (1, h)
+    experts: object = None  # SequentialMLP to restack from (None: w13 / w2 are views)
+
+    def refresh(self) -> None:
+        """Copies a SequentialMLP's current expert weights into the stacked ``w13`` / ``w2``."""
+        if self.experts is None:
+            return
+        for e, mlp in enumerate(self.experts.local_experts):
+            self.w13[e].copy_(mlp.linear_fc1.weight)
+            self.w2[e].copy_(mlp.linear_fc2.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.router, self.w13, self.w2, self.shared_fc1, self.shared_fc2, self.shared_gate]
+        return [t for t in out if t is not None]
+
+
+def moe_weights(mlp, groups) -> Optional[MoeWeights]:
+    """The :class:`MoeWeights` of a megatron ``MoELayer`` (None for a dense MLP)."""
+    router = getattr(mlp, "router", None)
+    if router is None:
+        return None
+    cfg, experts = mlp.config, mlp.experts
+    local = experts.num_local_experts
+    if hasattr(experts, "weight1"):  # GroupedMLP: views, no copy
+        h = cfg.hidden_size
+        w13 = experts.weight1.view(local, h, -1).transpose(1, 2)  # (E, 2F, h)
+        w2 = experts.weight2.view(local, -1, h).transpose(1, 2)  # (E, h, F)
+        source = None
+    else:  # SequentialMLP: stacked (refresh copies the current weights in)
+        fc1, fc2 = experts.local_experts[0].linear_fc1.weight, experts.local_experts[0].linear_fc2.weight
+        w13 = fc1.new_empty((local, *fc1.shape))
+        w2 = fc2.new_empty((local, *fc2.shape))
+        source = experts
+    shared = getattr(mlp, "shared_experts", None)
+    weights = MoeWeights(
+        router=router.weight, w13=w13, w2=w2, first_expert=groups.ep_rank * local, topk=cfg.moe_router_topk,
+        pre_softmax=cfg.moe_router_pre_softmax,
+        shared_fc1=shared.linear_fc1.weight if shared is not None else None,
+        shared_fc2=shared.linear_fc2.weight if shared is not None else None,
+        shared_gate=getattr(shared, "gate_weight", None) if shared is not None else None,
+        experts=source)
+    weights.refresh()
+    return weights
+
+
+def route(h: torch.Tensor, mw: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, h) -> (weights (T, k) fp32, ids (T, k) int32): megatron-core's fp32 softmax top-k router."""
+    logits = F.linear(h.float(), mw.router.float())  # (T, E) fp32, as moe_router_dtype="fp32"
+    if mw.pre_softmax:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, mw.topk, dim=1)
+    else:
+        scores, ids = torch.topk(logits, mw.topk, dim=1)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return weights, ids.to(torch.int32)
+
+
+def shared_expert(h: torch.Tensor, mw: MoeWeights) -> torch.Tensor:
+    """(T, h) Qwen2-MoE's shared expert: fc2(SwiGLU(fc1(h))) * sigmoid(h gate^T)."""
+    out = F.linear(silu_mul(F.linear(h, mw.shared_fc1)), mw.shared_fc2)
+    if mw.shared_gate is not None:
+        out = out * torch.sigmoid(F.linear(h, mw.shared_gate))
+    return out
+
+
+class EpStep:
+    """The EP group's exchange of one step: the agreed row count, then per layer gather / reduce."""
+
+    def __init__(self, group, size: int, rank: int, num_experts: int):
+        self.group, self.size, self.rank, self.num_experts = group, size, rank, num_experts
+        self.rows = 0  # the group's largest row count this step
+
+    def agree(self, rows: int, device) -> int:
+        """Every rank's row count in -> the largest (0: every rank is done)."""
+        t = torch.tensor([rows], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.rows = int(t.item())
+        return self.rows
+
+    def experts(self, h: torch.Tensor, weights, ids, mw: MoeWeights) -> torch.Tensor:
+        """(T, h) own rows and routing -> (T, h) their routed-expert output, summed over the group."""
+        t, n = h.shape[0], self.rows
+        rows = h.new_zeros(n, h.shape[1])
+        rows[:t] = h
+        routing = torch.full((n, 2 * mw.topk), float(self.num_experts), dtype=torch.float32, device=h.device)
+        routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
+        all_rows = h.new_empty(self.size * n, h.shape[1])
+        all_routing = routing.new_empty(self.size * n, 2 * mw.topk)
+        dist.all_gather_into_tensor(all_rows, rows, group=self.group)
+        dist.all_gather_into_tensor(all_routing, routing, group=self.group)
+        share = fused_moe_local(all_rows, mw.w13, mw.w2, all_routing[:, :mw.topk].contiguous(),
+                                all_routing[:, mw.topk:].to(torch.int32), mw.first_expert)  # (size * n, h)
+        dist.all_reduce(share, group=self.group)
+        return share[self.rank * n:self.rank * n + t]
+
+
+def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None) -> torch.Tensor:
+    """(T, h) -> (T, h): routed experts (+ the shared expert). ``record`` collects the (T, k) ids."""
+    weights, ids = route(h, mw)
+    if record is not None:
+        record.append(ids)
+    if ep is None:
+        out = fused_moe_local(h, mw.w13, mw.w2, weights, ids, mw.first_expert)
+    else:
+        out = ep.experts(h, weights, ids, mw)
+    if mw.shared_fc1 is not None:
+        out = out + shared_expert(h, mw)
+    return out
+
+
+def idle_layer(mw: MoeWeights, ep: EpStep, hidden: int, dtype, device) -> None:
+    """A rank with no rows of its own: its share of the group's exchange for one MoE layer."""
+    empty = torch.zeros(0, hidden, dtype=dtype, device=device)
+    ep.experts(empty, torch.zeros(0, mw.topk, device=device), torch.zeros(0, mw.topk, dtype=torch.int32,
+                                                                           device=device), mw)
