@@ -4,7 +4,7 @@ Config reading (``read_hf_config``): an unsupported architecture names the suppo
 dense layers between MoE layers (decoder_sparse_step, mlp_only_layers), router jitter and
 top-1 renormalized routing are refused. Run config (``config_checks``): parallel.ep not
 dividing the experts or, with parallel.etp, the ranks of a stage; ep on a dense model;
-LoRA, CP, or TP without sequence parallelism with MoE; either rollout engine with MoE.
+LoRA, CP, or TP without sequence parallelism with MoE; SGLang, or the native engine at TP > 1, with MoE.
 Checkpoints: HF weights with more experts than config.json; a megatron checkpoint whose
 expert count or top-k differs from the config it is exported with (launch/convert.py,
 exit 2). And the conversion HF -> megatron at EP2 -> HF at EP1 is bitwise.
@@ -107,9 +107,15 @@ def test_ep_on_dense_model_lora_and_rollout_errors():
     assert "actor.lora.rank" in one_line(e)
     check_experts(_cfg(ep=2), 2, QWEN3_MOE)  # fine: 2 experts per rank
     check_moe_rollout(_cfg(), dense)  # a dense model generates
+    check_moe_rollout(_cfg(ep=2), QWEN3_MOE)  # the native engine generates at TP1, any EP
     with pytest.raises(ConfigError) as e:
-        check_moe_rollout(_cfg(), QWEN3_MOE)
-    assert "rollout.engine=native cannot generate" in one_line(e)
+        check_moe_rollout(_cfg(tp=2, sequence_parallel=True), QWEN3_MOE)
+    assert "at parallel.tp=1 only" in one_line(e)
+    cfg = _cfg()
+    cfg.rollout.engine = "sglang"
+    with pytest.raises(ConfigError) as e:
+        check_moe_rollout(cfg, QWEN3_MOE)
+    assert "rollout.engine=sglang cannot generate" in one_line(e)
 
 
 def test_checkpoint_experts_must_match_config():
