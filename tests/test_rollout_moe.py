@@ -48,7 +48,8 @@ def _job(rank, ckpts, eps=(1, 2)):
     for ep in eps:
         for arch, ckpt in ckpts.items():
             actor, groups = _actor(ckpt, ep)
-            options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001)
+            options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001,
+                                    record_experts=True)
             engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)
             prompts = PROMPTS[rank]
             greedy = engine.generate(sample_requests(prompts, 1, 0, MAX_NEW[rank]), SamplingParams(temperature=0.0))
@@ -58,7 +59,7 @@ def _job(rank, ckpts, eps=(1, 2)):
             diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
             out[(ep, arch)] = {"greedy": [r.response_ids for r in greedy], "diff": float(diff),
                                "sampled": [r.response_ids for r in sampled],
-                               "experts": [getattr(r, "expert_ids", None) for r in greedy]}
+                               "experts": [r.expert_ids for r in greedy]}
     return out
 
 
@@ -67,7 +68,7 @@ def ckpts(tmp_path_factory):
     from megarl.models.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("hf_moe_rollout")
-    dirs, want = {}, {}
+    dirs, want, routed = {}, {}, {}
     for i, arch in enumerate(ARCHS):
         dirs[arch] = str(root / arch)
         model = make_tiny_checkpoint(dirs[arch], arch, seed=40 + i)
@@ -75,7 +76,18 @@ def ckpts(tmp_path_factory):
             want[arch] = {rank: [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW[rank], do_sample=False,
                                                 pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
                                  for p in prompts] for rank, prompts in PROMPTS.items()}
-    return dirs, want
+            routed[arch] = {rank: [hf_experts(model, p, r) for p, r in zip(PROMPTS[rank], want[arch][rank])]
+                            for rank in PROMPTS}
+    return dirs, want, routed
+
+
+def hf_experts(model, prompt, response):
+    """(R, layers, k) the experts ``transformers``' routers pick for the rows that produce each response
+    token (positions P - 1 .. P + R - 2), largest probability first."""
+    out = model(torch.tensor([prompt + response]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    rows = slice(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return torch.stack([torch.topk(logits[rows].softmax(-1), k).indices for logits in out.router_logits], dim=1)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +107,15 @@ def test_greedy_matches_transformers(runs, ckpts, ep, arch):
 def test_rollout_logprobs_match_training(runs, ep, arch):
     for rank in (0, 1):
         assert runs[rank][(ep, arch)]["diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_recorded_experts_match_transformers_router(runs, ckpts, ep, arch):
+    for rank in (0, 1):
+        got = runs[rank][(ep, arch)]["experts"]
+        assert [g.dtype.name for g in got] == ["uint8"] * len(got)
+        assert [g.tolist() for g in got] == [w.tolist() for w in ckpts[2][arch][rank]]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

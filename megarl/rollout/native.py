@@ -67,11 +67,14 @@ class EngineOptions:
     prefix_cache: bool = _rollout_default("prefix_cache")
     mixed_prefill: bool = _rollout_default("mixed_prefill")
     max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: the model's maximum
+    # MoE: each response token's (layers, k) expert ids in GenerationResult.expert_ids (steps run eagerly)
+    record_experts: bool = False
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, max_model_len: int = 0) -> "EngineOptions":
         """The options a run's ``rollout`` section sets."""
-        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls) if f.name != "max_model_len"},
+        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls)
+                      if f.name not in ("max_model_len", "record_experts")},
                    max_model_len=max_model_len)
 
 
@@ -91,7 +94,9 @@ class NativeEngine:
         self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
         self.cache: KVCache | None = None
         # EP > 1: the MoE layers' EP collectives (moe_step.EpStep) run eagerly, outside CUDA graphs
-        use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.stage.ep is None
+        # and the expert ids are recorded from eager steps only
+        use_graphs = (options.cuda_graphs and self.device.type == "cuda" and self.stage.ep is None
+                      and not options.record_experts)
         self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if use_graphs else None
         self.stats: dict[str, float] = {}
@@ -325,7 +330,9 @@ class NativeEngine:
     @staticmethod
     def _result(seq: Sequence) -> GenerationResult:
         """``seq``'s response, under its request's key (``rid``)."""
-        return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.rid)
+        experts = np.stack([seq.experts[i] for i in range(len(seq.generated))]) if seq.experts else None
+        return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.rid,
+                                expert_ids=experts)
 
 
 class _Feed:

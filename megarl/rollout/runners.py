@@ -101,7 +101,12 @@ class EagerRunner(StepRunner):
         batch = self.to_device(plan)
         sample_rows = torch.as_tensor(plan.sample_rows, device=engine.device)  # (S,)
         x = engine.receive_hidden(batch.input_ids.shape[0])  # (T, h) from the previous stage, or None
+        record = engine.options.record_experts and engine.stage.has_moe
+        engine.stage.moe_ids = [] if record else None
         logits = engine.send_hidden(engine.compute(batch, x, sample_rows))  # (S, V_padded) on the last stage
+        if record:
+            _record_experts(engine.stage.moe_ids, sample_rows, plan, engine.stage.num_experts)
+            engine.stage.moe_ids = None
         tokens, logprobs = self._sample_and_share(logits, plan)
         return StepOutput(tokens=tokens, logprobs=logprobs)
 
@@ -133,6 +138,15 @@ class EagerRunner(StepRunner):
             packed = torch.stack(sample_tokens(logits, rows.temperature[:s], rows.top_k[:s], rows.top_p[:s], seeds,
                                                offsets, vocab_size=engine.vocab_size))
         return engine.share(packed, s)
+
+
+def _record_experts(layer_ids: list, sample_rows: torch.Tensor, plan: StepPlan, num_experts: int) -> None:
+    """Each MoE layer's (T, k) expert ids of the step -> every sampled sequence's (layers, k) of the row
+    its token came from, as small integers, under the index of that token in its response."""
+    ids = torch.stack(layer_ids, dim=1)[sample_rows]  # (S, layers, k) int32
+    ids = ids.cpu().numpy().astype(np.uint8 if num_experts <= 256 else np.int16)
+    for row, (seq, offset) in enumerate(zip(plan.sampled, plan.offsets)):
+        seq.experts[int(offset)] = ids[row]
 
 
 class GraphRunner(StepRunner):

@@ -71,6 +71,7 @@ class Sequence:
     slot: int = -1
     forks: list["Sequence"] = field(default_factory=list)  # siblings waiting on this prefill
     finish: str | None = None
+    experts: dict = field(default_factory=dict)  # MoE, recorded: response index -> (layers, k) expert ids
 
     @property
     def tokens(self) -> list[int]:

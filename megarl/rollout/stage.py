@@ -156,6 +156,7 @@ class StageForward:
         self.dtype = cfg.params_dtype
         self.layers = [_layer_weights(layer, groups) for layer in module.decoder.layers]
         moe = [lw.moe for lw in self.layers if lw.moe is not None]
+        self.has_moe, self.num_experts = bool(moe), cfg.num_moe_experts or 0
         self.moe_ids: Optional[list] = None  # a list: each MoE layer's (T, k) expert ids of the step append
         # EP > 1: the group's ranks run their MoE layers in lockstep (moe_step.EpStep)
         self.ep = (EpStep(groups.ep, groups.ep_size, groups.ep_rank, cfg.num_moe_experts)
