@@ -122,3 +122,4 @@ def test_recorded_experts_match_transformers_router(runs, ckpts, ep, arch):
 def test_ep2_samples_as_ep1(runs, arch):
     for rank in (0, 1):
         assert runs[rank][(2, arch)]["sampled"] == runs[rank][(1, arch)]["sampled"]
+

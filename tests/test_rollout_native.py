@@ -298,11 +298,12 @@ def test_engine_options_take_their_defaults_and_values_from_the_rollout_section(
     from megarl.rollout.native import EngineOptions
 
     keys = [f.name for f in dataclasses.fields(EngineOptions) if f.name != "max_model_len"]
-    assert len(keys) == 8 and {k: getattr(EngineOptions(), k) for k in keys} == {
+    assert len(keys) == 9 and {k: getattr(EngineOptions(), k) for k in keys} == {
         k: getattr(RolloutConfig(), k) for k in keys}
     cfg = Config()
     changed = {"max_batch": 7, "page_size": 32, "max_num_batched_tokens": 99, "kv_cache_gb": 1.5,
-               "kv_cache_fraction": 0.25, "cuda_graphs": False, "prefix_cache": True, "mixed_prefill": False}
+               "kv_cache_fraction": 0.25, "cuda_graphs": False, "prefix_cache": True, "mixed_prefill": False,
+               "record_experts": True}
     for key, value in changed.items():
         setattr(cfg.rollout, key, value)
     cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = 40, 24

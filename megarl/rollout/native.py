@@ -67,14 +67,12 @@ class EngineOptions:
     prefix_cache: bool = _rollout_default("prefix_cache")
     mixed_prefill: bool = _rollout_default("mixed_prefill")
     max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: the model's maximum
-    # MoE: each response token's (layers, k) expert ids in GenerationResult.expert_ids (steps run eagerly)
-    record_experts: bool = False
+    record_experts: bool = _rollout_default("record_experts")  # GenerationResult.expert_ids (eager steps)
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, max_model_len: int = 0) -> "EngineOptions":
         """The options a run's ``rollout`` section sets."""
-        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls)
-                      if f.name not in ("max_model_len", "record_experts")},
+        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls) if f.name != "max_model_len"},
                    max_model_len=max_model_len)
 
 
