@@ -198,3 +198,36 @@ def test_grouped_experts_module(ckpts, tmp_path):
         out = read_tensors(str(tmp_path / kind))
         assert sorted(out) == sorted(source)
         assert all(torch.equal(out[k], t.to(torch.bfloat16)) for k, t in source.items()), kind
+
+
+def _value_job(rank, src, out):
+    """Per-token values of a critic started from the Qwen3-MoE causal LM at EP2, and its export."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.models import ModelOptions, build_gpt_model, export_hf, forward_logits, load_value_model
+    from megarl.models import read_hf_config
+
+    init_distributed()
+    groups = build_parallel_groups(ep=2)
+    model_parallel_cuda_manual_seed(0)
+    info = read_hf_config(src).as_value_model()
+    model = build_gpt_model(info, groups, ModelOptions())
+    load_value_model(model, src, info, groups, seed=7, std=0.02)
+    values = forward_logits(model.eval(), groups, tokens(), torch.arange(7).expand(2, 7))
+    export_hf(model, info, groups, out)
+    return values
+
+
+def test_moe_value_model_exports_as_sequence_classifier(ckpts, tmp_path):
+    """A critic on an MoE backbone (value head drawn at EP2) is exported as Qwen3MoeForSequenceClassification,
+    and transformers' per-token score on that export equals megarl's values (1e-5)."""
+    import transformers
+
+    out = str(tmp_path / "critic")
+    values = spawn(_value_job, 2, ckpts[0]["Qwen3MoeForCausalLM"], out)[0]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3MoeForSequenceClassification"
+    with torch.no_grad():
+        ref = model.score(model.model(tokens()).last_hidden_state)  # (2, 7, 1), before HF pools the last token
+    assert (values.reshape(ref.shape) - ref).abs().max().item() <= 1e-5
