@@ -17,8 +17,11 @@ within fp32 noise of a tie on these 14 tokens (a tie would show as a diff of ord
 Exporting only gathers (over TP, expert-TP and EP) and un-fuses, so the exported
 tensors equal the source's bitwise with the same names.
 
-Not covered here: bf16, the GroupedMLP layout in a model (CUDA bf16 only; its layout
-functions and grouped GEMM are checked below on CPU), the transformer-engine spec.
+Also: megatron-core's GroupedMLP on ``torch._grouped_mm`` (the CUDA bf16 path) run on CPU in
+bf16 at EP2, and a critic on the Qwen3-MoE backbone exported as a sequence classifier.
+
+Not covered here: the GroupedMLP path on a GPU, the transformer-engine spec, TP training
+(megatron-core needs sequence parallelism for it, see tests/test_models_moe_training.py).
 """
 import os
 
