@@ -73,7 +73,8 @@ def _job(rank, ckpts, out_root, layouts=LAYOUTS, archs=ARCHS):
             logits = forward_logits(model.eval(), groups, ids, torch.arange(7).expand(2, 7),
                                     vocab_size=info.vocab_size)
             export_hf(model, info, groups, os.path.join(out_root, name, arch))
-            results[(name, arch)] = logits
+            results[(name, arch)] = logits.numpy()  # numpy: a tensor would travel as a shared fd that
+            # dies with this process
     return results if rank == 0 else None
 
 
@@ -99,7 +100,7 @@ def runs(ckpts, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(runs, ckpts, layout, arch):
-    got, want = runs[0][(layout, arch)], ckpts[1][arch]
+    got, want = torch.from_numpy(runs[0][(layout, arch)]), ckpts[1][arch]
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= 1e-5
 
@@ -118,7 +119,7 @@ def test_pp2_ep2_four_processes(ckpts, tmp_path):
     """Qwen2-MoE over 4 processes as PP2 x EP2 (each stage's experts over its 2 ranks): logits and export."""
     arch = "Qwen2MoeForCausalLM"
     results = spawn(_job, 4, ckpts[0], str(tmp_path), {"pp2ep2": (1, 2, 2, 1)}, [arch])[0]
-    assert (results[("pp2ep2", arch)] - ckpts[1][arch]).abs().max().item() <= 1e-5
+    assert (torch.from_numpy(results[("pp2ep2", arch)]) - ckpts[1][arch]).abs().max().item() <= 1e-5
     src, out = read_tensors(ckpts[0][arch]), read_tensors(str(tmp_path / "pp2ep2" / arch))
     assert sorted(out) == sorted(src) and all(torch.equal(out[k], t) for k, t in src.items())
 
@@ -185,7 +186,7 @@ def _grouped_job(rank, src, out_root):
         logits[kind] = forward_logits(model.eval(), groups, tokens(), torch.arange(7).expand(2, 7),
                                       vocab_size=info.vocab_size).float()
         export_hf(model, info, groups, os.path.join(out_root, kind), dtype=torch.bfloat16)
-    return logits
+    return {k: v.numpy() for k, v in logits.items()} if rank == 0 else None
 
 
 def test_grouped_experts_module(ckpts, tmp_path):
@@ -194,7 +195,7 @@ def test_grouped_experts_module(ckpts, tmp_path):
     the logits are the per-expert loop's up to bf16 rounding (|logits| ~ 3, bf16 steps 2^-7 there;
     a misplaced expert or a swapped gate/up would move them by O(1))."""
     src = ckpts[0]["Qwen2MoeForCausalLM"]
-    logits = spawn(_grouped_job, 2, src, str(tmp_path))[0]
+    logits = {k: torch.from_numpy(v) for k, v in spawn(_grouped_job, 2, src, str(tmp_path))[0].items()}
     assert (logits["grouped"] - logits["sequential"]).abs().max().item() <= 0.06
     source = read_tensors(src)
     for kind in ("sequential", "grouped"):
@@ -219,7 +220,7 @@ def _value_job(rank, src, out):
     load_value_model(model, src, info, groups, seed=7, std=0.02)
     values = forward_logits(model.eval(), groups, tokens(), torch.arange(7).expand(2, 7))
     export_hf(model, info, groups, out)
-    return values
+    return values.numpy() if rank == 0 else None
 
 
 def test_moe_value_model_exports_as_sequence_classifier(ckpts, tmp_path):
@@ -228,7 +229,7 @@ def test_moe_value_model_exports_as_sequence_classifier(ckpts, tmp_path):
     import transformers
 
     out = str(tmp_path / "critic")
-    values = spawn(_value_job, 2, ckpts[0]["Qwen3MoeForCausalLM"], out)[0]
+    values = torch.from_numpy(spawn(_value_job, 2, ckpts[0]["Qwen3MoeForCausalLM"], out)[0])
     model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
     assert type(model).__name__ == "Qwen3MoeForSequenceClassification"
     with torch.no_grad():
