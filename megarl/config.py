@@ -92,12 +92,28 @@ class SGLangConfig:
 
 
 @dataclass
+class ServerConfig:
+    """Agents in their own code behind an OpenAI endpoint on the engine (megarl/rollout/http_agents.py)."""
+
+    enable: bool = opt(False, "each sample is an agent function that calls /v1/chat/completions on a local port during the rollout")
+    agent: str = opt("", "module:function(sample, base_url) -> reward float or dict (with 'reward'); run once per sample")
+    host: str = opt("127.0.0.1", "address the endpoint binds (keep it local: it has no authentication)")
+    port: int = opt(0, "port the endpoint binds; 0: a free one (each DP rank runs its own)")
+    workers: int = opt(64, "agents running at once (threads)")
+    timeout_s: float = opt(300.0, "wall seconds the agents of one rollout may take; later ones are failed samples")
+    model_name: str = opt("megarl-policy", "the model name calls must send")
+    parser: str = opt("hermes", "tool-call parser turning sampled text into OpenAI tool_calls: hermes or module:function")
+    tool_call_end: str = opt("</tool_call>", "a token that ends a turn besides eos (the call then returns its tool_calls); empty: none")
+
+
+@dataclass
 class RolloutConfig:
     """Generation of responses by the rollout engine."""
 
     engine: Literal["native", "sglang"] = opt("native", "native: decoding on the actor's own Megatron weights; sglang: an SGLang engine per TP group (where installed)")
     multi_turn: MultiTurnConfig = opt(MultiTurnConfig(), "multi-turn rollouts with tools")
     sglang: SGLangConfig = opt(SGLangConfig(), "SGLang engine options (rollout.engine=sglang)")
+    server: ServerConfig = opt(ServerConfig(), "OpenAI-compatible endpoint for agents written as plain code")
     n: int = opt(1, "responses sampled per prompt")
     max_new_tokens: int = opt(16, "response length limit (multi-turn: sampled plus appended tool/user tokens)")
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")

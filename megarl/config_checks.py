@@ -425,6 +425,26 @@ def check_multi_turn(cfg: Config) -> None:
                           "set rollout.multi_turn.overlap_tools=false")
 
 
+def check_server(cfg: Config) -> None:
+    s = cfg.rollout.server
+    if not s.enable:
+        return
+    if ":" not in s.agent:
+        raise ConfigError(f"rollout.server.agent={s.agent!r}: give the agent as module:function(sample, base_url)")
+    if cfg.rollout.multi_turn.enable:
+        raise ConfigError("rollout.server.enable=true with rollout.multi_turn.enable=true: the agent runs its own "
+                          "turns; turn rollout.multi_turn.enable off")
+    if cfg.rollout.engine != "native":
+        raise ConfigError(f"rollout.server needs rollout.engine=native (got {cfg.rollout.engine})")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise ConfigError("rollout.server needs parallel.tp=1 and parallel.pp=1 (one process serves its samples)")
+    if cfg.rollout.ignore_eos:
+        raise ConfigError("rollout.ignore_eos=true with rollout.server.enable=true: a turn would never end")
+    check_counts(s, "rollout.server", ["workers"])
+    check_counts(s, "rollout.server", ["port"], low=0)
+    check_numbers(s, "rollout.server", ["timeout_s"], low=0, strict=True)
+
+
 def _one_line(e: Exception) -> str:
     return " ".join(str(e.args[0] if e.args else e).split())
 
@@ -588,6 +608,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_stop_tokens(cfg, hf)
     check_model_inputs(cfg, hf, "rollout.max_new_tokens", cfg.rollout.max_new_tokens, room=1)
     check_multi_turn(cfg)
+    check_server(cfg)
     check_sglang(cfg)
     check_batches(cfg, world_size)
     check_actor(cfg)

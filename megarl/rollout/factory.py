@@ -19,7 +19,26 @@ def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad
         engine = NativeEngine(actor.module, groups, actor.info.vocab_size, stop_ids, pad_id, engine_options(cfg))
     else:
         engine = _sglang(cfg, actor, groups, stop_ids, pad_id)
+    if cfg.rollout.server.enable:
+        return _server(cfg, engine, tokenizer, stop_ids, pad_id)
     return _agent(cfg, engine, tokenizer, groups) if cfg.rollout.multi_turn.enable else engine
+
+
+def _server(cfg: Config, engine: RolloutEngine, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:
+    from megarl.algos.registry import load_dotted
+    from megarl.rollout.http_agents import HttpAgentRollout
+    from megarl.rollout.turns import single_token_id
+    from megarl.tools import resolve_parser
+
+    s = cfg.rollout.server
+    try:
+        agent = load_dotted(s.agent)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"rollout.server.agent: {e}") from None
+    ends = [single_token_id(tokenizer, s.tool_call_end, "rollout.server.tool_call_end")] if s.tool_call_end else []
+    return HttpAgentRollout(engine, tokenizer, agent, resolve_parser(s.parser), stop_ids, pad_id, host=s.host,
+                            port=s.port, workers=s.workers, timeout_s=s.timeout_s, model_name=s.model_name,
+                            max_len=engine_options(cfg).max_model_len, stop_ids=ends)
 
 
 def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> RolloutEngine:
