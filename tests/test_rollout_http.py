@@ -6,13 +6,11 @@ of this module) call ``http://127.0.0.1:<free port>/samples/<id>/v1``. Checked:
 
 * chat: the answer's ``prompt_token_ids`` are the dataset prompt's ids (the chat template), its
   ``token_ids`` and log-probs are exactly the ids and log-probs the trainer receives
-  (``GenerationResult``), and greedy ids equal ``transformers``' greedy continuation;
-* tool calls: the agent of ``megarl/agents/calculator_http.py`` gets OpenAI ``tool_calls`` (forced by
-  a prompt that ends in ``<tool_call>``... not needed: the SFT model calls it on some prompts), and a
-  two-turn sample's trained sequence is turn 1's prompt + sampled ids + the template's tool context +
+  (``GenerationResult``), 64 sessions at once;
+* tool calls: the agent of ``megarl/agents/calculator_http.py`` gets OpenAI ``tool_calls`` (the SFT
+  model calls the calculator on some samples), runs them and sends the results back; a two-turn sample's trained sequence is turn 1's prompt + sampled ids + the template's tool context +
   turn 2's sampled ids, loss mask 1 exactly at sampled ids;
 * streaming: the SSE chunks rebuild the non-streamed message; logprobs per token;
-* 64 concurrent sessions in one rollout, every one answered;
 * bad requests (malformed JSON, unknown model, too many tokens, a changed temperature) get
   OpenAI-shaped 4xx errors and the rollout goes on; an agent that raises is a failed sample
   (loss mask 0, ``agent_http/failed_frac``).
@@ -46,21 +44,21 @@ def chat_agent(sample, base_url):
 
 
 def stream_agent(sample, base_url):
-    """The same call streamed and not: the chunks must rebuild the message."""
+    """The same greedy call streamed and not: the chunks must rebuild the message."""
     client = _client(base_url)
     plain = client.chat.completions.create(model=MODEL, messages=sample["messages"], logprobs=True)
-    text, calls, finish = "", [], None
+    text, calls, finish, logprobs = "", [], None, []
     for chunk in client.chat.completions.create(model=MODEL, messages=sample["messages"], logprobs=True,
                                                 stream=True):
         for c in chunk.choices:
             text += c.delta.content or ""
-            calls += [t.function.name for t in c.delta.tool_calls or []]
+            calls += [(t.function.name, t.function.arguments) for t in c.delta.tool_calls or []]
+            logprobs += [t.logprob for t in (c.logprobs.content if c.logprobs else None) or []]
             finish = c.finish_reason or finish
-    m = plain.choices[0].message
-    return {"same": (text or None, calls, finish) == (m.content or (None if m.tool_calls else ""),
-                                                     [t.function.name for t in m.tool_calls or []],
-                                                     plain.choices[0].finish_reason) or (text == (m.content or "")
-                                                                                         and finish == plain.choices[0].finish_reason)}
+    m, choice = plain.choices[0].message, plain.choices[0]
+    want_calls = [(t.function.name, t.function.arguments) for t in m.tool_calls or []]
+    return {"stream": [text, calls, finish], "plain": [m.content or "", want_calls, choice.finish_reason],
+            "logprobs": [logprobs, [t.logprob for t in choice.logprobs.content]] if not m.tool_calls else None}
 
 
 def _post(url, data: bytes):
@@ -93,6 +91,8 @@ def _run(rank):
     from megarl.config import Config
     from megarl.data import PromptBatch, PromptDataConfig, load_prompt_dataset
     from megarl.data.tokenizer import load_tokenizer
+    from megarl.tools import parse_hermes
+    from megarl.tools.calculator import calculate
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.roles.build import build_actor
     from megarl.rollout.engine import SamplingParams, sample_requests
@@ -144,3 +144,63 @@ def test_chat_ids_and_logprobs_are_what_the_trainer_gets(run):
         assert got["token_ids"] == response and mask == [1] * len(response)
         assert got["logprobs"] == pytest.approx(logprobs, abs=1e-6)
         assert all(lp <= 0.0 for lp in logprobs)
+
+
+def test_tool_calls_train_the_sampled_ids_and_the_template_context(run):
+    """The calculator agent: samples that called the tool have two turns; the trained response is
+    turn 1's sampled ids (ending in </tool_call>), the tool context (mask 0), turn 2's sampled ids."""
+    results, stats = run["tools"]
+    assert stats["agent_http/failed_frac"] == 0.0 and stats["agent_http/chain_resets_mean"] == 0.0
+    two = [r for r in results if r[6]["calls"] == 2]
+    assert 0 < len(two) < len(results)  # the SFT model calls the calculator on some samples only
+    right = 0
+    from megarl.rewards import math_answer_reward
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.tools import parse_hermes
+    from megarl.tools.calculator import calculate
+
+    tok = load_tokenizer("megarl/assets/tiny_tools/sft")
+    end = tok.convert_tokens_to_ids("</tool_call>")
+    for key, prompt, response, logprobs, mask, finish, extra in two:
+        first = mask.index(0)
+        assert response[first - 1] == end and all(mask[:first])
+        context_end = first + mask[first:].index(1)
+        context = tok.decode(response[first:context_end])
+        assert context.startswith("<|im_end|>\n<|im_start|>tool\n") and context.endswith("<|im_start|>assistant\n")
+        assert all(mask[context_end:]) and extra["final_turn_ids"] == response[context_end:]
+        assert all(lp == 0.0 for lp in logprobs[first:context_end])
+        a = run["answers"][key // 4]
+        right += math_answer_reward(tok.decode(extra["final_turn_ids"], skip_special_tokens=True), a)
+        (call,), _ = parse_hermes(tok.decode(response[:first]))
+        assert context.split("\n")[2].removesuffix("<|im_end|>") == calculate(call.arguments["expression"])
+    assert right >= 0.6 * len(two)
+
+
+def test_streaming_rebuilds_the_message(run):
+    results, stats = run["stream"]
+    assert stats["agent_http/failed_frac"] == 0.0
+    for r in results:
+        got = r[6]["agent_result"]
+        assert got["stream"] == got["plain"] and got["plain"][0] or got["plain"][1]
+        if got["logprobs"] is not None:
+            # two calls of one prompt: the same tokens; log-probs to float32 rounding (the second call
+            # reads the first's K/V pages from the prefix cache)
+            assert got["logprobs"][0] == pytest.approx(got["logprobs"][1], abs=1e-4) and got["logprobs"][0]
+
+
+def test_bad_requests_get_openai_errors_and_failing_agents_are_failed_samples(run):
+    results, stats = run["bad"]
+    assert stats["agent_http/failed_frac"] == 0.5 and stats["agent_http/bad_requests"] == 4 * 5
+    for key, prompt, response, logprobs, mask, finish, extra in results:
+        if key % 2:
+            assert finish == "failed" and not any(mask) and "agent bug" in extra["agent_error"]
+            continue
+        got = extra["agent_result"]
+        codes = {k: got[k][0] for k in ("json", "model", "tokens", "temperature", "n")}
+        assert codes == {"json": 400, "model": 404, "tokens": 400, "temperature": 400, "n": 400}
+        assert got["model"][1]["error"]["code"] == "model_not_found"
+        assert got["tokens"][1]["error"]["code"] == "context_length_exceeded"
+        status, body = got["ok"]
+        assert status == 200 and len(body["choices"]) == 2
+        assert all(len(c["token_ids"]) <= 4 for c in body["choices"])
+        assert response == body["choices"][0]["token_ids"] and all(mask)  # choice 0 is the trajectory

@@ -130,20 +130,16 @@ def chat_body(state, results: list[GenerationResult], prompt_len: int, logprobs:
 
 def chat_chunks(payload: dict) -> list[dict]:
     """A finished chat completion as ``chat.completion.chunk`` objects: per choice its role, its content
-    token by token (with its log-prob when asked), its tool calls, its finish reason; then the usage."""
+    (with every token's log-prob when asked), its tool calls, its finish reason; then the usage."""
     head = {k: payload[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     chunks = []
     for c in payload["choices"]:
         j, msg = c["index"], c["message"]
         chunks.append(head | {"choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                            "finish_reason": None}]})
-        tokens = (c["logprobs"] or {}).get("content") or []
-        if msg.get("content") and tokens and "tool_calls" not in msg:
-            for t in tokens:
-                chunks.append(head | {"choices": [{"index": j, "delta": {"content": t["token"]},
-                                                   "logprobs": {"content": [t]}, "finish_reason": None}]})
-        elif msg.get("content"):
-            chunks.append(head | {"choices": [{"index": j, "delta": {"content": msg["content"]}, "finish_reason": None}]})
+        if msg.get("content"):
+            chunks.append(head | {"choices": [{"index": j, "delta": {"content": msg["content"]},
+                                               "logprobs": c["logprobs"], "finish_reason": None}]})
         for k, call in enumerate(msg.get("tool_calls") or []):
             chunks.append(head | {"choices": [{"index": j, "delta": {"tool_calls": [{"index": k, **call}]},
                                                "finish_reason": None}]})
