@@ -13,12 +13,13 @@ of this module) call ``http://127.0.0.1:<free port>/samples/<id>/v1``. Checked:
 * streaming: the SSE chunks rebuild the non-streamed message; logprobs per token;
 * bad requests (malformed JSON, unknown model, too many tokens, a changed temperature) get
   OpenAI-shaped 4xx errors and the rollout goes on; an agent that raises is a failed sample
-  (loss mask 0, ``agent_http/failed_frac``).
+  (loss mask 0, ``agent_http/failed_frac``), and so is one past ``rollout.server.timeout_s``.
 Not covered: TP/PP (refused at config time), a GPU, the throughput of the endpoint.
 """
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -28,6 +29,7 @@ from dist_helpers import spawn
 
 openai = pytest.importorskip("openai")
 MODEL = "megarl-policy"
+TIMEOUT_S, SLOW_S = 8.0, 16.0  # the bad-request rollout's agent time limit, and the slow agent's sleep
 
 
 def _client(base_url):
@@ -81,6 +83,8 @@ def bad_agent(sample, base_url):
     out["ok"] = _post(url, json.dumps({**good, "n": 2, "max_tokens": 4}).encode())
     if sample["key"] % 2:
         raise RuntimeError("agent bug")
+    if sample["key"] == 2:
+        time.sleep(SLOW_S)  # past rollout.server.timeout_s
     return out
 
 
@@ -123,6 +127,7 @@ def _run(rank):
     out["chat"] = rollout(chat_agent, 64)
     out["tools"] = rollout(solve, 16, n=4, temperature=1.0)
     out["stream"] = rollout(stream_agent, 4)
+    engine.timeout_s = TIMEOUT_S
     out["bad"] = rollout(bad_agent, 4)
     engine.close()
     return out
@@ -190,10 +195,14 @@ def test_streaming_rebuilds_the_message(run):
 
 def test_bad_requests_get_openai_errors_and_failing_agents_are_failed_samples(run):
     results, stats = run["bad"]
-    assert stats["agent_http/failed_frac"] == 0.5 and stats["agent_http/bad_requests"] == 4 * 5
+    assert stats["agent_http/failed_frac"] == 0.75 and stats["agent_http/bad_requests"] == 4 * 5
     for key, prompt, response, logprobs, mask, finish, extra in results:
         if key % 2:
             assert finish == "failed" and not any(mask) and "agent bug" in extra["agent_error"]
+            continue
+        if key == 2:  # timed out: its calls were answered, but the sample trains nothing
+            assert finish == "failed" and not any(mask) and extra["agent_error"] == "timed out"
+            assert extra["calls"] == 1 and len(response) <= 4
             continue
         got = extra["agent_result"]
         codes = {k: got[k][0] for k in ("json", "model", "tokens", "temperature", "n")}
