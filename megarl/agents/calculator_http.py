@@ -35,8 +35,11 @@ def run_tool(name: str, arguments: str) -> str:
         return f"error: {e}"
 
 
+_CLIENT = OpenAI(base_url="http://127.0.0.1/v1", api_key="local", max_retries=0, timeout=120)
+
+
 def solve(sample: dict, base_url: str) -> None:
-    client = OpenAI(base_url=base_url, api_key="local", max_retries=0, timeout=120)
+    client = _CLIENT.with_options(base_url=base_url)  # one connection pool for every sample
     messages = list(sample["messages"])
     for _ in range(MAX_TURNS):
         reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR])
