@@ -536,29 +536,6 @@ def check_data(cfg: Config) -> None:
             raise ConfigError(f"{key}.metric={s.metric!r}: {_one_line(e)}") from None
 
 
-def check_replay_steps(cfg: Config, world_size: int) -> None:
-    """trainer.replay_rollouts holds a dump of every step 1..trainer.steps for every DP rank: checked
-    up front, so a replay never stops half-way through the run (and its trained steps)."""
-    replay = cfg.trainer.replay_rollouts
-    if not replay:
-        return
-    from megarl.trainer.dump import dump_path
-
-    p = cfg.parallel
-    dp = world_size // (p.tp * p.pp * p.cp)
-    missing = next(((step, r) for step in range(1, cfg.trainer.steps + 1) for r in range(dp)
-                    if not os.path.isfile(dump_path(replay, step, r))), None)
-    if missing is None:
-        return
-    step, rank = missing
-    if step == 1:
-        raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step 1 for data-parallel rank {rank}; "
-                          f"replay with the data-parallel size it was dumped with")
-    raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step {step} for data-parallel rank "
-                      f"{rank} (dumped: steps 1..{step - 1}); set trainer.steps={step - 1} or fewer, or dump "
-                      f"more steps with the same data-parallel size")
-
-
 def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room: int) -> None:
     """The tokenizer directory holds a vocabulary whose ids the model's embedding covers, and
     ``length`` (config key ``length_key``) leaves ``room`` of the model's positions free."""
@@ -622,17 +599,6 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_trainer(cfg)
     check_paths(cfg)
     check_data(cfg)
-    check_replay_steps(cfg, world_size)
-    return hf
-
-
-def validate_run(cfg: Config, world_size: int) -> dict:
-    """:func:`validate`, then the run directory: resuming a run of another config is refused
-    (megarl/trainer/run_config.py; trainer.resume=force overrides). For launch/ppo.py and `megarl train`."""
-    from megarl.trainer.run_config import check_resume
-
-    hf = validate(cfg, world_size)
-    check_resume(cfg)
     return hf
 
 
