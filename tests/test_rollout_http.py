@@ -80,6 +80,10 @@ def bad_agent(sample, base_url):
            "tokens": _post(url, json.dumps({**good, "max_tokens": 10_000}).encode()),
            "temperature": _post(url, json.dumps({**good, "temperature": 0.3}).encode()),
            "n": _post(url, json.dumps({**good, "n": 0}).encode())}
+    try:
+        _client(base_url).chat.completions.create(model=MODEL, messages=sample["messages"], max_tokens=10_000)
+    except openai.BadRequestError as e:
+        out["client_error"] = [e.status_code, e.code]
     out["ok"] = _post(url, json.dumps({**good, "n": 2, "max_tokens": 4}).encode())
     if sample["key"] % 2:
         raise RuntimeError("agent bug")
@@ -195,7 +199,7 @@ def test_streaming_rebuilds_the_message(run):
 
 def test_bad_requests_get_openai_errors_and_failing_agents_are_failed_samples(run):
     results, stats = run["bad"]
-    assert stats["agent_http/failed_frac"] == 0.75 and stats["agent_http/bad_requests"] == 4 * 5
+    assert stats["agent_http/failed_frac"] == 0.75 and stats["agent_http/bad_requests"] == 4 * 6
     for key, prompt, response, logprobs, mask, finish, extra in results:
         if key % 2:
             assert finish == "failed" and not any(mask) and "agent bug" in extra["agent_error"]
@@ -209,6 +213,7 @@ def test_bad_requests_get_openai_errors_and_failing_agents_are_failed_samples(ru
         assert codes == {"json": 400, "model": 404, "tokens": 400, "temperature": 400, "n": 400}
         assert got["model"][1]["error"]["code"] == "model_not_found"
         assert got["tokens"][1]["error"]["code"] == "context_length_exceeded"
+        assert got["client_error"] == [400, "context_length_exceeded"]  # what the openai client raises
         status, body = got["ok"]
         assert status == 200 and len(body["choices"]) == 2
         assert all(len(c["token_ids"]) <= 4 for c in body["choices"])

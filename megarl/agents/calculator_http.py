@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from megarl.tools.calculator import calculate
 
@@ -42,7 +42,12 @@ def solve(sample: dict, base_url: str) -> None:
     client = _CLIENT.with_options(base_url=base_url)  # one connection pool for every sample
     messages = list(sample["messages"])
     for _ in range(MAX_TURNS):
-        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR])
+        try:
+            reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR])
+        except BadRequestError as e:
+            if e.code == "context_length_exceeded":  # the sample's token budget is spent: it ends here
+                return None
+            raise
         message = reply.choices[0].message
         if not message.tool_calls:
             return None
