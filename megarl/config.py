@@ -97,6 +97,8 @@ class ServerConfig:
 
     enable: bool = opt(False, "each sample is an agent function that calls /v1/chat/completions on a local port during the rollout")
     agent: str = opt("", "module:function(sample, base_url) -> reward float or dict (with 'reward'); run once per sample")
+    environment: str = opt("", "instead of agent: a gym-style environment class module:Name (reset(sample) -> messages, step(messages) -> (observation messages, reward, done)), one per sample, driven by megarl/agents/environment.py")
+    max_turns: int = opt(4, "model turns per environment episode (rollout.server.environment)")
     host: str = opt("127.0.0.1", "address the endpoint binds (keep it local: it has no authentication)")
     port: int = opt(0, "port the endpoint binds; 0: a free one (each DP rank runs its own)")
     workers: int = opt(64, "agents running at once (threads)")

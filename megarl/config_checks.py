@@ -429,8 +429,12 @@ def check_server(cfg: Config) -> None:
     s = cfg.rollout.server
     if not s.enable:
         return
-    if ":" not in s.agent:
-        raise ConfigError(f"rollout.server.agent={s.agent!r}: give the agent as module:function(sample, base_url)")
+    if bool(s.agent) == bool(s.environment):
+        raise ConfigError("rollout.server: set exactly one of agent (module:function(sample, base_url)) and "
+                          "environment (module:Name with reset/step)")
+    spec = s.agent or s.environment
+    if ":" not in spec:
+        raise ConfigError(f"rollout.server: {spec!r} must be module:name")
     if cfg.rollout.multi_turn.enable:
         raise ConfigError("rollout.server.enable=true with rollout.multi_turn.enable=true: the agent runs its own "
                           "turns; turn rollout.multi_turn.enable off")
@@ -440,7 +444,7 @@ def check_server(cfg: Config) -> None:
         raise ConfigError("rollout.server needs parallel.tp=1 and parallel.pp=1 (one process serves its samples)")
     if cfg.rollout.ignore_eos:
         raise ConfigError("rollout.ignore_eos=true with rollout.server.enable=true: a turn would never end")
-    check_counts(s, "rollout.server", ["workers"])
+    check_counts(s, "rollout.server", ["workers", "max_turns"])
     check_counts(s, "rollout.server", ["port"], low=0)
     check_numbers(s, "rollout.server", ["timeout_s"], low=0, strict=True)
 

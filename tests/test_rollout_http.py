@@ -130,6 +130,11 @@ def _run(rank):
     out = {"prompts": [it.prompt_ids for it in items], "answers": [it.answer for it in items]}
     out["chat"] = rollout(chat_agent, 64)
     out["tools"] = rollout(solve, 16, n=4, temperature=1.0)
+    from functools import partial
+
+    from megarl.agents.calculator_env import CalculatorEnv
+    from megarl.agents.environment import run_episode
+    out["env"] = rollout(partial(run_episode, CalculatorEnv, max_turns=2, model=MODEL), 16, n=2, temperature=1.0)
     out["stream"] = rollout(stream_agent, 4)
     engine.timeout_s = TIMEOUT_S
     out["bad"] = rollout(bad_agent, 4)
@@ -218,3 +223,23 @@ def test_bad_requests_get_openai_errors_and_failing_agents_are_failed_samples(ru
         assert status == 200 and len(body["choices"]) == 2
         assert all(len(c["token_ids"]) <= 4 for c in body["choices"])
         assert response == body["choices"][0]["token_ids"] and all(mask)  # choice 0 is the trajectory
+
+
+def test_environment_episodes_reward_the_final_turn_token_in_token_out(run):
+    """rollout.server.environment: the calculator task as reset/step; the episode's reward is the math
+    reward of its last assistant turn, and the trained ids are sampled (mask 1) + observations (mask 0)."""
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.rewards import math_answer_reward
+
+    tok = load_tokenizer("megarl/assets/tiny_tools/sft")
+    results, stats = run["env"]
+    assert stats["agent_http/failed_frac"] == 0.0
+    turns = [r[6]["agent_result"]["turns"] for r in results]
+    assert 1 in turns and 2 in turns
+    for key, prompt, response, logprobs, mask, finish, extra in results:
+        final = tok.decode(extra["final_turn_ids"], skip_special_tokens=True)
+        done = extra["agent_result"]["done"]
+        assert extra["agent_reward"] == (math_answer_reward(final, run["answers"][key // 2]) if done else 0.0)
+        assert prompt == run["prompts"][key // 2]
+        assert (0 in mask) == (extra["calls"] == 2)  # a second turn follows the tool observation's context
+        assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if m == 0)

@@ -76,8 +76,11 @@ def test_a_rewritten_history_is_a_new_root_and_failures_train_nothing(tok):
 def test_server_config_is_checked():
     cfg = Config()
     cfg.rollout.server.enable = True
-    with pytest.raises(ConfigError, match="rollout.server.agent"):
+    with pytest.raises(ConfigError, match="exactly one of agent"):
         check_server(cfg)
+    cfg.rollout.server.environment = "m:Env"
+    check_server(cfg)
+    cfg.rollout.server.environment = ""
     cfg.rollout.server.agent = "m:f"
     cfg.parallel.tp = 2
     with pytest.raises(ConfigError, match="parallel.tp=1"):
@@ -88,3 +91,13 @@ def test_server_config_is_checked():
         check_server(cfg)
     cfg.rollout.multi_turn.enable = False
     check_server(cfg)
+
+
+def test_agent_reward_term_reads_what_the_agent_returned():
+    from megarl.rewards.registry import get_reward
+
+    term = get_reward("agent")
+    assert term("p", "r", None, {"agent_failed": False, "agent_reward": 0.25}) == 0.25
+    assert term("p", "r", None, {"agent_failed": True}) == 0.0
+    with pytest.raises(ValueError, match="rollout.server"):
+        term("p", "r", None, {})

@@ -31,10 +31,17 @@ def _server(cfg: Config, engine: RolloutEngine, tokenizer, stop_ids: list[int], 
     from megarl.tools import resolve_parser
 
     s = cfg.rollout.server
+    key = "agent" if s.agent else "environment"
     try:
-        agent = load_dotted(s.agent)
+        agent = load_dotted(getattr(s, key))
     except (ValueError, ImportError, AttributeError) as e:
-        raise ConfigError(f"rollout.server.agent: {e}") from None
+        raise ConfigError(f"rollout.server.{key}: {e}") from None
+    if key == "environment":
+        from functools import partial
+
+        from megarl.agents.environment import run_episode
+
+        agent = partial(run_episode, agent, max_turns=s.max_turns, model=s.model_name)
     ends = [single_token_id(tokenizer, s.tool_call_end, "rollout.server.tool_call_end")] if s.tool_call_end else []
     return HttpAgentRollout(engine, tokenizer, agent, resolve_parser(s.parser), stop_ids, pad_id, host=s.host,
                             port=s.port, workers=s.workers, timeout_s=s.timeout_s, model_name=s.model_name,

@@ -61,8 +61,7 @@ def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: Sampli
         responses=tokenizer.batch_decode([r.extra.get("final_turn_ids", r.response_ids) for r in results],
                                          skip_special_tokens=True),
         answers=[it.answer for it in items],
-        extras=[{**it.extra, "trajectory": r.extra["trajectory"]} if "trajectory" in r.extra else it.extra
-                for it, r in zip(items, results)],
+        extras=[{**it.extra, **{k: r.extra[k] for k in _CARRIED if k in r.extra}} for it, r in zip(items, results)],
         group_ids=torch.tensor([it.index for it in items], device=device),
         finish_reasons=[r.finish_reason for r in results],
     )
@@ -75,6 +74,7 @@ def bind_items(engine, items: dict) -> None:
                            for k, it in items.items()})
 
 
+_CARRIED = ("trajectory", "agent_reward", "agent_failed")  # result fields rewards read (multi-turn, rollout.server)
 _TEXTS = ("prompts", "responses", "answers", "extras", "finish_reasons")
 
 
