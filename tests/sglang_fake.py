@@ -192,3 +192,9 @@ class FakeEngine:
 
     def shutdown(self):
         self.calls.append(("shutdown", {}))
+
+
+class SlowFakeEngine(FakeEngine):
+    """Takes longer to start than the collective timeout of the start-timeout test."""
+
+    delay_s = 6.0
