@@ -1,6 +1,8 @@
 """The rollout engine a run asks for (``rollout.engine``), wrapped for multi-turn when enabled."""
 from __future__ import annotations
 
+import torch.distributed
+
 from megarl.errors import ConfigError
 from megarl.config import Config
 from megarl.rollout.engine import RolloutEngine
@@ -32,9 +34,14 @@ def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> Rol
 
     s = cfg.rollout.sglang
     options = SGLangOptions(
-        model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=cfg.model.dtype,
+        model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=s.dtype,
         seed=cfg.rollout.seed, deterministic=s.deterministic, enable_memory_saver=s.enable_memory_saver,
-        max_running_requests=s.max_running_requests, update_bucket_mb=s.update_bucket_mb)
+        weights_cpu_backup=s.weights_cpu_backup, max_running_requests=s.max_running_requests,
+        update_bucket_mb=s.update_bucket_mb, start_timeout_s=s.start_timeout_s)
+    if cfg.model.dtype != s.dtype and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"rollout.engine=sglang samples in rollout.sglang.dtype={s.dtype} while the actor trains in "
+              f"model.dtype={cfg.model.dtype} (algorithm.rollout_correction.preset=sglang corrects for it)",
+              flush=True)
     return SGLangEngine(actor.module, groups, actor.info, stop_ids, options)  # SGLang needs no pad id
 
 
