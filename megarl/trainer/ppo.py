@@ -151,6 +151,7 @@ class PPOTrainer:
                                   f"{self.cfg.data.train_path}); pick a new trainer.run_dir for new data, or set "
                                   f"trainer.resume=false to start over") from None
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.engine.update_weights()  # the engine started on other weights (SGLang: dummy ones); sample from these
         if self.rank0:
             print(f"resumed from step {self.step}" + (f" (trainer.resume=force: {'; '.join(forced)})" if forced
                                                       else ""), flush=True)
