@@ -10,26 +10,26 @@ model are 256 B (norms) to 32 KiB (gate/up/down), so buckets both pack several
 tensors and hold a single over-limit tensor alone; no bucket of two or more
 tensors may exceed the limit.
 
-Control flow. ``FakeEngine`` has the method and parameter names of SGLang
-0.5.23's Engine for everything the adapter calls (test_rollout_sglang_api.py
-checks it against the manifest), answers in its formats (result dicts with
-``output_ids`` and ``meta_info`` holding ``finish_reason`` {"type": ...} and
-``output_token_logprobs`` as (logprob, token id, None)), and enforces its
-preconditions (weight updates only inside begin/end_weight_update; no resume
-of a tag that was not released; no generate or update into released memory).
-Expected: the fake is built once, on TP rank 0 only (``tp_size`` = TP); each
-request becomes one SGLang request, in order, with its own seed as
-``sampling_seed`` (requests given in an order that is not by prompt, two per
-prompt), its own ``max_new_tokens``, stops = eos + params' stops; results come
-in request order under the requests' keys with the fake's ids, log-probs and
-finish types ("stop" and "length" both occur) and are identical on both TP
-ranks; every weight sync sends exactly the
-stream's buckets in order, then flushes; release frees all three memory tags,
-a weight sync re-maps "weights" only, resume_memory the rest, and a generate
-after release_memory re-maps all three first.
+Control flow, against ``tests/sglang_fake.py`` (SGLang 0.5.23's names, formats
+and behaviours; see its docstring). Expected: the fake is built once, on TP
+rank 0 only (``tp_size`` = TP, bfloat16, dummy weights); each request becomes
+one SGLang request, in order, with its own seed as ``sampling_seed`` (requests
+given in an order that is not by prompt, two per prompt), its own
+``max_new_tokens``, stops = eos + params' stops; results come in request order
+under the requests' keys with the fake's ids, log-probs and finish types
+("stop" and "length" both occur) and are identical on both TP ranks. Weights:
+streamed before the first generate and again after every release (no CPU
+backup), each sync exactly the bfloat16 stream's buckets in order, then a
+flush; every tensor carries one payload per TP worker and worker i read TP rank
+i's. Memory: a flush before each release of all three tags; a resume re-maps
+"weights" first, then "kv_cache" and "cuda_graph". Process: the fake changed
+rank 0's environment, start method, SIGQUIT handler, logging and gc as SGLang
+does (NCCL_ALGO too, at TP2 with deterministic inference); after the start
+each rank's process state equals its state before.
 
 Not covered: a real SGLang (see megarl/rollout/sglang.py for what only a GPU
-run with SGLang verifies), the consecutive-GPU check (CUDA only), PP > 1.
+run with SGLang verifies), the consecutive-GPU check (CUDA only), PP > 1, the
+scenarios across steps (test_rollout_sglang_lifecycle.py).
 """
 import io
 import os
