@@ -38,6 +38,7 @@ setup(
         "tqdm",
         "pyarrow",
         "redis>=5",  # client for reward.cache=redis (pure Python)
+        "datasets",  # prompt sets from save_to_disk directories and hub names (megarl/data/sources.py)
     ],
     entry_points={"console_scripts": ["megarl = megarl.launcher:main"]},  # megarl train CONFIG.yaml --nproc N
     extras_require={

@@ -158,12 +158,35 @@ def resolve_yaml_paths(tree: dict, yaml_path: str, keys) -> None:
     it stays as written (a hub id, or a missing file the checks name)."""
     base = os.path.dirname(yaml_path)
     for key in keys:
-        value = _get_dotted(tree, key)
-        if not isinstance(value, str) or not value or os.path.isabs(value) or os.path.exists(value):
+        if "[]." in key:  # "data.train_mix[].path": that field of every entry of a list
+            list_key, field = key.split("[].", 1)
+            entries = _get_dotted(tree, list_key)
+            for entry in entries if isinstance(entries, list) else []:
+                if isinstance(entry, dict) and _beside_yaml(entry.get(field), base):
+                    entry[field] = _beside_yaml(entry[field], base)
             continue
-        beside = os.path.normpath(os.path.join(base, value))
-        if os.path.exists(beside):
+        beside = _beside_yaml(_get_dotted(tree, key), base)
+        if beside:
             _set_dotted(tree, key, beside)
+
+
+def _beside_yaml(value: Any, base: str) -> str | None:
+    """``value`` under the yaml's directory ``base`` when it is a relative path that exists there and
+    not in the working directory; else None."""
+    if not isinstance(value, str) or not value or os.path.isabs(value) or os.path.exists(value):
+        return None
+    beside = os.path.normpath(os.path.join(base, value))
+    return beside if os.path.exists(beside) else None
+
+
+def add_import_dirs(yaml_path: str | None) -> None:
+    """The working directory and the yaml's directory go on ``sys.path`` (after what is there), so
+    ``module:function`` extension points (rewards, row maps, metrics, tools) import on every rank
+    without ``PYTHONPATH``."""
+    dirs = [os.getcwd()] + ([os.path.dirname(os.path.abspath(yaml_path))] if yaml_path else [])
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.append(d)
 
 
 def load_config(argv: list[str], cls):
@@ -180,6 +203,7 @@ def load_config(argv: list[str], cls):
         yaml_path = args.pop(0)
         tree = read_yaml(yaml_path)
         resolve_yaml_paths(tree, yaml_path, getattr(cls, "INPUT_PATH_KEYS", ()))
+    add_import_dirs(yaml_path)
     for text in args:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)

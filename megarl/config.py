@@ -29,7 +29,7 @@ def opt(default: Any, doc: str):
 class ModelConfig:
     """The policy model (actor, and reference unless ref.path is set)."""
 
-    path: str = opt(f"{ASSETS}/sft", "Hugging Face model directory (config.json + safetensors)")
+    path: str = opt(f"{ASSETS}/sft", "Hugging Face model directory (config.json + safetensors) or hub id (org/name[@revision]), fetched into the HF cache")
     tokenizer: Optional[str] = opt(None, "tokenizer directory; default: model.path")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype")
     attention_backend: Literal["sdpa", "local"] = opt("sdpa", "core attention: PyTorch SDPA or megatron's unfused softmax")
@@ -259,11 +259,54 @@ class AlgorithmConfig:
 
 
 @dataclass
+class DataSource:
+    """One training set of data.train_mix."""
+
+    path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
+    weight: float = opt(1.0, "share of the training samples drawn from this set (the weights are normalized)")
+    split: str = opt("train", "split of a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset (e.g. main for openai/gsm8k)")
+    prompt_key: Optional[str] = opt(None, "this set's prompt column; default data.prompt_key")
+    answer_key: Optional[str] = opt(None, "this set's ground-truth column; default data.answer_key")
+    row_map: Optional[str] = opt(None, "this set's module:function row map; default data.row_map")
+
+
+@dataclass
+class EvalSet:
+    """One named evaluation set (data.eval_sets): logged as eval/<name>/pass@k and eval/<name>/mean@n."""
+
+    name: str = opt("", "the set's name in the metrics: eval/<name>/...")
+    path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
+    split: str = opt("test", "split of a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset")
+    prompt_key: Optional[str] = opt(None, "this set's prompt column; default data.prompt_key")
+    answer_key: Optional[str] = opt(None, "this set's ground-truth column; default data.answer_key")
+    row_map: Optional[str] = opt(None, "this set's module:function row map; default data.row_map")
+    n: int = opt(1, "samples per prompt")
+    temperature: float = opt(0.0, "sampling temperature; 0: greedy (then n must be 1)")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    k: list[int] = opt([], "pass@k logged for each k (each <= n); empty: 1 and n")
+    metric: str = opt("math", "scores a sample: a registered reward (math, format, ...) or module:function with the reward signature")
+    metric_kwargs: dict = opt({}, "keyword arguments for the metric function")
+    pass_threshold: float = opt(1.0, "a sample counts as solved for pass@k when its score is >= this")
+    limit: int = opt(0, "prompts evaluated (the first ones); 0: all")
+    max_new_tokens: int = opt(0, "response length limit; 0: rollout.max_new_tokens")
+
+
+@dataclass
 class DataConfig:
     """Prompt data."""
 
-    train_path: str = opt(f"{ASSETS}/train.jsonl", "JSONL or Parquet prompts: prompt | messages, answer, extra")
-    eval_path: Optional[str] = opt(f"{ASSETS}/test.jsonl", "held-out prompts for accuracy; unset: no eval")
+    train_path: str = opt(f"{ASSETS}/train.jsonl", "prompts: a .jsonl / .json / .parquet file (prompt | messages, answer, extra), a datasets save_to_disk directory or a hub dataset name")
+    eval_path: Optional[str] = opt(f"{ASSETS}/test.jsonl", "held-out prompts for accuracy (eval/accuracy, greedy, math answer); unset: none")
+    train_split: str = opt("train", "split of train_path when it is a saved DatasetDict or a hub dataset")
+    eval_split: str = opt("test", "split of eval_path when it is a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset in train_path / eval_path (e.g. main)")
+    train_mix: list[DataSource] = opt([], "several training sets mixed by weight, each {path, weight, split, subset, prompt_key, answer_key, row_map}; when set, train_path is not read")
+    eval_sets: list[EvalSet] = opt([], "named evaluation sets, each {name, path, split, subset, prompt_key, answer_key, row_map, n, temperature, top_p, k, metric, metric_kwargs, pass_threshold, limit, max_new_tokens}: eval/<name>/pass@k, mean@n")
+    prompt_key: str = opt("prompt", "column holding the prompt text (or chat messages), e.g. question (GSM8K) or problem (MATH)")
+    answer_key: str = opt("answer", "column holding the ground truth, e.g. answer (GSM8K, '#### 42') or solution (MATH, \\boxed{})")
+    row_map: str = opt("", "module:function(row: dict) -> dict with prompt (or messages), answer and other fields; replaces prompt_key / answer_key")
     batch_size: int = opt(32, "prompts per PPO step (global, all DP ranks)")
     max_prompt_len: int = opt(64, "longer prompts are filtered out and counted")
     apply_chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
@@ -298,6 +341,7 @@ class TrainerConfig:
     eval_every: int = opt(0, "held-out evaluation every N steps; 0: before and after only")
     eval_samples: int = opt(0, "held-out prompts evaluated; 0: all")
     export_hf: bool = opt(True, "write the final actor as a Hugging Face directory")
+    export_every: int = opt(0, "also write the actor as a Hugging Face directory RUN_DIR/exports/step_N every N steps (LoRA merged); 0: never")
     tensorboard: bool = opt(True, "write TensorBoard events")
     monitor_interval_s: float = opt(2.0, "resource monitor: seconds between CPU/RAM/GPU samples, logged per step as resources/*; 0 disables")
     dump_rollouts: Optional[str] = opt(None, "write each step's rollout batch to this directory")
@@ -339,5 +383,6 @@ class Config:
 
     # inputs a yaml names relative to itself when not found from the working directory (megarl.cli)
     INPUT_PATH_KEYS = ("model.path", "model.tokenizer", "critic.path", "ref.path", "reward.model.path",
-                       "data.train_path", "data.eval_path", "sft.train_path", "trainer.replay_rollouts")
+                       "data.train_path", "data.eval_path", "sft.train_path", "trainer.replay_rollouts",
+                       "data.train_mix[].path", "data.eval_sets[].path")
     RUN_DIR_KEY = "trainer.run_dir"  # default: runs/<yaml file name> (megarl.cli.load_config)

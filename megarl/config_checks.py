@@ -15,7 +15,9 @@ from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutCo
 from megarl.algos.advantages import get_advantage
 from megarl.algos.rollout_correction import from_section as correction_from_section, keys_read
 from megarl.algos.losses import get_policy_loss
+from megarl.algos.registry import load_dotted
 from megarl.data.tokenizer import check_tokenizer_dir, check_vocab_fits
+from megarl.models.hub import resolve_hub_models
 from megarl.rewards.registry import get_reward
 
 GROUP_ADVANTAGES = {"grpo", "rloo", "reinforce_pp_baseline"}
@@ -294,6 +296,7 @@ def check_trainer(cfg: Config) -> None:
     t = cfg.trainer
     check_counts(t, "trainer", ["steps", "keep_last"])
     check_counts(t, "trainer", ["save_every", "eval_every", "eval_samples", "max_bad_updates"], low=0)
+    check_counts(t, "trainer", ["export_every"], low=0)
     check_numbers(t, "trainer", ["monitor_interval_s"], low=0)
     check_numbers(t, "trainer", ["collective_timeout_s"], low=0, strict=True)
     if 0 < t.monitor_interval_s < 0.1:
@@ -451,14 +454,69 @@ def check_paths(cfg: Config) -> None:
     if replay and (not Path(replay).is_dir() or not any(Path(replay).glob("step_*_dp*.pt"))):
         raise ConfigError(f"trainer.replay_rollouts: '{replay}' holds no dumped rollouts (step_*_dp*.pt); "
                           f"dump them first with trainer.rollout_only=true trainer.dump_rollouts={replay}")
-    if not Path(cfg.data.train_path).is_file():
+    if not cfg.data.train_mix and not data_source_found(cfg.data.train_path):
         raise ConfigError(f"data.train_path: '{cfg.data.train_path}' not found")
-    if cfg.data.eval_path and not Path(cfg.data.eval_path).is_file():
+    if cfg.data.eval_path and not data_source_found(cfg.data.eval_path):
         raise ConfigError(f"data.eval_path: '{cfg.data.eval_path}' not found; unset it to skip evaluation")
     for key, path in (("critic.path", cfg.critic.path), ("ref.path", cfg.ref.path),
                       ("reward.model.path", cfg.reward.model.path)):
         if path:
             read_hf_config(path, key)
+
+
+def data_source_found(path: str) -> bool:
+    """A file, a saved dataset, or a name the hub may hold (checked when it is read)."""
+    from megarl.data.sources import source_kind
+    from megarl.errors import DataError
+
+    try:
+        source_kind(path)
+    except DataError:
+        return False
+    return True
+
+
+def check_data(cfg: Config) -> None:
+    """data.train_mix and data.eval_sets entries: paths, weights, names, samples, pass@k, metric."""
+    d = cfg.data
+    maps = [("data.row_map", d.row_map)] + [(f"data.train_mix[{i}].row_map", s.row_map)
+                                            for i, s in enumerate(d.train_mix)]
+    for key, path in maps + [(f"data.eval_sets[{i}].row_map", s.row_map) for i, s in enumerate(d.eval_sets)]:
+        if path:
+            try:
+                load_dotted(path)  # imports module:function the way the loader will
+            except ValueError as e:
+                raise ConfigError(f"{key}={path!r}: {_one_line(e)}") from None
+    for i, s in enumerate(d.train_mix):
+        if not data_source_found(s.path):
+            raise ConfigError(f"data.train_mix[{i}].path: '{s.path}' not found")
+        check_numbers(s, f"data.train_mix[{i}]", ["weight"], low=0, strict=True)
+    names = [s.name for s in d.eval_sets]
+    for i, s in enumerate(d.eval_sets):
+        key = f"data.eval_sets[{i}]"
+        if not s.name or "/" in s.name or s.name in names[:i]:
+            raise ConfigError(f"{key}.name={s.name!r}: give each eval set its own name without '/'")
+        if not data_source_found(s.path):
+            raise ConfigError(f"{key}.path: '{s.path}' not found")
+        check_counts(s, key, ["n"])
+        check_counts(s, key, ["limit", "max_new_tokens"], low=0)
+        if s.max_new_tokens > cfg.rollout.max_new_tokens:
+            raise ConfigError(f"{key}.max_new_tokens={s.max_new_tokens} exceeds rollout.max_new_tokens="
+                              f"{cfg.rollout.max_new_tokens}, which sizes the model's sequences; raise "
+                              "rollout.max_new_tokens or lower the eval set's")
+        check_numbers(s, key, ["temperature", "pass_threshold"], low=0)
+        if s.temperature == 0 and s.n > 1:
+            raise ConfigError(f"{key}: n={s.n} with temperature=0 gives {s.n} equal greedy samples; set "
+                              f"{key}.temperature (e.g. 0.6) or n=1")
+        if not 0 < s.top_p <= 1:
+            raise ConfigError(f"{key}.top_p={s.top_p} must be in (0, 1]")
+        bad = [k for k in s.k if not 1 <= k <= s.n]
+        if bad:
+            raise ConfigError(f"{key}.k={s.k}: each k must be in 1..n={s.n}; raise n or drop {bad}")
+        try:
+            get_reward(s.metric)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{key}.metric={s.metric!r}: {_one_line(e)}") from None
 
 
 def check_replay_steps(cfg: Config, world_size: int) -> None:
@@ -500,6 +558,7 @@ def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room
 
 def validate_sft(cfg: Config, world_size: int) -> dict:
     """Checks for launch/sft.py."""
+    resolve_hub_models(cfg)
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
@@ -522,7 +581,9 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
 
 
 def validate(cfg: Config, world_size: int) -> dict:
-    """Runs every check; returns the policy's HF config for the caller."""
+    """Runs every check; returns the policy's HF config for the caller. Hub ids in the model paths
+    become their local snapshot directories first (megarl/models/hub.py)."""
+    resolve_hub_models(cfg)
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
@@ -542,6 +603,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_reward(cfg)
     check_trainer(cfg)
     check_paths(cfg)
+    check_data(cfg)
     check_replay_steps(cfg, world_size)
     return hf
 

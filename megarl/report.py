@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from megarl.cli import main_guard
+from megarl.monitor.curves import eval_set_keys
 from megarl.monitor.run_files import RunDirError, read_events, read_metrics, series
 
 
@@ -77,6 +78,16 @@ def eval_rows(rows, limit: int = 8) -> str | None:
     cells = [f"step {s}: {v:.3f}" for s, v in zip(steps, values)]
     if len(cells) > limit:
         cells = cells[: limit // 2] + ["..."] + cells[-limit // 2:]
+    return ", ".join(cells) or None
+
+
+def eval_sets_line(rows) -> str | None:
+    """'gsm8k pass@1 0.41 -> 0.52, gsm8k mean@4 0.40 -> 0.49' (first -> last logged value)."""
+    cells = []
+    for key in eval_set_keys(rows):
+        steps, values = series(rows, key)
+        cells.append(f"{key[5:].replace('/', ' ')} {values[0]:.3f} (step {steps[0]}) -> {values[-1]:.3f} "
+                     f"(step {steps[-1]})")
     return ", ".join(cells) or None
 
 
@@ -151,6 +162,7 @@ def summary_rows(run: RunFiles) -> list[tuple[str, str]]:
         ("reward (score/mean)", first_last_extreme(run.rows, "score/mean")),
         ("accuracy (eval)", first_last_extreme(run.rows, "eval/accuracy")),
         ("eval rows", eval_rows(run.rows)),
+        ("eval sets", eval_sets_line(run.rows)),
         ("KL (kl/mean)", first_last_extreme(run.rows, "kl/mean", "max")),
         ("entropy", first_last_extreme(run.rows, "policy/entropy", "min", min)),
         ("tool use per sample", tool_use(run.rows)),

@@ -94,7 +94,9 @@ def test_data_error_names_file_and_line(tmp_path):
             "data.eval_path=null", timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("data error:")]
-    assert errors == [f"data error: {bad}:2: row has neither 'prompt' nor 'messages'; add one of them"]
+    assert errors == [f"data error: {bad}:2: row has neither 'prompt' nor 'messages' (its columns: answer); name "
+                      "the prompt column with data.prompt_key (e.g. data.prompt_key=question data.answer_key=answer) "
+                      "or map rows with data.row_map"]
     assert "Traceback" not in p.stderr + p.stdout
 
 

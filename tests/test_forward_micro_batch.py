@@ -44,10 +44,10 @@ def _prepare_sizes(**sizes) -> list:
         role, name = key.split("__")
         setattr(getattr(cfg, role), name, value)
     log = []
-    tr = SimpleNamespace(cfg=cfg, step=0, groups=SimpleNamespace(dp_size=1), timer=lambda name: nullcontext(),
-                         actor=_Recorder(log, "old"), ref=_Recorder(log, "ref"), critic=_Recorder(log, "values"))
-    tr.actor.module = SimpleNamespace(config=SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0))
-    phases.prepare(tr, SimpleNamespace(batch=_Batch()))
+    actor = _Recorder(log, "old")
+    actor.module = SimpleNamespace(config=SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0))
+    phases.prepare(SimpleNamespace(batch=_Batch()), cfg, step=0, dp_size=1, actor=actor, ref=_Recorder(log, "ref"),
+                   critic=_Recorder(log, "values"), timer=lambda name: nullcontext())
     return log
 
 

@@ -10,13 +10,8 @@ from megarl.rollout.native import EngineOptions, NativeEngine
 
 
 def engine_options(cfg: Config) -> EngineOptions:
-    r = cfg.rollout
-    return EngineOptions(
-        max_batch=r.max_batch, page_size=r.page_size, max_num_batched_tokens=r.max_num_batched_tokens,
-        kv_cache_gb=r.kv_cache_gb, kv_cache_fraction=r.kv_cache_fraction, cuda_graphs=r.cuda_graphs,
-        prefix_cache=r.prefix_cache, mixed_prefill=r.mixed_prefill,
-        max_model_len=cfg.data.max_prompt_len + r.max_new_tokens,
-    )
+    """The native engine's options: ``rollout.*``, graphs sized for the longest prompt + response."""
+    return EngineOptions.from_config(cfg.rollout, max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
 
 
 def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:

@@ -4,6 +4,7 @@ Layout under ``<run_dir>/checkpoints/``::
 
     step_000004/actor/      model + distributed-optimizer shards, LR scheduler
     step_000004/critic/     the same for the critic
+    step_000004/<role>/megarl_model.json  the model, how it was built, its LoRA (launch/convert.py reads it)
     step_000004/state.json  step, data position, KL controller, layout, model signatures (rank 0)
     step_000004/rng/rank_N.pt  this rank's RNG states (torch's and megatron's tracker's)
     latest                  the newest complete step (written last)
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from megarl.errors import CheckpointError
+from megarl.models.mcore_ckpt import write_role_meta
 from megarl.roles.optim import inner_optimizers, resync_offloaded_masters
 from megarl.trainer import resume
 from megarl.trainer.resume import Layout
@@ -121,6 +123,13 @@ def _reseed(seed: int, step: int) -> None:
     model_parallel_cuda_manual_seed(seed + step)
 
 
+def checkpoint_build_meta(cfg) -> dict:
+    """How the trained roles were built, for each role's megarl_model.json."""
+    dtypes = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    return {"source": os.path.abspath(cfg.model.tokenizer or cfg.model.path), "params_dtype": dtypes[cfg.model.dtype],
+            "layer_spec": cfg.model.layer_spec, "vocab_divisible_by": cfg.model.vocab_divisible_by}
+
+
 class Checkpointer:
     """Saves and restores the trainable roles and the trainer's own state.
 
@@ -128,11 +137,13 @@ class Checkpointer:
     reseeds the RNG when a resume changes the layout.
     """
 
-    def __init__(self, run_dir: str, keep_last: int, layout: Layout | None = None, seed: int = 0):
+    def __init__(self, run_dir: str, keep_last: int, layout: Layout | None = None, seed: int = 0,
+                 build: dict | None = None):
         self.root = os.path.join(run_dir, "checkpoints")
         self.keep_last = max(keep_last, 1)
         self.rank = dist.get_rank()
         self.layout, self.seed = layout, seed
+        self.build = build or {}  # how the roles were built (source, params_dtype, ...): megarl_model.json
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.root, f"step_{step:06d}")
@@ -166,6 +177,8 @@ class Checkpointer:
             os.makedirs(os.path.join(path, name), exist_ok=True)
             stepped[name] = _stepped(role.trainable.optimizer)
             dist_checkpointing.save(_role_state(role, False, stepped[name]), os.path.join(path, name))
+            if self.rank == 0:
+                write_role_meta(os.path.join(path, name), role.module, role.info, self.build)
         steps = {name: adam_step(role.trainable.optimizer) for name, role in roles.items()}
         state = dict(state, optimizer_saved=stepped, adam_steps=steps,
                      models={name: resume.model_signature(role.info) for name, role in roles.items()})
