@@ -1,7 +1,7 @@
 """rollout.sglang.* keys: defaults, the cross-field refusals, and what reaches SGLangOptions (no SGLang needed).
 
 Expected: deterministic inference off by default; SGLang's dtype bfloat16 whatever model.dtype
-(float32 by default: SGLang's Hopper attention needs 16-bit), said in one line at start; parallel.cp > 1
+(float32 by default: SGLang's Hopper attention needs 16-bit), said in the start-up line; parallel.cp > 1
 and parallel.pp > 1 refused with one-line ConfigErrors naming the key; every rollout.sglang key reaches
 SGLangOptions. Not covered: the engine itself (test_rollout_sglang*.py).
 """
@@ -52,9 +52,9 @@ def test_start_timeout_must_be_positive():
         check_sglang(cfg)
 
 
-def test_every_key_reaches_the_options(monkeypatch, capsys):
+def test_every_key_reaches_the_options(monkeypatch):
     import megarl.rollout.sglang as sglang
-    from megarl.rollout.factory import _sglang
+    from megarl.rollout.factory import _sglang, engine_title
 
     built = {}
     monkeypatch.setattr(sglang, "SGLangEngine", lambda module, groups, info, stops, options: built.setdefault("o", options))
@@ -67,6 +67,8 @@ def test_every_key_reaches_the_options(monkeypatch, capsys):
     o = built["o"]
     assert (o.mem_fraction_static, o.deterministic, o.weights_cpu_backup, o.start_timeout_s) == (0.3, True, True, 99.0)
     assert (o.max_running_requests, o.update_bucket_mb, o.dtype, o.model_path) == (7, 64.0, "float16", cfg.model.path)
-    assert capsys.readouterr().out == ("rollout.engine=sglang samples in rollout.sglang.dtype=float16 while the actor "
-                                       "trains in model.dtype=float32 (algorithm.rollout_correction.preset=sglang "
-                                       "corrects for it)\n")
+    assert engine_title(cfg) == ("the sglang rollout engine (it samples in rollout.sglang.dtype=float16, the actor "
+                                 "trains in model.dtype=float32; algorithm.rollout_correction.preset=sglang corrects "
+                                 "for it)")
+    cfg.model.dtype = "float16"
+    assert engine_title(cfg) == "the sglang rollout engine"

@@ -1,8 +1,6 @@
 """The rollout engine a run asks for (``rollout.engine``), wrapped for multi-turn when enabled."""
 from __future__ import annotations
 
-import torch.distributed
-
 from megarl.errors import ConfigError
 from megarl.config import Config
 from megarl.rollout.engine import RolloutEngine
@@ -12,6 +10,15 @@ from megarl.rollout.native import EngineOptions, NativeEngine
 def engine_options(cfg: Config) -> EngineOptions:
     """The native engine's options: ``rollout.*``, graphs sized for the longest prompt + response."""
     return EngineOptions.from_config(cfg.rollout, max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+
+
+def engine_title(cfg: Config) -> str:
+    """What starts, for the start-up line; says when SGLang samples in another dtype than the actor trains in."""
+    r = cfg.rollout
+    if r.engine == "sglang" and r.sglang.dtype != cfg.model.dtype:
+        return (f"the sglang rollout engine (it samples in rollout.sglang.dtype={r.sglang.dtype}, the actor trains "
+                f"in model.dtype={cfg.model.dtype}; algorithm.rollout_correction.preset=sglang corrects for it)")
+    return f"the {r.engine} rollout engine"
 
 
 def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:
@@ -33,10 +40,6 @@ def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> Rol
         seed=cfg.rollout.seed, deterministic=s.deterministic, enable_memory_saver=s.enable_memory_saver,
         weights_cpu_backup=s.weights_cpu_backup, max_running_requests=s.max_running_requests,
         update_bucket_mb=s.update_bucket_mb, start_timeout_s=s.start_timeout_s)
-    if cfg.model.dtype != s.dtype and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        print(f"rollout.engine=sglang samples in rollout.sglang.dtype={s.dtype} while the actor trains in "
-              f"model.dtype={cfg.model.dtype} (algorithm.rollout_correction.preset=sglang corrects for it)",
-              flush=True)
     return SGLangEngine(actor.module, groups, actor.info, stop_ids, options)  # SGLang needs no pad id
 
 
