@@ -194,6 +194,19 @@ class FakeEngine:
         self.calls.append(("shutdown", {}))
 
 
+class FailingOnceFakeEngine(FakeEngine):
+    """Its first ``update_weights_from_tensor`` fails (as SGLang answers a load error)."""
+
+    failed = False
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        ok, message = super().update_weights_from_tensor(named_tensors, load_format, flush_cache)
+        if not self.failed:
+            self.failed = True
+            return False, "load_weights failed"
+        return ok, message
+
+
 class SlowFakeEngine(FakeEngine):
     """Takes longer to start than the collective timeout of the start-timeout test."""
 

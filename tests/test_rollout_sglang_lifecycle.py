@@ -16,7 +16,9 @@ Expected values are checksums (sglang_fake.checksum) of the actor's weights as S
    ``weights_cpu_backup`` SGLang keeps them and nothing is streamed again.
 4. Busy: a release while requests run is refused with an error that names the flush, and SGLang is
    still alive after it (SGLang's own release would kill its scheduler).
-5. Start: TP rank 0 takes 6 s to start SGLang while every collective of the run times out after 3 s
+5. A weight sync SGLang fails: the error reaches the caller, SGLang's weight-update session is closed
+   and the weights stay stale, so the next generate streams them again and samples from them.
+6. Start: TP rank 0 takes 6 s to start SGLang while every collective of the run times out after 3 s
    (TP2, no actor); the peers wait on the start group (``start_timeout_s``=60) and the run goes on.
 
 Not covered: a real SGLang or GPU; memory of the TP ranks other than 0 (the fake lives on rank 0).
@@ -34,12 +36,12 @@ def _expected(actor, groups):
     return checksum(dict(iter_hf_tensors(actor.module, groups, actor.info, torch.bfloat16)))
 
 
-def _engine(actor, groups, ckpt, **options):
+def _engine(actor, groups, ckpt, factory=None, **options):
     from megarl.rollout.sglang import SGLangEngine, SGLangOptions
     from sglang_fake import FakeEngine, FakeSerialized
 
     return SGLangEngine(actor.module, groups, actor.info, [3], SGLangOptions(model_path=ckpt, **options),
-                        engine_factory=FakeEngine, tensor_wrapper=FakeSerialized)
+                        engine_factory=factory or FakeEngine, tensor_wrapper=FakeSerialized)
 
 
 def _generate(engine):
@@ -104,10 +106,22 @@ def _busy(actor, groups, ckpt):
     return {"error": error, "dead": dead, "released": sorted(engine.released)}
 
 
+def _failed_sync(actor, groups, ckpt):
+    from sglang_fake import FailingOnceFakeEngine
+
+    engine = _engine(actor, groups, ckpt, FailingOnceFakeEngine)
+    try:
+        engine.update_weights()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"error": error, "stale": engine.weights_stale, "retry": (_generate(engine), _expected(actor, groups))}
+
+
 def _lifecycle_job(rank, ckpt):
     actor, groups = worker_actor(ckpt, 1)
     return {"memory": _memory(actor, groups, ckpt), **_resume_and_rollout_only(actor, groups, ckpt),
-            "busy": _busy(actor, groups, ckpt)}
+            "busy": _busy(actor, groups, ckpt), "failed_sync": _failed_sync(actor, groups, ckpt)}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +151,13 @@ def test_release_while_busy_is_refused_before_sglang(lifecycle):
     b = lifecycle["busy"]
     assert b["error"].startswith("RuntimeError: SGLang flush_cache before releasing memory failed")
     assert not b["dead"] and b["released"] == ["cuda_graph", "kv_cache", "weights"]
+
+
+def test_failed_sync_closes_the_session_and_is_retried(lifecycle):
+    f = lifecycle["failed_sync"]
+    assert f["error"] == "SGLang update_weights_from_tensor failed: load_weights failed" and f["stale"]
+    sampled_from, actor = f["retry"]
+    assert sampled_from == actor  # the next generate streamed again (begin_weight_update accepted)
 
 
 def _start_job(rank):

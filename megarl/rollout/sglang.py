@@ -245,12 +245,16 @@ class SGLangEngine:
         nbytes, buckets = 0, 0
         limit = int(self.options.update_bucket_mb * 2**20)
         dtype = _DTYPES[self.options.dtype]
-        for bucket in iter_hf_buckets(self.module, self.groups, self.info, limit, dtype, every_rank=True):
-            buckets += 1
-            nbytes += sum(tensor_bytes(t) for _, t in bucket)
-            named = gather_bucket(bucket, self.groups, self.wrap)  # on TP rank 0; others keep `bucket` alive
-            self._call(lambda: _check(self.engine.update_weights_from_tensor(
-                named_tensors=named, load_format=None, flush_cache=False), "update_weights_from_tensor"))
+        try:
+            for bucket in iter_hf_buckets(self.module, self.groups, self.info, limit, dtype, every_rank=True):
+                buckets += 1
+                nbytes += sum(tensor_bytes(t) for _, t in bucket)
+                named = gather_bucket(bucket, self.groups, self.wrap)  # on TP rank 0; others keep `bucket` alive
+                self._call(lambda: _check(self.engine.update_weights_from_tensor(
+                    named_tensors=named, load_format=None, flush_cache=False), "update_weights_from_tensor"))
+        except RuntimeError:  # raised on every TP rank by _call: close SGLang's session so a retry can begin
+            self._call(lambda: self.engine.end_weight_update())
+            raise
         self._call(self._end_update)
         self.weights_stale = False
         return {"weight_sync/bytes": float(nbytes), "weight_sync/seconds": time.perf_counter() - start,
