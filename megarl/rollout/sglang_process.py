@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Optional
 
@@ -69,8 +70,8 @@ def isolated_process_state() -> Iterator[None]:
         os.environ.update(environ)
         multiprocessing.set_start_method(start_method, force=True)
         for s, h in handlers.items():
-            if h is not None:
-                signal.signal(s, h)
+            if h is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(s, h)  # (SGLang installs handlers from the main thread only)
         for lg, level, old_handlers, propagate in logs:
             lg.setLevel(level)
             lg.handlers[:] = old_handlers
