@@ -399,10 +399,13 @@ def check_sglang(cfg: Config) -> None:
         return
     if not 0 < s.mem_fraction_static < 1:
         raise ConfigError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
-    check_numbers(s, "rollout.sglang", ["update_bucket_mb"], low=0, strict=True)
+    check_numbers(s, "rollout.sglang", ["update_bucket_mb", "start_timeout_s"], low=0, strict=True)
     check_counts(s, "rollout.sglang", ["max_running_requests"], low=0)
     if cfg.parallel.pp > 1:
         raise ConfigError(f"rollout.engine=sglang needs parallel.pp=1 (got {cfg.parallel.pp}); use rollout.engine=native")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"rollout.engine=sglang needs parallel.cp=1 (got {cfg.parallel.cp}: each CP rank would "
+                          "sample its own responses for the same rows); use rollout.engine=native")
 
 
 def check_multi_turn(cfg: Config) -> None:
