@@ -243,7 +243,7 @@ def test_run_dir_that_is_a_file_and_reward_specs_that_do_not_load(tmp_path):
     assert check_error(["reward.terms=[{name: 'nomod:fn'}]"]).startswith(
         "reward.terms[0].name='nomod:fn': cannot import module 'nomod'")
     assert check_error(["reward.terms=[{name: nosuch}]"]).startswith(
-        "reward.terms[0].name='nosuch': unknown reward function 'nosuch'; available: format, math")
+        "reward.terms[0].name='nosuch': unknown reward function 'nosuch'; available: agent, format, math")
 
 
 def test_unused_critic_knobs_not_checked():
