@@ -45,7 +45,7 @@ def main(argv):
     from megarl.trainer.eval_only import evaluate_all, load_policy
 
     p = cfg.parallel
-    groups = build_parallel_groups(p.tp, p.pp, p.cp)
+    groups = build_parallel_groups(p.tp, p.pp, p.cp, p.ep, p.etp)
     model_parallel_cuda_manual_seed(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megarl.cli import main_guard
 from megarl.config import Config
-from megarl.config_checks import validate_run
+from megarl.trainer.run_config import validate_run
 from megarl.launch_common import setup
 from megarl.monitor.progress import StepProgress
 from megarl.trainer.metrics import console_line

@@ -86,11 +86,31 @@ class MultiTurnConfig:
 class SGLangConfig:
     """rollout.engine=sglang: one SGLang engine per TP group (megarl/rollout/sglang.py, sglang==0.5.23)."""
 
-    mem_fraction_static: float = opt(0.5, "share of each GPU's memory SGLang takes for its weights and KV cache")
-    deterministic: bool = opt(True, "SGLang's deterministic inference: per-request seeds are honoured")
+    mem_fraction_static: float = opt(0.5, "share of the GPU memory free when SGLang starts (after the trainer's models load) that it takes for its weights and KV cache")
+    dtype: Literal["bfloat16", "float16"] = opt("bfloat16", "SGLang's dtype (its Hopper attention needs 16-bit); the weights are cast to it when streamed, whatever model.dtype is")
+    deterministic: bool = opt(False, "SGLang's deterministic inference: per-request seeds are honoured (slower kernels; at TP > 1 SGLang pins NCCL_ALGO for its workers)")
     enable_memory_saver: bool = opt(True, "release SGLang's memory during training and map it back for rollout")
+    weights_cpu_backup: bool = opt(False, "SGLang keeps a CPU copy of its weights while released; false: they are streamed again before the next rollout")
+    start_timeout_s: float = opt(1800.0, "how long the other TP ranks wait for TP rank 0 to start SGLang")
     max_running_requests: int = opt(0, "requests SGLang runs at once; 0: its default")
     update_bucket_mb: float = opt(512.0, "weight-sync bucket size in MiB")
+
+
+@dataclass
+class ServerConfig:
+    """Agents in their own code behind an OpenAI endpoint on the engine (megarl/rollout/http_agents.py)."""
+
+    enable: bool = opt(False, "each sample is an agent function that calls /v1/chat/completions on a local port during the rollout")
+    agent: str = opt("", "module:function(sample, base_url) -> reward float or dict (with 'reward'); run once per sample")
+    environment: str = opt("", "instead of agent: a gym-style environment class module:Name (reset(sample) -> messages, step(messages) -> (observation messages, reward, done)), one per sample, driven by megarl/agents/environment.py")
+    max_turns: int = opt(4, "model turns per environment episode (rollout.server.environment)")
+    host: str = opt("127.0.0.1", "address the endpoint binds (keep it local: it has no authentication)")
+    port: int = opt(0, "port the endpoint binds; 0: a free one (each DP rank runs its own)")
+    workers: int = opt(64, "agents running at once (threads)")
+    timeout_s: float = opt(300.0, "wall seconds the agents of one rollout may take; later ones are failed samples")
+    model_name: str = opt("megarl-policy", "the model name calls must send")
+    parser: str = opt("hermes", "tool-call parser turning sampled text into OpenAI tool_calls: hermes or module:function")
+    tool_call_end: str = opt("</tool_call>", "a token that ends a turn besides eos (the call then returns its tool_calls); empty: none")
 
 
 @dataclass
@@ -100,6 +120,7 @@ class RolloutConfig:
     engine: Literal["native", "sglang"] = opt("native", "native: decoding on the actor's own Megatron weights; sglang: an SGLang engine per TP group (where installed)")
     multi_turn: MultiTurnConfig = opt(MultiTurnConfig(), "multi-turn rollouts with tools")
     sglang: SGLangConfig = opt(SGLangConfig(), "SGLang engine options (rollout.engine=sglang)")
+    server: ServerConfig = opt(ServerConfig(), "OpenAI-compatible endpoint for agents written as plain code")
     n: int = opt(1, "responses sampled per prompt")
     max_new_tokens: int = opt(16, "response length limit (multi-turn: sampled plus appended tool/user tokens)")
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy")

@@ -453,10 +453,13 @@ def check_sglang(cfg: Config) -> None:
         return
     if not 0 < s.mem_fraction_static < 1:
         raise ConfigError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
-    check_numbers(s, "rollout.sglang", ["update_bucket_mb"], low=0, strict=True)
+    check_numbers(s, "rollout.sglang", ["update_bucket_mb", "start_timeout_s"], low=0, strict=True)
     check_counts(s, "rollout.sglang", ["max_running_requests"], low=0)
     if cfg.parallel.pp > 1:
         raise ConfigError(f"rollout.engine=sglang needs parallel.pp=1 (got {cfg.parallel.pp}); use rollout.engine=native")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"rollout.engine=sglang needs parallel.cp=1 (got {cfg.parallel.cp}: each CP rank would "
+                          "sample its own responses for the same rows); use rollout.engine=native")
 
 
 def check_multi_turn(cfg: Config) -> None:
@@ -477,6 +480,30 @@ def check_multi_turn(cfg: Config) -> None:
         raise ConfigError(f"rollout.multi_turn.overlap_tools=true needs rollout.engine=native (the "
                           f"{cfg.rollout.engine} adapter runs one batch per call); "
                           "set rollout.multi_turn.overlap_tools=false")
+
+
+def check_server(cfg: Config) -> None:
+    s = cfg.rollout.server
+    if not s.enable:
+        return
+    if bool(s.agent) == bool(s.environment):
+        raise ConfigError("rollout.server: set exactly one of agent (module:function(sample, base_url)) and "
+                          "environment (module:Name with reset/step)")
+    spec = s.agent or s.environment
+    if ":" not in spec:
+        raise ConfigError(f"rollout.server: {spec!r} must be module:name")
+    if cfg.rollout.multi_turn.enable:
+        raise ConfigError("rollout.server.enable=true with rollout.multi_turn.enable=true: the agent runs its own "
+                          "turns; turn rollout.multi_turn.enable off")
+    if cfg.rollout.engine != "native":
+        raise ConfigError(f"rollout.server needs rollout.engine=native (got {cfg.rollout.engine})")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise ConfigError("rollout.server needs parallel.tp=1 and parallel.pp=1 (one process serves its samples)")
+    if cfg.rollout.ignore_eos:
+        raise ConfigError("rollout.ignore_eos=true with rollout.server.enable=true: a turn would never end")
+    check_counts(s, "rollout.server", ["workers", "max_turns"])
+    check_counts(s, "rollout.server", ["port"], low=0)
+    check_numbers(s, "rollout.server", ["timeout_s"], low=0, strict=True)
 
 
 def _one_line(e: Exception) -> str:
@@ -570,29 +597,6 @@ def check_data(cfg: Config) -> None:
             raise ConfigError(f"{key}.metric={s.metric!r}: {_one_line(e)}") from None
 
 
-def check_replay_steps(cfg: Config, world_size: int) -> None:
-    """trainer.replay_rollouts holds a dump of every step 1..trainer.steps for every DP rank: checked
-    up front, so a replay never stops half-way through the run (and its trained steps)."""
-    replay = cfg.trainer.replay_rollouts
-    if not replay:
-        return
-    from megarl.trainer.dump import dump_path
-
-    p = cfg.parallel
-    dp = world_size // (p.tp * p.pp * p.cp)
-    missing = next(((step, r) for step in range(1, cfg.trainer.steps + 1) for r in range(dp)
-                    if not os.path.isfile(dump_path(replay, step, r))), None)
-    if missing is None:
-        return
-    step, rank = missing
-    if step == 1:
-        raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step 1 for data-parallel rank {rank}; "
-                          f"replay with the data-parallel size it was dumped with")
-    raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step {step} for data-parallel rank "
-                      f"{rank} (dumped: steps 1..{step - 1}); set trainer.steps={step - 1} or fewer, or dump "
-                      f"more steps with the same data-parallel size")
-
-
 def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room: int) -> None:
     """The tokenizer directory holds a vocabulary whose ids the model's embedding covers, and
     ``length`` (config key ``length_key``) leaves ``room`` of the model's positions free."""
@@ -643,6 +647,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_stop_tokens(cfg, hf)
     check_model_inputs(cfg, hf, "rollout.max_new_tokens", cfg.rollout.max_new_tokens, room=1)
     check_multi_turn(cfg)
+    check_server(cfg)
     check_sglang(cfg)
     check_batches(cfg, world_size)
     check_actor(cfg)
@@ -656,17 +661,6 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_trainer(cfg)
     check_paths(cfg)
     check_data(cfg)
-    check_replay_steps(cfg, world_size)
-    return hf
-
-
-def validate_run(cfg: Config, world_size: int) -> dict:
-    """:func:`validate`, then the run directory: resuming a run of another config is refused
-    (megarl/trainer/run_config.py; trainer.resume=force overrides). For launch/ppo.py and `megarl train`."""
-    from megarl.trainer.run_config import check_resume
-
-    hf = validate(cfg, world_size)
-    check_resume(cfg)
     return hf
 
 

@@ -67,7 +67,7 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
 def check_config(args) -> list[str]:
     """The config checked as each worker will check it; returns the workers' argv."""
     from megarl.cli import load_config
-    from megarl.config_checks import validate_run
+    from megarl.trainer.run_config import validate_run
     from megarl.launch_common import quiet_libraries
 
     quiet_libraries()

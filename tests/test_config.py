@@ -37,10 +37,10 @@ def error_of(argv, cls=Config) -> str:
     return msg
 
 
-def check_error(overrides, world_size=2, base=(TINY,)) -> str:
+def check_error(overrides, world_size=2, base=(TINY,), check=validate) -> str:
     cfg = load_config([*base, *overrides], Config)
     with pytest.raises(ConfigError) as e:
-        validate(cfg, world_size)
+        check(cfg, world_size)
     msg = str(e.value)
     assert "\n" not in msg, msg
     return msg
@@ -243,7 +243,7 @@ def test_run_dir_that_is_a_file_and_reward_specs_that_do_not_load(tmp_path):
     assert check_error(["reward.terms=[{name: 'nomod:fn'}]"]).startswith(
         "reward.terms[0].name='nomod:fn': cannot import module 'nomod'")
     assert check_error(["reward.terms=[{name: nosuch}]"]).startswith(
-        "reward.terms[0].name='nosuch': unknown reward function 'nosuch'; available: format, math")
+        "reward.terms[0].name='nosuch': unknown reward function 'nosuch'; available: agent, format, math")
 
 
 def test_unused_critic_knobs_not_checked():
@@ -375,17 +375,19 @@ def test_output_dirs_that_cannot_be_created(tmp_path):
 def test_replay_needs_every_step_dumped_up_front(tmp_path):
     """5 steps dumped for 2 DP ranks: trainer.steps=5 passes; 6 names the first missing step and the fix;
     one DP rank's file missing for step 3 names that rank; replaying on 4 DP ranks is refused."""
+    from megarl.trainer.run_config import validate_run
+
     for step in range(1, 6):
         for r in range(2):
             (tmp_path / f"step_{step:06d}_dp{r}.pt").write_bytes(b"")
     base = [TINY, f"trainer.replay_rollouts={tmp_path}"]
-    validate(load_config([*base, "trainer.steps=5"], Config), 2)
-    msg = check_error(["trainer.steps=6"], base=base)
+    validate_run(load_config([*base, "trainer.steps=5"], Config), 2)
+    msg = check_error(["trainer.steps=6"], base=base, check=validate_run)
     assert msg == (f"trainer.replay_rollouts: '{tmp_path}' has no dump of step 6 for data-parallel rank 0 (dumped: "
                    "steps 1..5); set trainer.steps=5 or fewer, or dump more steps with the same data-parallel size")
     (tmp_path / "step_000003_dp1.pt").unlink()
-    assert "no dump of step 3 for data-parallel rank 1" in check_error(["trainer.steps=5"], base=base)
-    assert "no dump of step 1 for data-parallel rank 2" in check_error(["trainer.steps=2", "actor.micro_batch_size=8", "critic.micro_batch_size=8"], 4, base=base)
+    assert "no dump of step 3 for data-parallel rank 1" in check_error(["trainer.steps=5"], base=base, check=validate_run)
+    assert "no dump of step 1 for data-parallel rank 2" in check_error(["trainer.steps=2", "actor.micro_batch_size=8", "critic.micro_batch_size=8"], 4, base=base, check=validate_run)
 
 
 def test_help_prints_a_sections_own_keys_before_its_sub_sections():

@@ -17,8 +17,11 @@ within fp32 noise of a tie on these 14 tokens (a tie would show as a diff of ord
 Exporting only gathers (over TP, expert-TP and EP) and un-fuses, so the exported
 tensors equal the source's bitwise with the same names.
 
-Not covered here: bf16, the GroupedMLP layout in a model (CUDA bf16 only; its layout
-functions and grouped GEMM are checked below on CPU), the transformer-engine spec.
+Also: megatron-core's GroupedMLP on ``torch._grouped_mm`` (the CUDA bf16 path) run on CPU in
+bf16 at EP2, and a critic on the Qwen3-MoE backbone exported as a sequence classifier.
+
+Not covered here: the GroupedMLP path on a GPU, the transformer-engine spec, TP training
+(megatron-core needs sequence parallelism for it, see tests/test_models_moe_training.py).
 """
 import os
 
@@ -70,7 +73,8 @@ def _job(rank, ckpts, out_root, layouts=LAYOUTS, archs=ARCHS):
             logits = forward_logits(model.eval(), groups, ids, torch.arange(7).expand(2, 7),
                                     vocab_size=info.vocab_size)
             export_hf(model, info, groups, os.path.join(out_root, name, arch))
-            results[(name, arch)] = logits
+            results[(name, arch)] = logits.numpy()  # numpy: a tensor would travel as a shared fd that
+            # dies with this process
     return results if rank == 0 else None
 
 
@@ -96,7 +100,7 @@ def runs(ckpts, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(runs, ckpts, layout, arch):
-    got, want = runs[0][(layout, arch)], ckpts[1][arch]
+    got, want = torch.from_numpy(runs[0][(layout, arch)]), ckpts[1][arch]
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= 1e-5
 
@@ -115,7 +119,7 @@ def test_pp2_ep2_four_processes(ckpts, tmp_path):
     """Qwen2-MoE over 4 processes as PP2 x EP2 (each stage's experts over its 2 ranks): logits and export."""
     arch = "Qwen2MoeForCausalLM"
     results = spawn(_job, 4, ckpts[0], str(tmp_path), {"pp2ep2": (1, 2, 2, 1)}, [arch])[0]
-    assert (results[("pp2ep2", arch)] - ckpts[1][arch]).abs().max().item() <= 1e-5
+    assert (torch.from_numpy(results[("pp2ep2", arch)]) - ckpts[1][arch]).abs().max().item() <= 1e-5
     src, out = read_tensors(ckpts[0][arch]), read_tensors(str(tmp_path / "pp2ep2" / arch))
     assert sorted(out) == sorted(src) and all(torch.equal(out[k], t) for k, t in src.items())
 
@@ -182,7 +186,7 @@ def _grouped_job(rank, src, out_root):
         logits[kind] = forward_logits(model.eval(), groups, tokens(), torch.arange(7).expand(2, 7),
                                       vocab_size=info.vocab_size).float()
         export_hf(model, info, groups, os.path.join(out_root, kind), dtype=torch.bfloat16)
-    return logits
+    return {k: v.numpy() for k, v in logits.items()} if rank == 0 else None
 
 
 def test_grouped_experts_module(ckpts, tmp_path):
@@ -191,10 +195,43 @@ def test_grouped_experts_module(ckpts, tmp_path):
     the logits are the per-expert loop's up to bf16 rounding (|logits| ~ 3, bf16 steps 2^-7 there;
     a misplaced expert or a swapped gate/up would move them by O(1))."""
     src = ckpts[0]["Qwen2MoeForCausalLM"]
-    logits = spawn(_grouped_job, 2, src, str(tmp_path))[0]
+    logits = {k: torch.from_numpy(v) for k, v in spawn(_grouped_job, 2, src, str(tmp_path))[0].items()}
     assert (logits["grouped"] - logits["sequential"]).abs().max().item() <= 0.06
     source = read_tensors(src)
     for kind in ("sequential", "grouped"):
         out = read_tensors(str(tmp_path / kind))
         assert sorted(out) == sorted(source)
         assert all(torch.equal(out[k], t.to(torch.bfloat16)) for k, t in source.items()), kind
+
+
+def _value_job(rank, src, out):
+    """Per-token values of a critic started from the Qwen3-MoE causal LM at EP2, and its export."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.models import ModelOptions, build_gpt_model, export_hf, forward_logits, load_value_model
+    from megarl.models import read_hf_config
+
+    init_distributed()
+    groups = build_parallel_groups(ep=2)
+    model_parallel_cuda_manual_seed(0)
+    info = read_hf_config(src).as_value_model()
+    model = build_gpt_model(info, groups, ModelOptions())
+    load_value_model(model, src, info, groups, seed=7, std=0.02)
+    values = forward_logits(model.eval(), groups, tokens(), torch.arange(7).expand(2, 7))
+    export_hf(model, info, groups, out)
+    return values.numpy() if rank == 0 else None
+
+
+def test_moe_value_model_exports_as_sequence_classifier(ckpts, tmp_path):
+    """A critic on an MoE backbone (value head drawn at EP2) is exported as Qwen3MoeForSequenceClassification,
+    and transformers' per-token score on that export equals megarl's values (1e-5)."""
+    import transformers
+
+    out = str(tmp_path / "critic")
+    values = torch.from_numpy(spawn(_value_job, 2, ckpts[0]["Qwen3MoeForCausalLM"], out)[0])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3MoeForSequenceClassification"
+    with torch.no_grad():
+        ref = model.score(model.model(tokens()).last_hidden_state)  # (2, 7, 1), before HF pools the last token
+    assert (values.reshape(ref.shape) - ref).abs().max().item() <= 1e-5

@@ -192,3 +192,16 @@ def test_convert_ep2_to_ep1_is_bitwise_and_checks_experts(tmp_path):
         run = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 2 and len(lines) == 1 and needle in lines[0], run.stderr
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("parallel.ep=3", "parallel.ep=3 must divide the model's 8 experts"),
+    ("parallel.ep=1", "rollout.engine=native cannot generate with the mixture-of-experts model"),
+])
+def test_ppo_entry_exits_2_with_one_line(tmp_path, override, needle):
+    """launch/ppo.py on the shipped tiny MoE policy (one process): the config error, exit 2."""
+    args = [sys.executable, os.path.join(ROOT, "launch", "ppo.py"), "yaml/tiny.yaml",
+            "model.path=megarl/assets/tiny_moe/sft", override, f"trainer.run_dir={tmp_path / 'run'}"]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr

@@ -132,7 +132,7 @@ def test_cache_is_lru():
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match="unknown reward function 'nope'; available: format, math"):
+    with pytest.raises(ValueError, match="unknown reward function 'nope'; available: agent, format, math"):
         get_reward("nope")
     with pytest.raises(ValueError, match="unique"):
         CompositeReward([("format", 1.0), ("format", 2.0)])

@@ -45,3 +45,11 @@ def math_term(
     if ground_truth is None:
         raise ValueError("reward 'math' needs a ground_truth for every sample")
     return math_answer_reward(response, ground_truth, strategy)
+
+
+@register_reward("agent")
+def agent_term(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
+    """What the sample's agent or environment returned (rollout.server); 0 for a failed or silent one."""
+    if "agent_failed" not in extra:
+        raise ValueError("reward 'agent' reads what rollout.server's agents return; enable rollout.server")
+    return float(extra.get("agent_reward") or 0.0)

@@ -12,6 +12,15 @@ def engine_options(cfg: Config) -> EngineOptions:
     return EngineOptions.from_config(cfg.rollout, max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
 
 
+def engine_title(cfg: Config) -> str:
+    """What starts, for the start-up line; says when SGLang samples in another dtype than the actor trains in."""
+    r = cfg.rollout
+    if r.engine == "sglang" and r.sglang.dtype != cfg.model.dtype:
+        return (f"the sglang rollout engine (it samples in rollout.sglang.dtype={r.sglang.dtype}, the actor trains "
+                f"in model.dtype={cfg.model.dtype}; algorithm.rollout_correction.preset=sglang corrects for it)")
+    return f"the {r.engine} rollout engine"
+
+
 def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:
     """``rollout.engine`` on the actor's weights; an :class:`~megarl.rollout.agent.AgentLoop` over it
     when ``rollout.multi_turn.enable``."""
@@ -19,7 +28,33 @@ def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad
         engine = NativeEngine(actor.module, groups, actor.info.vocab_size, stop_ids, pad_id, engine_options(cfg))
     else:
         engine = _sglang(cfg, actor, groups, stop_ids, pad_id)
+    if cfg.rollout.server.enable:
+        return _server(cfg, engine, tokenizer, stop_ids, pad_id)
     return _agent(cfg, engine, tokenizer, groups) if cfg.rollout.multi_turn.enable else engine
+
+
+def _server(cfg: Config, engine: RolloutEngine, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:
+    from megarl.algos.registry import load_dotted
+    from megarl.rollout.http_agents import HttpAgentRollout
+    from megarl.rollout.turns import single_token_id
+    from megarl.tools import resolve_parser
+
+    s = cfg.rollout.server
+    key = "agent" if s.agent else "environment"
+    try:
+        agent = load_dotted(getattr(s, key))
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"rollout.server.{key}: {e}") from None
+    if key == "environment":
+        from functools import partial
+
+        from megarl.agents.environment import run_episode
+
+        agent = partial(run_episode, agent, max_turns=s.max_turns, model=s.model_name)
+    ends = [single_token_id(tokenizer, s.tool_call_end, "rollout.server.tool_call_end")] if s.tool_call_end else []
+    return HttpAgentRollout(engine, tokenizer, agent, resolve_parser(s.parser), stop_ids, pad_id, host=s.host,
+                            port=s.port, workers=s.workers, timeout_s=s.timeout_s, model_name=s.model_name,
+                            max_len=engine_options(cfg).max_model_len, stop_ids=ends)
 
 
 def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> RolloutEngine:
@@ -27,9 +62,10 @@ def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> Rol
 
     s = cfg.rollout.sglang
     options = SGLangOptions(
-        model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=cfg.model.dtype,
+        model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=s.dtype,
         seed=cfg.rollout.seed, deterministic=s.deterministic, enable_memory_saver=s.enable_memory_saver,
-        max_running_requests=s.max_running_requests, update_bucket_mb=s.update_bucket_mb)
+        weights_cpu_backup=s.weights_cpu_backup, max_running_requests=s.max_running_requests,
+        update_bucket_mb=s.update_bucket_mb, start_timeout_s=s.start_timeout_s)
     return SGLangEngine(actor.module, groups, actor.info, stop_ids, options)  # SGLang needs no pad id
 
 

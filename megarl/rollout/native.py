@@ -114,17 +114,21 @@ class NativeEngine:
         by_key = {s.rid: s for s in sched.done}
         return [self._result(by_key[r.key]) for r in requests]
 
-    def serve(self, requests: list[Request], params: SamplingParams, feed: FollowUps) -> None:
+    def serve(self, requests: list[Request], params: SamplingParams, feed: FollowUps,
+              reserve: tuple[int, int] = (0, 0)) -> None:
         """``generate``'s requests (grouped the same way), each result handed to ``feed.finished`` as soon
         as its last token is recorded; between steps ``feed.poll`` may add requests (one sample each,
         seed as is, ``params``' sampling), which join the waiting queue alone and are admitted like
         refills. Returns when nothing runs and ``feed.poll(idle=True)`` gives nothing. Every request must
         fit the longest initial prompt + limit (the KV cache and the graphs are sized for it); each one's
-        tokens depend on its seed and prompt only, as in ``generate``."""
-        seqs, longest = self._sequences(requests)
-        self._run(seqs, params, longest, _Feed(feed, longest))
+        tokens depend on its seed and prompt only, as in ``generate``.
 
-    def _sequences(self, requests: list[Request]) -> tuple[list[Sequence], int]:
+        ``reserve = (sequences, longest)``: size the call for that many follow-ups of up to ``longest``
+        tokens as well (a caller whose requests all arrive as follow-ups passes ``requests=[]``)."""
+        seqs, longest = self._sequences(requests, reserve[1])
+        self._run(seqs, params, longest, _Feed(feed, longest), reserve=reserve[0] * longest)
+
+    def _sequences(self, requests: list[Request], at_least: int = 0) -> tuple[list[Sequence], int]:
         """A sequence per request (``rid`` = its key, ``prompt_index`` = its prompt's group: the order in
         which distinct prompts first appear) and the longest prompt + limit."""
         if len({r.key for r in requests}) != len(requests):
@@ -132,15 +136,17 @@ class NativeEngine:
         groups: dict[tuple[int, ...], int] = {}
         seqs = [Sequence(r.key, groups.setdefault(tuple(r.prompt), len(groups)), list(r.prompt), r.seed,
                          r.max_new_tokens) for r in requests]
-        longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        longest = max([len(r.prompt) + r.max_new_tokens for r in requests] + [at_least])
         if longest > self.module.max_sequence_length:
             raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's "
                              f"{self.module.max_sequence_length} positions; lower rollout.max_new_tokens")
         return seqs, longest
 
-    def _run(self, seqs: list[Sequence], params: SamplingParams, longest: int, feed: "_Feed | None") -> Scheduler:
-        """Schedule -> run -> record until every sequence is done; the scheduler holds them (``done``)."""
-        sched = self._scheduler(seqs, params, longest, every_prompt=feed is not None)
+    def _run(self, seqs: list[Sequence], params: SamplingParams, longest: int, feed: "_Feed | None",
+             reserve: int = 0) -> Scheduler:
+        """Schedule -> run -> record until every sequence is done; the scheduler holds them (``done``).
+        ``reserve``: tokens of follow-ups to size the KV cache for besides ``seqs``."""
+        sched = self._scheduler(seqs, params, longest, every_prompt=feed is not None, reserve=reserve)
         runner = self._runner(SamplingRows(params, self.device), longest)
         # no module.eval(): the engine reads the weights, never calls a module (a train/eval walk over
         # every module would cost host time per call)
@@ -176,7 +182,7 @@ class NativeEngine:
 
     # -- scheduling and the KV cache -------------------------------------------
     def _scheduler(self, seqs: list[Sequence], params: SamplingParams, longest: int,
-                   every_prompt: bool = False) -> Scheduler:
+                   every_prompt: bool = False, reserve: int = 0) -> Scheduler:
         """A scheduler holding ``seqs`` as prefill-sharing groups (see :meth:`_prefill_groups`), its KV
         pool sized for each group's prompt once; ``every_prompt``: for a prompt per sequence instead
         (``serve``: follow-ups share nothing)."""
@@ -184,8 +190,8 @@ class NativeEngine:
         stops = set(self.eos_ids) | set(params.stop_token_ids)
         groups = self._prefill_groups(seqs)
         prompt_tokens = sum(len(s.prompt) for s in (seqs if every_prompt else [g[0] for g in groups]))
-        needed = prompt_tokens + sum(s.max_new + o.page_size for s in seqs)
-        self._ensure_cache(needed, longest, min(o.max_batch, len(seqs)))
+        needed = prompt_tokens + sum(s.max_new + o.page_size for s in seqs) + reserve
+        self._ensure_cache(needed, longest, min(o.max_batch, len(seqs) + reserve // max(longest, 1)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
         sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens,
                           max_pages, stops, prefix_cache=o.prefix_cache, mixed=o.mixed_prefill)

@@ -27,6 +27,9 @@ def held_out_accuracy(engine: RolloutEngine, dataset: PromptDataset, tokenizer, 
     correct = 0.0
     if items:
         requests = sample_requests([it.prompt_ids for it in items], 1, 0, max_new_tokens)  # greedy: seed unused
+        from megarl.trainer.rollout import bind_items
+
+        bind_items(engine, dict(enumerate(items)))
         results = engine.generate(requests, SamplingParams(temperature=0.0))
         answers = [r.extra.get("final_turn_ids", r.response_ids) for r in results]  # multi-turn: the last turn
         texts = tokenizer.batch_decode(answers, skip_special_tokens=True)

@@ -28,7 +28,7 @@ from megarl.monitor.progress import note, stage
 from megarl.monitor.resources import start_monitor
 from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
 from megarl.rollout.engine import SamplingParams
-from megarl.rollout.factory import build_engine
+from megarl.rollout.factory import build_engine, engine_title
 from megarl.trainer import phases
 from megarl.trainer.checkpoint import Checkpointer, checkpoint_build_meta
 from megarl.trainer.correction import rollout_correction_metrics
@@ -118,7 +118,7 @@ class PPOTrainer:
         if cfg.reward.model.path:
             with stage(f"loading the reward model from {cfg.reward.model.path}", say):
                 self.rm = build_reward_model(cfg, g)
-        with stage(f"starting the {cfg.rollout.engine} rollout engine", say):
+        with stage(f"starting {engine_title(cfg)}", say):
             self.engine = build_engine(cfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
 
     def _stop_ids(self) -> list[int]:
@@ -150,6 +150,7 @@ class PPOTrainer:
                                   f"{self.cfg.data.train_path}); pick a new trainer.run_dir for new data, or set "
                                   f"trainer.resume=false to start over") from None
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.engine.update_weights()  # the engine started on other weights (SGLang: dummy ones); sample from these
         if self.rank0:
             print(f"resumed from step {self.step}" + (f" (trainer.resume=force: {'; '.join(forced)})" if forced
                                                       else ""), flush=True)

@@ -52,6 +52,7 @@ def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: Sampli
     (:func:`~megarl.rollout.engine.sample_requests`), each result back to its prompt by key (``key // n``).
     A multi-turn result (``extra["trajectory"]``, from :class:`~megarl.rollout.agent.AgentLoop`) gives
     rewards its last assistant turn as the response and the whole conversation as ``extra["trajectory"]``."""
+    bind_items(engine, {k: prompts.items[k // n] for k in range(len(prompts.items) * n)})
     results = engine.generate(sample_requests(prompts.prompt_ids, n, seed, max_new_tokens), params)
     items = [prompts.items[r.key // n] for r in results]
     return Rollout(
@@ -60,13 +61,20 @@ def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: Sampli
         responses=tokenizer.batch_decode([r.extra.get("final_turn_ids", r.response_ids) for r in results],
                                          skip_special_tokens=True),
         answers=[it.answer for it in items],
-        extras=[{**it.extra, "trajectory": r.extra["trajectory"]} if "trajectory" in r.extra else it.extra
-                for it, r in zip(items, results)],
+        extras=[{**it.extra, **{k: r.extra[k] for k in _CARRIED if k in r.extra}} for it, r in zip(items, results)],
         group_ids=torch.tensor([it.index for it in items], device=device),
         finish_reasons=[r.finish_reason for r in results],
     )
 
 
+def bind_items(engine, items: dict) -> None:
+    """Engines that hand samples to agents (``rollout.server``) get each request key's dataset row."""
+    if hasattr(engine, "bind_items"):
+        engine.bind_items({k: {"messages": it.messages, "answer": it.answer, "extra": it.extra}
+                           for k, it in items.items()})
+
+
+_CARRIED = ("trajectory", "agent_reward", "agent_failed")  # result fields rewards read (multi-turn, rollout.server)
 _TEXTS = ("prompts", "responses", "answers", "extras", "finish_reasons")
 
 

@@ -17,7 +17,9 @@ import os
 import yaml
 
 from megarl.config import Config
+from megarl.config_checks import uses_critic, validate
 from megarl.errors import ConfigError
+from megarl.trainer.dump import dump_path
 
 RUN_CONFIG = "config.yaml"
 
@@ -31,8 +33,6 @@ def _path(value: str | None) -> str | None:
 
 def identity(cfg: Config) -> dict[str, object]:
     """The keys that make two configs the same run: what a checkpoint's weights and metrics mean."""
-    from megarl.config_checks import uses_critic
-
     critic = uses_critic(cfg)
     return {
         "algorithm.advantage": cfg.algorithm.advantage,
@@ -106,3 +106,34 @@ def save_run_config(cfg: Config) -> str:
         yaml.safe_dump(tree, f, sort_keys=False)
     os.replace(path + ".tmp", path)
     return path
+
+
+def validate_run(cfg: Config, world_size: int) -> dict:
+    """:func:`megarl.config_checks.validate`, then the run directory: resuming a run of another
+    config is refused (:func:`check_resume`; trainer.resume=force overrides). For launch/ppo.py
+    and `megarl train`."""
+    hf = validate(cfg, world_size)
+    check_replay_steps(cfg, world_size)
+    check_resume(cfg)
+    return hf
+
+
+def check_replay_steps(cfg: Config, world_size: int) -> None:
+    """trainer.replay_rollouts holds a dump of every step 1..trainer.steps for every DP rank: checked
+    up front, so a replay never stops half-way through the run (and its trained steps)."""
+    replay = cfg.trainer.replay_rollouts
+    if not replay:
+        return
+    p = cfg.parallel
+    dp = world_size // (p.tp * p.pp * p.cp)
+    missing = next(((step, r) for step in range(1, cfg.trainer.steps + 1) for r in range(dp)
+                    if not os.path.isfile(dump_path(replay, step, r))), None)
+    if missing is None:
+        return
+    step, rank = missing
+    if step == 1:
+        raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step 1 for data-parallel rank {rank}; "
+                          f"replay with the data-parallel size it was dumped with")
+    raise ConfigError(f"trainer.replay_rollouts: '{replay}' has no dump of step {step} for data-parallel rank "
+                      f"{rank} (dumped: steps 1..{step - 1}); set trainer.steps={step - 1} or fewer, or dump "
+                      f"more steps with the same data-parallel size")

@@ -1,0 +1,1 @@
+"""Agents written as plain code for ``rollout.server`` (``module:function(sample, base_url)``)."""
