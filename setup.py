@@ -38,12 +38,16 @@ setup(
         "tqdm",
         "pyarrow",
         "redis>=5",  # client for reward.cache=redis (pure Python)
+        "datasets",  # prompt sets from save_to_disk directories and hub names (megarl/data/sources.py)
     ],
+    entry_points={"console_scripts": ["megarl = megarl.launcher:main"]},  # megarl train CONFIG.yaml --nproc N
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "sglang": ["sglang==0.5.23"],  # the release megarl/rollout/sglang.py is written against
         "mpi": ["mpi4py", "mpich"],
         "wandb": ["wandb"],  # trainer.wandb.enable=true
+        # benchmarks/bench_e2e.py's other side: TRL's GRPOTrainer at the release it was measured with
+        "bench": ["trl==1.16.0", "datasets>=4.8,<5", "accelerate>=1.10.1"],
         # wandb: the offline-mode logging test; pytest-xdist: the suite on 2 workers (half the time on 2 cores)
         "dev": ["pytest", "pytest-xdist", "triton", "wandb"],
     },

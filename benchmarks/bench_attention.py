@@ -1,6 +1,6 @@
 """Benchmark paged KV-cache attention (megarl_kernels.paged_attention) at the Qwen2.5-1.5B layer shape.
 
-    python benchmarks/bench_attention.py --out $OUT/attention.json         # CUDA (H200), ~3 min with sweeps
+    python benchmarks/bench_attention.py --out attention.json         # CUDA (H200), ~3 min with sweeps
     python benchmarks/bench_attention.py --small --out /tmp/att.json       # CPU smoke run, seconds
 
 One layer: Hq=12, Hkv=2, D=128, bf16, page 16. Decode: B in {32, 128, 512} rows of 640 keys.
@@ -13,7 +13,7 @@ L2. Per row: median eager ms (CUDA events), per-call device ms from a CUDA graph
 (where capturable), bytes = K + V of live tokens + q + out, achieved TB/s (graph time when there
 is one) and its fraction of 4.24 TB/s. Prefill: 16 sequences x 128 new tokens (and x 1024 at full
 size), causal; dense = one causal SDPA on (16, Hq, L, D). On CUDA (not --small) the tuning
-constants of kernels/paged_decode.py and paged_prefill.py are swept (the evidence for them).
+constants of kernels/megarl_kernels/decode_plan.py and paged_prefill.py are swept (the evidence for them).
 The short table comes last; everything goes to --out as JSON.
 """
 import argparse

@@ -1,28 +1,13 @@
 """GRPO end to end, megarl vs TRL's GRPOTrainer: one workload, one process tree, one JSON.
 
-GPU run (1 x H200, one device call of ~5 minutes: timeout_s=600, carry [".whl"]). The
-wheels, fetched here from the checkout's root (~5.4 MB with megatron-core)::
+On one GPU, with megarl and TRL installed (``pip install -e ".[bench]"``: trl 1.16, the version
+measured, with datasets 4.x and accelerate)::
 
-    ../shared/gpu/fetch_wheels.sh megatron-core==0.16.1 trl==1.16.0 datasets==4.8.5 dill==0.4.1 \\
-        multiprocess==0.70.19 fsspec==2026.2.0 xxhash==4.1.0 accelerate==1.15.0
-
-and the command there (``$OUT`` gets e2e.json, e2e.megarl.log, e2e.trl.log)::
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \\
-      && export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \\
-      && python3 benchmarks/bench_e2e.py --out $OUT/e2e.json
-
-(datasets 4.8.5, not 5.x: 5.x needs huggingface-hub >= 1.31 and the machine's is only known to be
->= 1.5, what transformers 5.17 asks; fsspec <= 2026.2.0 and dill < 0.4.2 are datasets 4.8.5's bounds;
-accelerate travels because TRL needs >= 1.10.1 and the machine's version is not recorded.)
+    python benchmarks/bench_e2e.py --out e2e.json       # ~5 minutes; logs e2e.megarl.log, e2e.trl.log
 
 CPU smoke test (tiny model, 2 prompts x 4 samples, 8 tokens, fp32, 2 steps)::
 
-    pip download --no-deps -d /tmp/trlwheels trl==1.16.0 datasets==4.8.5 dill==0.4.1 \\
-        multiprocess==0.70.19 xxhash fsspec==2026.2.0 accelerate pandas python-dateutil six \\
-        requests urllib3 certifi charset-normalizer "httpx<1" httpcore transformers==5.17.0 huggingface-hub==1.5.0
-    pip install --no-deps --target /tmp/trl-site /tmp/trlwheels/*.whl
-    PYTHONPATH=/tmp/trl-site:$PWD:$PWD/kernels python benchmarks/bench_e2e.py --tiny --out /tmp/e2e_tiny.json
+    python benchmarks/bench_e2e.py --tiny --out /tmp/e2e_tiny.json
 
 Workload (defaults): a random-weight Qwen2.5-1.5B-shape checkpoint from
 benchmarks/make_checkpoint.py (tokenizer with a chat template, prompts of

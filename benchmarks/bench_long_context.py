@@ -1,6 +1,6 @@
 """Ulysses context parallelism on long sequences: CP2 trains a sequence that CP1 cannot hold, same loss.
 
-    python3 benchmarks/bench_long_context.py --out $OUT/long_context.json        # 2 GPUs of one host
+    python3 benchmarks/bench_long_context.py --out long_context.json        # 2 GPUs of one host
     python benchmarks/bench_long_context.py --small --out /tmp/long_context.json   # CPU smoke test (gloo)
 
 (key=value arguments are config overrides for every run, e.g. ``actor.recompute=selective``.)
@@ -12,7 +12,7 @@ sequence per micro-batch (``actor.micro_batch_size=1``), packed:
 - ``short`` at CP1 (the 2 GPUs are DP2: one sequence each) and at CP2 (every GPU holds half of each
   sequence): 2 x ``--short`` tokens. The same batch and weights, so the gradient of the batch's loss,
   compared by its norm (global over the ranks), must agree up to the reductions' order (bf16 on the
-  GPU; fp32 on the CPU: 8e-8 relative, 2026-12-01).
+  GPU; fp32 on the CPU, where they agree to ~1e-7 relative).
 - ``long`` at CP1 and at CP2: 2 x ``--long`` tokens (default 32,768). At CP1 one GPU holds a whole
   sequence's activations, at CP2 half: the peak memory of each, or the out-of-memory the back-off
   (``megarl/roles/memory.py``) gave up on after halving the budget (a single sequence cannot be split).

@@ -1,53 +1,38 @@
-"""Decode throughput of the native engine beside ``transformers.generate`` and the HBM floor.
+"""Rollout throughput: the native engine beside ``transformers.generate`` and the HBM floor.
 
     python benchmarks/bench_rollout.py --device cpu --out /tmp/rollout_cpu.json     # tiny model, B=32
-    python benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 \\
-        --prompt-len 128 --new-tokens 512 --hf-batches 32,128 --ragged 128 --out $OUT/rollout.json
+    python benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 \
+        --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --ragged-waves 8 --out rollout.json
 
 One process (no torchrun needed). Every request is ``--prompt-len`` random
 tokens and decodes exactly ``--new-tokens`` tokens (no stop token), sampled at
 temperature 1. Rows: the engine (CUDA graphs on CUDA, eager on CPU) and
 ``generate`` (sampling, ``min_new_tokens`` = ``max_new_tokens``) on the same
 checkpoint; ms per token step = wall time / new tokens (prefill included; the JSON's
-``decode_ms_per_step`` and ``decode_floor_fraction``, the table's "decode %", leave the synchronous prefill steps out);
+``decode_ms_per_step`` and ``decode_floor_fraction``, the table's "decode %", leave the prefill steps out);
+``replay ms`` is the last step's CUDA graph replayed back to back (the step without the host);
 tokens/s = B * new tokens / wall time. The floor of a decode step is the bytes
 it must read once — every weight but the input embedding (tied heads count
-once) plus the live K/V of the batch, averaged over the steps — over
-4.24 TB/s (3.35 on an H100: `bench_kernels.hbm_bytes_per_s`). ``--ragged B``
+once) plus the live K/V of the batch, averaged over the steps — over the
+GPU's HBM bandwidth (`bench_kernels.hbm_bytes_per_s`). ``--ragged B``
 adds two runs of W x B requests (``--ragged-waves`` W, default 4) on an engine of B
 slots (continuous batching refills them): lengths fixed at ``--new-tokens``,
 then per-request length limits drawn uniformly from 16..1024 (what sampled EOS
 does to a batch); useful tokens/s of the ragged run as a fraction of the fixed
 one (``of_fixed``), beside the most that in-order admission allows for those
-lengths (``fifo_slot_bound``); each is timed on its second run (``--ragged-unmixed``: the ragged run again
-with prefill steps that stop the decode). Every CUDA-graph bucket is captured before the timed runs.
-``--profile B`` (with ``--busy B``: `rollout_anatomy.py`) takes one decode step at batch B apart: device time of its
-CUDA graph replayed back to back (``replay_ms``: the step without the host)
-and torch.profiler over replays (kernels per step in the JSON, the top kernels
-in ``<out>.profile.txt``), at the timed runs' mean context, after ``--profile-decode`` N decode
-steps (a list: a row each; default half of ``--new-tokens``, so the prompts are ``--prompt-len``
-long and every row is live in the replayed step: with fewer steps the prompts are longer, take
-several prefill chunks, and the rows admitted first finish first, so the replay holds fewer rows,
-e.g. 97 of 128 at 17 steps: the JSON gives ``replay_rows``; RESULTS.md, session 22); ``--busy`` gives the
-loop's own per-kernel means. ``--prefill NxL,...`` times prefills alone: N prompts of L
-tokens, one sampled token each (median of 5 calls, wall and device time, the device
-time from torch.profiler's kernel total, the top kernels, and the GPU's idle gaps of 100 us or more
-with the host work beside each; TFLOP/s from 2 x non-embedding parameters x tokens). ``--busy B`` runs one whole generate at batch B under torch.profiler: how much of its span
-the GPU was busy (kernels, copies, memsets), and the idle gaps between them by size (is the loop
-host- or device-bound?), and per decode step over the loop: spans by quantile and by eighth of the
-loop, and each kernel's mean time. The checkpoint is the
-shipped tiny model (``--shape tiny``) or a random-weight one made by
-benchmarks/make_checkpoint.py.
+lengths (``fifo_slot_bound``); each is timed on its second run. Every CUDA-graph
+bucket is captured before the timed runs. The checkpoint is the shipped tiny
+model (``--shape tiny``) or a random-weight one made by benchmarks/make_checkpoint.py.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import heapq
 import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -55,7 +40,41 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import HBM_BYTES_PER_S  # noqa: E402
-from rollout_anatomy import busy_row, prefill_rows, profile_decode, prompts_of, replay_ms, timed  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    """Wall seconds of fn(), the device drained before and after."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def prompts_of(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+def replay_ms(engine, batch: int) -> float:
+    """Device ms of one decode step: its bucket's CUDA graph replayed back to back on the static
+    inputs of the last step (CUDA events, median of 5 x 20 replays)."""
+    graph = engine.graphs.graphs[min(b for b in engine.graphs.graphs if b >= batch)]
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 20)
+    return sorted(times)[2]
 
 
 def checkpoint(shape: str, work: str, prompt_len: int) -> str:
@@ -101,8 +120,7 @@ def build_model(path: str, args):
 def make_engine(module, info, groups, args, max_len: int, max_batch: int):
     from megarl.rollout.native import EngineOptions, NativeEngine
 
-    options = EngineOptions(max_batch=max_batch, cuda_graphs=not args.eager, max_model_len=max_len,
-                            page_size=args.page_size)
+    options = EngineOptions(max_batch=max_batch, cuda_graphs=not args.eager, max_model_len=max_len)
     return NativeEngine(module, groups, info.vocab_size, [], 0, options)
 
 
@@ -150,10 +168,7 @@ def capture_buckets(engine, prompts) -> None:
 
 
 def ragged_rows(module, info, groups, args) -> list[dict]:
-    """W x B requests on B slots (W = --ragged-waves): lengths fixed at --new-tokens, then drawn from 16..1024 (and
-    again under each --admit-fractions value of the scheduler's admission constant)."""
-    from megarl.rollout import scheduler
-
+    """W x B requests on B slots (W = --ragged-waves): lengths fixed at --new-tokens, then drawn from 16..1024."""
     b, n = args.ragged, args.ragged_waves * args.ragged
     engine = make_engine(module, info, groups, args, args.prompt_len + 1024, max_batch=b)
     prompts = prompts_of(n, args.prompt_len, info.vocab_size, seed=3)
@@ -166,20 +181,6 @@ def ragged_rows(module, info, groups, args) -> list[dict]:
         rows.append(_ragged_run(engine, prompts, name, limits, b))
     rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     rows[-1]["fifo_slot_bound"] = fifo_slot_bound(cases["megarl-ragged"], b)
-    if args.ragged_unmixed:  # prefill steps that stop the decode (rollout.mixed_prefill=false), for comparison
-        options, engine.options = engine.options, dataclasses.replace(engine.options, mixed_prefill=False)
-        try:
-            rows.append(_ragged_run(engine, prompts, "megarl-ragged-unmixed", cases["megarl-ragged"], b))
-        finally:
-            engine.options = options
-        rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    for fraction in args.admit_fractions:  # the scheduler's admission constant, tried on the ragged case
-        default, scheduler.ADMIT_FRACTION = scheduler.ADMIT_FRACTION, fraction
-        try:
-            rows.append(_ragged_run(engine, prompts, f"megarl-ragged-admit{fraction:g}", cases["megarl-ragged"], b))
-        finally:
-            scheduler.ADMIT_FRACTION = default
-        rows[-1]["of_fixed"] = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     engine.release_memory()
     return rows
 
@@ -235,13 +236,13 @@ def table(rows: list[dict]) -> str:
         return f"{100 * r[key]:7.1f}%" if r.get(key) is not None else " " * 8
 
     lines = [f"{'provider':>22} {'B':>5} {'ms/step':>9} {'replay ms':>10} {'tokens/s':>10} {'floor ms':>9} {'% floor':>8}"
-             f" {'decode %':>8} {'% fixed':>8} {'FIFO max':>8} {'GPU busy':>8}"]
+             f" {'decode %':>8} {'% fixed':>8} {'FIFO max':>8}"]
     for r in rows:
         lines.append(f"{r['provider']:>22} {r['batch']:>5} {cell(r, 'ms_per_step', '.2f', 9)} "
                      f"{cell(r, 'replay_ms', '.2f', 10)} {cell(r, 'tokens_per_s', '.0f', 10)} "
                      f"{cell(r, 'floor_ms', '.3f', 9)} {pct(r, 'floor_fraction')} {pct(r, 'decode_floor_fraction')} "
                      f"{pct(r, 'of_fixed')} "
-                     f"{pct(r, 'fifo_slot_bound')} {pct(r, 'busy_fraction')}".rstrip())
+                     f"{pct(r, 'fifo_slot_bound')}".rstrip())
     return "\n".join(lines)
 
 
@@ -256,17 +257,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--ragged", type=int, default=0, help="batch size of the ragged-length run (0: none)")
     ap.add_argument("--ragged-waves", type=int, default=4,
                     help="requests of the ragged runs per slot: the drain tail's share shrinks as it grows")
-    ap.add_argument("--ragged-unmixed", action="store_true",
-                    help="ragged run again with prefill steps that stop the decode (rollout.mixed_prefill=false)")
-    ap.add_argument("--admit-fractions", default="", help="comma list: ragged run again per scheduler.ADMIT_FRACTION")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (rollout.page_size)")
-    ap.add_argument("--profile", type=int, default=0, help="batch size of a profiled decode (0: none)")
-    ap.add_argument("--profile-decode", default="",
-                    help="--profile: comma list of decode steps its prompts take before the replays (the rest of the "
-                         "context is prefilled), a row each; default --new-tokens / 2")
-    ap.add_argument("--prefill", default="", help="comma list NxL: prefill-only calls of N prompts of L tokens")
-    ap.add_argument("--busy", type=int, default=0, help="batch size of a generate under torch.profiler: GPU busy share")
     ap.add_argument("--work", default="/tmp/megarl_bench")
     ap.add_argument("--out", default="bench_rollout.json")
     args = ap.parse_args()
@@ -274,15 +265,8 @@ def parse() -> argparse.Namespace:
     args.shape = args.shape or ("tiny" if cpu else "qwen2.5-1.5b")
     args.batches = [int(x) for x in (args.batches or ("32" if cpu else "32,128,512")).split(",")]
     args.hf_batches = [int(x) for x in (args.hf_batches or ("32" if cpu else "128")).split(",") if x and int(x) > 0]
-    args.admit_fractions = [float(x) for x in args.admit_fractions.split(",") if x]
-    args.prefill = [x for x in args.prefill.split(",") if x]
-    try:
-        args.profile_decode = [int(x) for x in args.profile_decode.split(",") if x]
-    except ValueError:
-        ap.error(f"--profile-decode: {args.profile_decode!r} is not a comma list of decode steps (e.g. 17,256)")
     args.prompt_len = args.prompt_len or (20 if cpu else 128)
     args.new_tokens = args.new_tokens or (32 if cpu else 512)
-    args.profile_decode = args.profile_decode or [max(args.new_tokens // 2, 1)]
     args.dtype = "float32" if cpu else "bfloat16"
     return args
 
@@ -294,20 +278,13 @@ def main() -> None:
     module, info, groups = build_model(path, args)
     engine = make_engine(module, info, groups, args, args.prompt_len + args.new_tokens, max(args.batches))
     rows = engine_rows(engine, module, info, args)
-    if args.profile:
-        args.profile = min(args.profile, engine.options.max_batch)
-        rows += [profile_decode(engine, info, args, steps) for steps in args.profile_decode]
-    if args.busy and args.device == "cuda":
-        args.busy = min(args.busy, engine.options.max_batch)
-        rows.append(busy_row(engine, info, args))
-    rows += prefill_rows(engine, module, info, args)
     engine.release_memory()
     if args.ragged:
         rows += ragged_rows(module, info, groups, args)
     rows += hf_rows(path, info, args)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "page_size": args.page_size, "torch_threads": torch.get_num_threads(), "rows": rows}
+              "torch_threads": torch.get_num_threads(), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(table(rows))

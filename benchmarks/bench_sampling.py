@@ -1,7 +1,7 @@
 """Benchmark megarl_kernels.sampling: fused Triton sampling vs torch softmax + multinomial vs argmax.
 
-    python benchmarks/bench_sampling.py --out $OUT/sampling.json           # CUDA, full sizes (H200: ~1 min)
-    python benchmarks/bench_sampling.py --out $OUT/sampling.json --sweep   # + BLOCK_V / NUM_WARPS / split sweep
+    python benchmarks/bench_sampling.py --out sampling.json           # CUDA, full sizes (H200: ~1 min)
+    python benchmarks/bench_sampling.py --out sampling.json --sweep   # + BLOCK_V / NUM_WARPS / split sweep
     python benchmarks/bench_sampling.py --small --out /tmp/sampling.json   # CPU smoke run (seconds)
 
 Shapes: B in {32, 128, 512}, V = 151936 (Qwen2), fp32 and bf16 logits. Settings:

@@ -1,6 +1,6 @@
 """The actor update alone (no rollout): packed vs padded tokens/s, MFU, peak memory with LoRA + recompute.
 
-    python3 benchmarks/bench_train.py --case all --out-dir $OUT        # one H200; sized for < 8 minutes
+    python3 benchmarks/bench_train.py --case all --out-dir .        # one H200; sized for < 8 minutes
     python3 benchmarks/bench_train.py --case packing --out train_packing.json [key=value ...]
     python benchmarks/bench_train.py --case all --small --out-dir /tmp/bench_train   # CPU smoke test, seconds
 
@@ -281,8 +281,8 @@ def case_memory(args, groups, w: Workload, shared: dict) -> dict:
     batch = make_batch(w, actor.info.vocab_size, device())
     lora = time_updates(actor, cfg.actor, batch, args.warmup, args.steps) | {"allocated_before_build_gb": before}
     for run in (full, lora):  # what the role itself holds at its peak: megatron keeps a built model's
-        # tensors alive after the role is dropped (84.7 GB of the full fine-tune were still allocated
-        # when the LoRA actor was built, H200 2026-12-01), so the raw peaks include the earlier cases
+        # tensors alive after the role is dropped (most of the full fine-tune is still allocated when
+        # the LoRA actor is built), so the raw peaks include the earlier cases
         if run["peak_memory_gb"] is not None:
             run["own_peak_gb"] = run["peak_memory_gb"] - (run["allocated_before_build_gb"] or 0.0)
     ratio = None if full["peak_memory_gb"] is None else lora["own_peak_gb"] / full["own_peak_gb"]

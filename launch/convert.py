@@ -2,11 +2,14 @@
 
     torchrun --nproc_per_node 2 launch/convert.py hf-to-mcore --hf DIR --out DIR --tp 2
     torchrun --nproc_per_node 2 launch/convert.py mcore-to-hf --ckpt DIR --out DIR --tp 2
+    python launch/convert.py mcore-to-hf --ckpt runs/x/checkpoints/step_000030 --out DIR
 
 The world size must be a multiple of tp * pp. mcore-to-hf reads the model's
 metadata (megarl_model.json) from the checkpoint; tokenizer files are copied
 from --hf-config-from, else from the directory the checkpoint was converted
-from (when it still exists). Bad input prints one line and exits with 2.
+from (when it still exists). --ckpt may also be a training checkpoint (a run
+directory, its newest; or step_N): its actor is exported, LoRA merged, the
+critic and value head left out. Bad input prints one line and exits with 2.
 """
 from __future__ import annotations
 
@@ -48,19 +51,39 @@ def check_layout(args, world_size: int) -> None:
 def check_input(args) -> "ModelInfo":  # noqa: F821 - imported lazily below
     """The model to build; raises ModelConfigError on bad input (before any process group)."""
     from megarl.models.hf_config import ModelInfo, read_hf_config
-    from megarl.models.mcore_ckpt import load_mcore_meta
+    from megarl.models.hub import resolve_model_path
+    from megarl.models.mcore_ckpt import load_mcore_meta, load_training_meta, training_role_dir
 
     if args.command == "hf-to-mcore":
+        args.hf = resolve_model_path(args.hf, "--hf")
         info = read_hf_config(args.hf)
         from megarl.models.safetensors_io import CheckpointReader  # imports torch
 
         CheckpointReader(args.hf).close()  # safetensors present and readable
         return info
+    role_dir = training_role_dir(args.ckpt)
+    if role_dir is not None:
+        meta = load_training_meta(role_dir, args.hf_config_from)
+        return ModelInfo.from_json(meta)  # the actor: a causal LM (the critic is not exported)
     meta = load_mcore_meta(args.ckpt)
     if args.hf_config_from:
         info = read_hf_config(args.hf_config_from)
         return info.as_value_model() if meta["value_head"] and not info.value_head else info
     return ModelInfo.from_json(meta)
+
+
+def build_training_model(info, groups, meta: dict):
+    """The actor as the run built it (dtype, layer spec, vocab padding), its LoRA adapters attached."""
+    from megarl.models import ModelOptions, build_gpt_model
+    from megarl.models.lora import LoraOptions, apply_lora
+
+    opts = ModelOptions(params_dtype=meta.get("params_dtype", "fp32"), layer_spec=meta.get("layer_spec", "auto"),
+                        make_vocab_size_divisible_by=meta.get("vocab_divisible_by", 128))
+    model = build_gpt_model(info, groups, opts)
+    lora = meta.get("lora")
+    if lora:
+        apply_lora(model, LoraOptions(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"])))
+    return model
 
 
 def main(args) -> str:
@@ -71,7 +94,9 @@ def main(args) -> str:
 
     from megarl.distributed import build_parallel_groups, init_distributed
     from megarl.models import ModelOptions, build_gpt_model, export_hf, load_hf_checkpoint
-    from megarl.models.mcore_ckpt import load_mcore, load_mcore_meta, save_mcore
+    from megarl.models.lora import merged_lora
+    from megarl.models.mcore_ckpt import (load_mcore, load_mcore_meta, load_training_meta, load_training_model,
+                                          save_mcore, training_role_dir)
 
     start = time.perf_counter()
     info = check_input(args)
@@ -84,12 +109,19 @@ def main(args) -> str:
         save_mcore(model, info, groups, args.out, source=os.path.abspath(args.hf), params_dtype=args.dtype)
         what = f"megatron-core checkpoint (tp={args.tp}, pp={args.pp}, {args.dtype})"
     else:
-        meta = load_mcore_meta(args.ckpt)
-        model = build_gpt_model(info, groups, ModelOptions(params_dtype=meta["params_dtype"]))
-        load_mcore(model, groups, args.ckpt)
+        role_dir = training_role_dir(args.ckpt)
+        if role_dir is not None:
+            meta = load_training_meta(role_dir, args.hf_config_from)
+            model = build_training_model(info, groups, meta)
+            load_training_model(model, role_dir)
+        else:
+            meta = load_mcore_meta(args.ckpt)
+            model = build_gpt_model(info, groups, ModelOptions(params_dtype=meta["params_dtype"]))
+            load_mcore(model, groups, args.ckpt)
         source = args.hf_config_from or meta.get("source")
         copy_from = source if source and os.path.isdir(source) else None
-        summary = export_hf(model, info, groups, args.out, copy_from=copy_from)
+        with merged_lora(model):  # plain weights W + s B A (no adapters: a no-op)
+            summary = export_hf(model, info, groups, args.out, copy_from=copy_from)
         what = (f"Hugging Face checkpoint ({summary.tensors} tensors, {summary.bytes / 2**20:.1f} MiB)"
                 if summary else "Hugging Face checkpoint")
     return f"convert.py: wrote {what} to {args.out} in {time.perf_counter() - start:.1f} s"

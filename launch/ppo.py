@@ -7,16 +7,17 @@ SIGTERM / SIGINT: the run finishes its step, saves a checkpoint and exits 0 (res
 import os
 
 import torch.distributed as dist
-from tqdm import tqdm
 
 from megarl.cli import main_guard
 from megarl.config import Config
+from megarl.trainer.run_config import validate_run
 from megarl.launch_common import setup
+from megarl.monitor.progress import StepProgress
 from megarl.trainer.metrics import console_line
 
 
 def main(argv):
-    cfg, rank = setup(argv, Config)
+    cfg, rank = setup(argv, Config, validate_run)
     from megarl.trainer.ppo import PPOTrainer
     from megarl.trainer.signals import StopSignal
 
@@ -25,7 +26,7 @@ def main(argv):
         if rank == 0:
             print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="
                   f"{cfg.trainer.steps}); nothing to do: raise trainer.steps to go on", flush=True)
-        if cfg.trainer.export_hf and not os.path.isdir(trainer.export_path()):  # killed before its export ended
+        if trainer.exports() and not os.path.isdir(trainer.export_path()):  # killed before its export ended
             trainer.export()
         trainer.close("already_finished")
         dist.destroy_process_group()
@@ -34,7 +35,7 @@ def main(argv):
     before = trainer.evaluate() if trainer.step == 0 else None
     if before is not None:
         trainer.writer.write(0, {"eval/accuracy": before})
-    bar = tqdm(total=cfg.trainer.steps, initial=trainer.step, disable=rank != 0, dynamic_ncols=True)
+    bar = StepProgress(cfg.trainer.steps, trainer.step, enabled=rank == 0)  # a bar on a terminal, else lines
     while trainer.step < cfg.trainer.steps:
         rollout = trainer.generate()
         trainer.score(rollout)
@@ -45,10 +46,11 @@ def main(argv):
             trainer.sync_weights()
         metrics = trainer.log_and_save(rollout)
         if cfg.trainer.eval_every and trainer.step % cfg.trainer.eval_every == 0:
-            metrics["eval/accuracy"] = trainer.evaluate()
-            trainer.writer.write(trainer.step, {"eval/accuracy": metrics["eval/accuracy"]})
-        bar.set_description(console_line(trainer.step, cfg.trainer.steps, metrics))
-        bar.update(1)
+            accuracy = trainer.evaluate()  # None: no eval set, or a rollout-only run
+            if accuracy is not None:
+                metrics["eval/accuracy"] = accuracy
+                trainer.writer.write(trainer.step, {"eval/accuracy": accuracy})
+        bar.update(console_line(trainer.step, cfg.trainer.steps, metrics))
         if trainer.step < cfg.trainer.steps and stop.agreed():
             bar.close()
             trainer.stop_early(stop.received)

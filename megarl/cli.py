@@ -43,7 +43,17 @@ def _coerce(value: Any, tp, key: str, base=None):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
+        for member in inner[:-1]:  # the first member that takes the value (bool | Literal["force"])
+            try:
+                return _coerce(value, member, key)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(value, inner[-1], key)
+        except ConfigError:
+            if len(inner) == 1:
+                raise
+            raise ConfigError(f"{key}: expected {' or '.join(_help_type(a) for a in inner)}, got {value!r}") from None
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
@@ -133,15 +143,73 @@ def read_yaml(path: str) -> dict:
     return data
 
 
+def _get_dotted(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def resolve_yaml_paths(tree: dict, yaml_path: str, keys) -> None:
+    """A relative input path written in the yaml (``keys``, dotted) is read from the working
+    directory when it exists there, else from the yaml's directory when it exists there; otherwise
+    it stays as written (a hub id, or a missing file the checks name)."""
+    base = os.path.dirname(yaml_path)
+    for key in keys:
+        if "[]." in key:  # "data.train_mix[].path": that field of every entry of a list
+            list_key, field = key.split("[].", 1)
+            entries = _get_dotted(tree, list_key)
+            for entry in entries if isinstance(entries, list) else []:
+                if isinstance(entry, dict) and _beside_yaml(entry.get(field), base):
+                    entry[field] = _beside_yaml(entry[field], base)
+            continue
+        beside = _beside_yaml(_get_dotted(tree, key), base)
+        if beside:
+            _set_dotted(tree, key, beside)
+
+
+def _beside_yaml(value: Any, base: str) -> str | None:
+    """``value`` under the yaml's directory ``base`` when it is a relative path that exists there and
+    not in the working directory; else None."""
+    if not isinstance(value, str) or not value or os.path.isabs(value) or os.path.exists(value):
+        return None
+    beside = os.path.normpath(os.path.join(base, value))
+    return beside if os.path.exists(beside) else None
+
+
+def add_import_dirs(yaml_path: str | None) -> None:
+    """The working directory and the yaml's directory go on ``sys.path`` (after what is there), so
+    ``module:function`` extension points (rewards, row maps, metrics, tools) import on every rank
+    without ``PYTHONPATH``."""
+    dirs = [os.getcwd()] + ([os.path.dirname(os.path.abspath(yaml_path))] if yaml_path else [])
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.append(d)
+
+
 def load_config(argv: list[str], cls):
-    """YAML file (optional, first) plus overrides -> an instance of ``cls``."""
+    """YAML file (optional, first) plus overrides -> an instance of ``cls``.
+
+    ``cls.INPUT_PATH_KEYS`` (dotted keys) are the inputs :func:`resolve_yaml_paths` resolves;
+    ``cls.RUN_DIR_KEY``, when neither the yaml nor an override sets it, becomes
+    ``runs/<yaml file name without .yaml>``.
+    """
     tree: dict = {}
     args = list(argv)
+    yaml_path = None
     if args and "=" not in args[0]:
-        tree = read_yaml(args.pop(0))
+        yaml_path = args.pop(0)
+        tree = read_yaml(yaml_path)
+        resolve_yaml_paths(tree, yaml_path, getattr(cls, "INPUT_PATH_KEYS", ()))
+    add_import_dirs(yaml_path)
     for text in args:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
+    run_dir_key = getattr(cls, "RUN_DIR_KEY", None)
+    if yaml_path and run_dir_key and _get_dotted(tree, run_dir_key) is None:
+        _set_dotted(tree, run_dir_key, os.path.join("runs", Path(yaml_path).stem))
     return build(cls, tree)
 
 
@@ -164,18 +232,18 @@ def help_text(cls, prefix: str = "", defaults=None) -> str:
     class's (``critic.optim.lr``) shows the value that applies.
     """
     defaults = cls() if defaults is None else defaults
-    lines = []
+    lines, sections = [], []  # a section's own keys first, then its sub-sections under their headers
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key, tp, default = f"{prefix}{f.name}", hints[f.name], getattr(defaults, f.name)
         if dataclasses.is_dataclass(tp):
-            lines.append(f"\n[{key}] {f.metadata.get('doc', '')}")
-            lines.append(help_text(tp, key + ".", default))
+            sections.append(f"\n[{key}] {f.metadata.get('doc', '')}")
+            sections.append(help_text(tp, key + ".", default))
             continue
         if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
             default = [dataclasses.asdict(d) for d in default]
         lines.append(f"  {key} = {default!r}  ({_help_type(tp)})  {f.metadata.get('doc', '')}")
-    return "\n".join(lines)
+    return "\n".join(lines + sections)
 
 
 _LOCAL_RANK_KEYS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")

@@ -29,7 +29,7 @@ def opt(default: Any, doc: str):
 class ModelConfig:
     """The policy model (actor, and reference unless ref.path is set)."""
 
-    path: str = opt(f"{ASSETS}/sft", "Hugging Face model directory (config.json + safetensors)")
+    path: str = opt(f"{ASSETS}/sft", "Hugging Face model directory (config.json + safetensors) or hub id (org/name[@revision]), fetched into the HF cache")
     tokenizer: Optional[str] = opt(None, "tokenizer directory; default: model.path")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype")
     attention_backend: Literal["sdpa", "local"] = opt("sdpa", "core attention: PyTorch SDPA or megatron's unfused softmax")
@@ -84,9 +84,12 @@ class MultiTurnConfig:
 class SGLangConfig:
     """rollout.engine=sglang: one SGLang engine per TP group (megarl/rollout/sglang.py, sglang==0.5.23)."""
 
-    mem_fraction_static: float = opt(0.5, "share of each GPU's memory SGLang takes for its weights and KV cache")
-    deterministic: bool = opt(True, "SGLang's deterministic inference: per-request seeds are honoured")
+    mem_fraction_static: float = opt(0.5, "share of the GPU memory free when SGLang starts (after the trainer's models load) that it takes for its weights and KV cache")
+    dtype: Literal["bfloat16", "float16"] = opt("bfloat16", "SGLang's dtype (its Hopper attention needs 16-bit); the weights are cast to it when streamed, whatever model.dtype is")
+    deterministic: bool = opt(False, "SGLang's deterministic inference: per-request seeds are honoured (slower kernels; at TP > 1 SGLang pins NCCL_ALGO for its workers)")
     enable_memory_saver: bool = opt(True, "release SGLang's memory during training and map it back for rollout")
+    weights_cpu_backup: bool = opt(False, "SGLang keeps a CPU copy of its weights while released; false: they are streamed again before the next rollout")
+    start_timeout_s: float = opt(1800.0, "how long the other TP ranks wait for TP rank 0 to start SGLang")
     max_running_requests: int = opt(0, "requests SGLang runs at once; 0: its default")
     update_bucket_mb: float = opt(512.0, "weight-sync bucket size in MiB")
 
@@ -184,6 +187,7 @@ class RewardTerm:
     name: str = opt("math", "a registered reward (format, math, ...) or module:function")
     weight: float = opt(1.0, "weight in the sum")
     kwargs: dict = opt({}, "keyword arguments for the reward function")
+    cache: Optional[bool] = opt(None, "serve this term from the reward cache (keyed on prompt, response, answer and extra); default: registered rewards yes, module:function ones no (set true for a pure function)")
 
 
 @dataclass
@@ -212,6 +216,30 @@ class RewardConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance weights / masks for tokens the rollout engine sampled (megarl/algos/rollout_correction.py)."""
+
+    preset: Literal["none", "sglang", "async"] = opt("none", "none: the keys below; sglang: tis with cap 2 (another engine's rounding); async: icepop in [0.5, 2] (stale tokens); a preset leaves the keys below at their defaults")
+    mode: Literal["none", "tis", "seq_is", "mis", "icepop"] = opt("none", "none | tis (token weights min(ratio, cap)) | seq_is (sequence weight min(ratio, cap)) | mis (drop tokens or sequences outside [low, high]) | icepop (drop tokens outside [low, high], weight the rest by their ratio)")
+    cap: float = opt(2.0, "tis / seq_is: the weight cap C (>= 1)")
+    level: Literal["token", "sequence"] = opt("token", "mis: drop single tokens or whole sequences")
+    seq_ratio: Literal["product", "geo_mean"] = opt("geo_mean", "seq_is and mis at sequence level: the sequence ratio is the product or the geometric mean of its token ratios")
+    low: float = opt(0.5, "mis / icepop: lower end of the kept band, in (0, 1)")
+    high: float = opt(2.0, "mis / icepop: upper end of the kept band, > 1")
+
+
+@dataclass
+class DapoConfig:
+    """DAPO's dynamic sampling and overlong shaping (megarl/algos/dapo.py, megarl/trainer/dapo.py)."""
+
+    dynamic_sampling: bool = opt(False, "drop prompt groups whose scores are all equal (no group-advantage signal) and generate more prompts until the batch is full")
+    max_rounds: int = opt(4, "dynamic sampling: generation rounds per step at most, the first included; a batch still short is filled with dropped groups (dapo/groups_filled)")
+    overlong_buffer: int = opt(0, "L_cache: responses longer than rollout.max_new_tokens - L_cache lose score linearly, up to overlong_penalty at max_new_tokens; 0 disables")
+    overlong_penalty: float = opt(1.0, "the overlong penalty at rollout.max_new_tokens tokens (DAPO: 1)")
+    mask_truncated: bool = opt(False, "responses cut at rollout.max_new_tokens get no loss (their scores still count in their group)")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages and the KL penalty."""
 
@@ -226,14 +254,59 @@ class AlgorithmConfig:
     kl_coef: float = opt(0.001, "beta: initial KL coefficient")
     kl_target: float = opt(6.0, "adaptive controller: target KL")
     kl_horizon: int = opt(10000, "adaptive controller: horizon in samples")
+    rollout_correction: RolloutCorrectionConfig = opt(RolloutCorrectionConfig(), "rollout correction (TIS / MIS / icepop): off by default")
+    dapo: DapoConfig = opt(DapoConfig(), "DAPO: dynamic sampling, overlong shaping, truncated responses masked")
+
+
+@dataclass
+class DataSource:
+    """One training set of data.train_mix."""
+
+    path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
+    weight: float = opt(1.0, "share of the training samples drawn from this set (the weights are normalized)")
+    split: str = opt("train", "split of a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset (e.g. main for openai/gsm8k)")
+    prompt_key: Optional[str] = opt(None, "this set's prompt column; default data.prompt_key")
+    answer_key: Optional[str] = opt(None, "this set's ground-truth column; default data.answer_key")
+    row_map: Optional[str] = opt(None, "this set's module:function row map; default data.row_map")
+
+
+@dataclass
+class EvalSet:
+    """One named evaluation set (data.eval_sets): logged as eval/<name>/pass@k and eval/<name>/mean@n."""
+
+    name: str = opt("", "the set's name in the metrics: eval/<name>/...")
+    path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
+    split: str = opt("test", "split of a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset")
+    prompt_key: Optional[str] = opt(None, "this set's prompt column; default data.prompt_key")
+    answer_key: Optional[str] = opt(None, "this set's ground-truth column; default data.answer_key")
+    row_map: Optional[str] = opt(None, "this set's module:function row map; default data.row_map")
+    n: int = opt(1, "samples per prompt")
+    temperature: float = opt(0.0, "sampling temperature; 0: greedy (then n must be 1)")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    k: list[int] = opt([], "pass@k logged for each k (each <= n); empty: 1 and n")
+    metric: str = opt("math", "scores a sample: a registered reward (math, format, ...) or module:function with the reward signature")
+    metric_kwargs: dict = opt({}, "keyword arguments for the metric function")
+    pass_threshold: float = opt(1.0, "a sample counts as solved for pass@k when its score is >= this")
+    limit: int = opt(0, "prompts evaluated (the first ones); 0: all")
+    max_new_tokens: int = opt(0, "response length limit; 0: rollout.max_new_tokens")
 
 
 @dataclass
 class DataConfig:
     """Prompt data."""
 
-    train_path: str = opt(f"{ASSETS}/train.jsonl", "JSONL or Parquet prompts: prompt | messages, answer, extra")
-    eval_path: Optional[str] = opt(f"{ASSETS}/test.jsonl", "held-out prompts for accuracy; unset: no eval")
+    train_path: str = opt(f"{ASSETS}/train.jsonl", "prompts: a .jsonl / .json / .parquet file (prompt | messages, answer, extra), a datasets save_to_disk directory or a hub dataset name")
+    eval_path: Optional[str] = opt(f"{ASSETS}/test.jsonl", "held-out prompts for accuracy (eval/accuracy, greedy, math answer); unset: none")
+    train_split: str = opt("train", "split of train_path when it is a saved DatasetDict or a hub dataset")
+    eval_split: str = opt("test", "split of eval_path when it is a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset in train_path / eval_path (e.g. main)")
+    train_mix: list[DataSource] = opt([], "several training sets mixed by weight, each {path, weight, split, subset, prompt_key, answer_key, row_map}; when set, train_path is not read")
+    eval_sets: list[EvalSet] = opt([], "named evaluation sets, each {name, path, split, subset, prompt_key, answer_key, row_map, n, temperature, top_p, k, metric, metric_kwargs, pass_threshold, limit, max_new_tokens}: eval/<name>/pass@k, mean@n")
+    prompt_key: str = opt("prompt", "column holding the prompt text (or chat messages), e.g. question (GSM8K) or problem (MATH)")
+    answer_key: str = opt("answer", "column holding the ground truth, e.g. answer (GSM8K, '#### 42') or solution (MATH, \\boxed{})")
+    row_map: str = opt("", "module:function(row: dict) -> dict with prompt (or messages), answer and other fields; replaces prompt_key / answer_key")
     batch_size: int = opt(32, "prompts per PPO step (global, all DP ranks)")
     max_prompt_len: int = opt(64, "longer prompts are filtered out and counted")
     apply_chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
@@ -258,16 +331,17 @@ class TrainerConfig:
     """The loop, logging and checkpoints."""
 
     steps: int = opt(20, "PPO steps")
-    run_dir: str = opt("runs/tiny", "metrics.jsonl, TensorBoard events, checkpoints and exports go here")
+    run_dir: str = opt("runs/default", "config.yaml, metrics.jsonl, TensorBoard events, checkpoints and exports go here; default: runs/<the yaml file's name> (runs/default without a yaml)")
     seed: int = opt(42, "model-init and dropout seed")
     save_every: int = opt(0, "checkpoint every N steps; 0: only at the end (if save_last)")
     save_last: bool = opt(True, "checkpoint after the last step")
     keep_last: int = opt(2, "checkpoints kept")
-    resume: bool = opt(True, "resume from the newest checkpoint in run_dir")
+    resume: bool | Literal["force"] = opt(True, "resume from the newest checkpoint in run_dir, refused when its config.yaml names another algorithm, model, critic or task; force: resume anyway; false: start over")
     collective_timeout_s: float = opt(600.0, "a collective (all-reduce, barrier, ...) waiting longer than this fails the job loudly: a rank whose peer died or hangs exits instead of waiting forever")
     eval_every: int = opt(0, "held-out evaluation every N steps; 0: before and after only")
     eval_samples: int = opt(0, "held-out prompts evaluated; 0: all")
     export_hf: bool = opt(True, "write the final actor as a Hugging Face directory")
+    export_every: int = opt(0, "also write the actor as a Hugging Face directory RUN_DIR/exports/step_N every N steps (LoRA merged); 0: never")
     tensorboard: bool = opt(True, "write TensorBoard events")
     monitor_interval_s: float = opt(2.0, "resource monitor: seconds between CPU/RAM/GPU samples, logged per step as resources/*; 0 disables")
     dump_rollouts: Optional[str] = opt(None, "write each step's rollout batch to this directory")
@@ -306,3 +380,9 @@ class Config:
     data: DataConfig = opt(DataConfig(), "prompts")
     trainer: TrainerConfig = opt(TrainerConfig(), "loop and checkpoints")
     sft: SFTConfig = opt(SFTConfig(), "supervised warm start")
+
+    # inputs a yaml names relative to itself when not found from the working directory (megarl.cli)
+    INPUT_PATH_KEYS = ("model.path", "model.tokenizer", "critic.path", "ref.path", "reward.model.path",
+                       "data.train_path", "data.eval_path", "sft.train_path", "trainer.replay_rollouts",
+                       "data.train_mix[].path", "data.eval_sets[].path")
+    RUN_DIR_KEY = "trainer.run_dir"  # default: runs/<yaml file name> (megarl.cli.load_config)

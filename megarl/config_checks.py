@@ -11,10 +11,13 @@ import os
 from pathlib import Path
 
 from megarl.errors import ConfigError
-from megarl.config import LORA_TARGETS, REDIS_URL, Config
+from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutCorrectionConfig
 from megarl.algos.advantages import get_advantage
+from megarl.algos.rollout_correction import from_section as correction_from_section, keys_read
 from megarl.algos.losses import get_policy_loss
+from megarl.algos.registry import load_dotted
 from megarl.data.tokenizer import check_tokenizer_dir, check_vocab_fits
+from megarl.models.hub import resolve_hub_models
 from megarl.rewards.registry import get_reward
 
 GROUP_ADVANTAGES = {"grpo", "rloo", "reinforce_pp_baseline"}
@@ -67,7 +70,7 @@ def check_cpu_offload(cfg: Config, o, prefix: str) -> None:
     optimizer takes half-precision parameters only (an fp32 one reaches it as a non-leaf view and
     its constructor raises), and steps only parameters that live on a CUDA device. Every trained
     weight of a bf16/fp16 model is half precision, the local spec's norms included (built in the
-    params dtype; run with offload on an H200, ``tests/test_cpu_offload.py``)."""
+    params dtype; ``tests/test_cpu_offload.py`` runs offload on a GPU)."""
     if not o.cpu_offload:
         return
     key = f"{prefix}.cpu_offload=true"
@@ -85,6 +88,7 @@ def check_cpu_offload(cfg: Config, o, prefix: str) -> None:
 
 
 def check_model(cfg: Config) -> None:
+    check_counts(cfg.model, "model", ["vocab_divisible_by"])  # 0 would divide by zero when padding
     spec = cfg.model.layer_spec
     if spec == "te" and not have_te():
         raise ConfigError("model.layer_spec=te but transformer_engine is not installed; use model.layer_spec=local")
@@ -185,6 +189,8 @@ def check_rollout(cfg: Config) -> None:
     check_numbers(r, "rollout", ["temperature"], low=0)
     if not 0 < r.top_p <= 1:  # NaN fails too
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k == 0 or r.top_k < -1:
+        raise ConfigError(f"rollout.top_k={r.top_k} keeps no token; use a count >= 1, or -1 to turn top-k off")
     if r.page_size not in (8, 16, 32, 64, 128):
         raise ConfigError(f"rollout.page_size={r.page_size} must be a power of two in 8..128")
     if r.kv_cache_gb < 0 or not 0 < r.kv_cache_fraction <= 1:
@@ -193,6 +199,17 @@ def check_rollout(cfg: Config) -> None:
         raise ConfigError(
             f"algorithm.advantage={cfg.algorithm.advantage} compares samples of one prompt; set rollout.n >= 2"
         )
+
+
+def check_stop_tokens(cfg: Config, hf: dict) -> None:
+    """Each rollout.stop_token_ids entry is a token id of the model (0 <= id < vocab_size)."""
+    vocab = hf.get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    bad = [i for i in cfg.rollout.stop_token_ids if not 0 <= i < vocab]
+    if bad:
+        raise ConfigError(f"rollout.stop_token_ids: {bad} outside the vocabulary of {cfg.model.path} (ids 0.."
+                          f"{vocab - 1}); list token ids of the model's tokenizer")
 
 
 def check_actor(cfg: Config) -> None:
@@ -279,6 +296,7 @@ def check_trainer(cfg: Config) -> None:
     t = cfg.trainer
     check_counts(t, "trainer", ["steps", "keep_last"])
     check_counts(t, "trainer", ["save_every", "eval_every", "eval_samples", "max_bad_updates"], low=0)
+    check_counts(t, "trainer", ["export_every"], low=0)
     check_numbers(t, "trainer", ["monitor_interval_s"], low=0)
     check_numbers(t, "trainer", ["collective_timeout_s"], low=0, strict=True)
     if 0 < t.monitor_interval_s < 0.1:
@@ -326,16 +344,68 @@ def check_algorithm(cfg: Config) -> None:
                           "(KL as a loss) or advantage gae / reinforce_pp_baseline")
 
 
+def check_rollout_correction(cfg: Config) -> None:
+    """algorithm.rollout_correction: a preset or the keys; thresholds in range; no key its mode ignores."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    default = RolloutCorrectionConfig()
+    changed = [k for k in ("mode", "cap", "level", "seq_ratio", "low", "high") if getattr(rc, k) != getattr(default, k)]
+    if rc.preset != "none" and changed:
+        raise ConfigError(f"{key}.preset={rc.preset} sets the mode and thresholds itself; drop "
+                          f"{key}.{changed[0]}={getattr(rc, changed[0])} or set {key}.preset=none")
+    read = keys_read(correction_from_section(rc))
+    if "cap" in read and not (math.isfinite(rc.cap) and rc.cap >= 1):
+        raise ConfigError(f"{key}.cap={rc.cap} must be a finite number >= 1 (a cap below 1 would down-weight "
+                          "tokens on which both policies agree)")
+    if "low" in read and not 0 < rc.low < 1:
+        raise ConfigError(f"{key}.low={rc.low} must be in (0, 1): the band must hold ratio 1")
+    if "high" in read and not 1 < rc.high < math.inf:
+        raise ConfigError(f"{key}.high={rc.high} must be a finite number > 1: the band must hold ratio 1")
+    unread = next((k for k in changed if k != "mode" and k not in read), None)
+    if unread:
+        raise ConfigError(f"{key}.{unread}={getattr(rc, unread)} is not read by {key}.mode={rc.mode}; "
+                          f"drop it or pick a mode that reads it")
+
+
+def check_dapo(cfg: Config) -> None:
+    """algorithm.dapo: dynamic sampling needs group advantages; the overlong buffer fits the response."""
+    d, key = cfg.algorithm.dapo, "algorithm.dapo"
+    check_counts(d, key, ["max_rounds"])
+    check_counts(d, key, ["overlong_buffer"], low=0)
+    check_numbers(d, key, ["overlong_penalty"], low=0)
+    if d.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"{key}.overlong_buffer={d.overlong_buffer} must be <= rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (the buffer ends at the response limit)")
+    default = DapoConfig()
+    if not d.overlong_buffer and d.overlong_penalty != default.overlong_penalty:
+        raise ConfigError(f"{key}.overlong_penalty is read only with {key}.overlong_buffer > 0; set the buffer "
+                          "or drop the penalty")
+    if not d.dynamic_sampling:
+        if d.max_rounds != default.max_rounds:
+            raise ConfigError(f"{key}.max_rounds is read only with {key}.dynamic_sampling=true; set it or drop "
+                              "max_rounds")
+        return
+    if cfg.algorithm.advantage not in GROUP_ADVANTAGES:
+        raise ConfigError(f"{key}.dynamic_sampling=true keeps groups whose scores differ, a signal only group "
+                          f"advantages read ({', '.join(sorted(GROUP_ADVANTAGES))}); algorithm.advantage="
+                          f"{cfg.algorithm.advantage}: pick one of them or set {key}.dynamic_sampling=false")
+    if cfg.trainer.replay_rollouts:
+        raise ConfigError(f"{key}.dynamic_sampling=true generates; trainer.replay_rollouts trains on dumped "
+                          f"batches as they are: set {key}.dynamic_sampling=false to replay")
+
+
 def check_sglang(cfg: Config) -> None:
     s = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang":
         return
     if not 0 < s.mem_fraction_static < 1:
         raise ConfigError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
-    check_numbers(s, "rollout.sglang", ["update_bucket_mb"], low=0, strict=True)
+    check_numbers(s, "rollout.sglang", ["update_bucket_mb", "start_timeout_s"], low=0, strict=True)
     check_counts(s, "rollout.sglang", ["max_running_requests"], low=0)
     if cfg.parallel.pp > 1:
         raise ConfigError(f"rollout.engine=sglang needs parallel.pp=1 (got {cfg.parallel.pp}); use rollout.engine=native")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"rollout.engine=sglang needs parallel.cp=1 (got {cfg.parallel.cp}: each CP rank would "
+                          "sample its own responses for the same rows); use rollout.engine=native")
 
 
 def check_multi_turn(cfg: Config) -> None:
@@ -362,25 +432,91 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e.args[0] if e.args else e).split())
 
 
-def check_paths(cfg: Config) -> None:
-    run_dir = Path(cfg.trainer.run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"trainer.run_dir: '{run_dir}' is a file, not a directory; pick another run_dir")
-    parent = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
+def check_output_dir(key: str, path: str) -> None:
+    """``path`` is, or can be created as, a directory this process may write to."""
+    if not path.strip():
+        raise ConfigError(f"{key} is empty; name a directory, e.g. {key}=runs/my_run")
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}: '{out}' is a file, not a directory; pick another directory")
+    parent = next((p for p in [out, *out.parents] if p.exists() or p.is_symlink()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{key}: '{out}' cannot be created: '{parent}' is not a directory; pick another path")
     if parent is not None and not os.access(parent, os.W_OK):
-        raise ConfigError(f"trainer.run_dir: '{parent}' is not writable; pick a run_dir you can write to")
+        raise ConfigError(f"{key}: '{parent}' is not writable; pick a directory you can write to")
+
+
+def check_paths(cfg: Config) -> None:
+    check_output_dir("trainer.run_dir", cfg.trainer.run_dir)
+    if cfg.trainer.dump_rollouts:
+        check_output_dir("trainer.dump_rollouts", cfg.trainer.dump_rollouts)
     replay = cfg.trainer.replay_rollouts
     if replay and (not Path(replay).is_dir() or not any(Path(replay).glob("step_*_dp*.pt"))):
         raise ConfigError(f"trainer.replay_rollouts: '{replay}' holds no dumped rollouts (step_*_dp*.pt); "
                           f"dump them first with trainer.rollout_only=true trainer.dump_rollouts={replay}")
-    if not Path(cfg.data.train_path).is_file():
+    if not cfg.data.train_mix and not data_source_found(cfg.data.train_path):
         raise ConfigError(f"data.train_path: '{cfg.data.train_path}' not found")
-    if cfg.data.eval_path and not Path(cfg.data.eval_path).is_file():
+    if cfg.data.eval_path and not data_source_found(cfg.data.eval_path):
         raise ConfigError(f"data.eval_path: '{cfg.data.eval_path}' not found; unset it to skip evaluation")
     for key, path in (("critic.path", cfg.critic.path), ("ref.path", cfg.ref.path),
                       ("reward.model.path", cfg.reward.model.path)):
         if path:
             read_hf_config(path, key)
+
+
+def data_source_found(path: str) -> bool:
+    """A file, a saved dataset, or a name the hub may hold (checked when it is read)."""
+    from megarl.data.sources import source_kind
+    from megarl.errors import DataError
+
+    try:
+        source_kind(path)
+    except DataError:
+        return False
+    return True
+
+
+def check_data(cfg: Config) -> None:
+    """data.train_mix and data.eval_sets entries: paths, weights, names, samples, pass@k, metric."""
+    d = cfg.data
+    maps = [("data.row_map", d.row_map)] + [(f"data.train_mix[{i}].row_map", s.row_map)
+                                            for i, s in enumerate(d.train_mix)]
+    for key, path in maps + [(f"data.eval_sets[{i}].row_map", s.row_map) for i, s in enumerate(d.eval_sets)]:
+        if path:
+            try:
+                load_dotted(path)  # imports module:function the way the loader will
+            except ValueError as e:
+                raise ConfigError(f"{key}={path!r}: {_one_line(e)}") from None
+    for i, s in enumerate(d.train_mix):
+        if not data_source_found(s.path):
+            raise ConfigError(f"data.train_mix[{i}].path: '{s.path}' not found")
+        check_numbers(s, f"data.train_mix[{i}]", ["weight"], low=0, strict=True)
+    names = [s.name for s in d.eval_sets]
+    for i, s in enumerate(d.eval_sets):
+        key = f"data.eval_sets[{i}]"
+        if not s.name or "/" in s.name or s.name in names[:i]:
+            raise ConfigError(f"{key}.name={s.name!r}: give each eval set its own name without '/'")
+        if not data_source_found(s.path):
+            raise ConfigError(f"{key}.path: '{s.path}' not found")
+        check_counts(s, key, ["n"])
+        check_counts(s, key, ["limit", "max_new_tokens"], low=0)
+        if s.max_new_tokens > cfg.rollout.max_new_tokens:
+            raise ConfigError(f"{key}.max_new_tokens={s.max_new_tokens} exceeds rollout.max_new_tokens="
+                              f"{cfg.rollout.max_new_tokens}, which sizes the model's sequences; raise "
+                              "rollout.max_new_tokens or lower the eval set's")
+        check_numbers(s, key, ["temperature", "pass_threshold"], low=0)
+        if s.temperature == 0 and s.n > 1:
+            raise ConfigError(f"{key}: n={s.n} with temperature=0 gives {s.n} equal greedy samples; set "
+                              f"{key}.temperature (e.g. 0.6) or n=1")
+        if not 0 < s.top_p <= 1:
+            raise ConfigError(f"{key}.top_p={s.top_p} must be in (0, 1]")
+        bad = [k for k in s.k if not 1 <= k <= s.n]
+        if bad:
+            raise ConfigError(f"{key}.k={s.k}: each k must be in 1..n={s.n}; raise n or drop {bad}")
+        try:
+            get_reward(s.metric)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{key}.metric={s.metric!r}: {_one_line(e)}") from None
 
 
 def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room: int) -> None:
@@ -399,6 +535,7 @@ def check_model_inputs(cfg: Config, hf: dict, length_key: str, length: int, room
 
 def validate_sft(cfg: Config, world_size: int) -> dict:
     """Checks for launch/sft.py."""
+    resolve_hub_models(cfg)
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
@@ -421,11 +558,14 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
 
 
 def validate(cfg: Config, world_size: int) -> dict:
-    """Runs every check; returns the policy's HF config for the caller."""
+    """Runs every check; returns the policy's HF config for the caller. Hub ids in the model paths
+    become their local snapshot directories first (megarl/models/hub.py)."""
+    resolve_hub_models(cfg)
     hf = read_hf_config(cfg.model.path)
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
+    check_stop_tokens(cfg, hf)
     check_model_inputs(cfg, hf, "rollout.max_new_tokens", cfg.rollout.max_new_tokens, room=1)
     check_multi_turn(cfg)
     check_sglang(cfg)
@@ -435,9 +575,12 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_packing(cfg)
     check_context_parallel(cfg)
     check_algorithm(cfg)
+    check_rollout_correction(cfg)
+    check_dapo(cfg)
     check_reward(cfg)
     check_trainer(cfg)
     check_paths(cfg)
+    check_data(cfg)
     return hf
 
 

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from megarl.cli import main_guard
+from megarl.monitor.curves import eval_set_keys
 from megarl.monitor.run_files import RunDirError, read_events, read_metrics, series
 
 
@@ -80,6 +81,16 @@ def eval_rows(rows, limit: int = 8) -> str | None:
     return ", ".join(cells) or None
 
 
+def eval_sets_line(rows) -> str | None:
+    """'gsm8k pass@1 0.41 -> 0.52, gsm8k mean@4 0.40 -> 0.49' (first -> last logged value)."""
+    cells = []
+    for key in eval_set_keys(rows):
+        steps, values = series(rows, key)
+        cells.append(f"{key[5:].replace('/', ' ')} {values[0]:.3f} (step {steps[0]}) -> {values[-1]:.3f} "
+                     f"(step {steps[-1]})")
+    return ", ".join(cells) or None
+
+
 def throughput(run: RunFiles) -> str | None:
     """Median tokens/s per GPU over the steps (the first, warm-up, left out when there are more)."""
     _, per_gpu = series(run.rows, "perf/tokens_per_s_per_gpu")
@@ -122,6 +133,21 @@ def checkpoint_line(run: RunFiles) -> str | None:
     return f"{os.path.abspath(os.path.join(run.run_dir, 'checkpoints'))}/ {', '.join(run.checkpoints)}"
 
 
+AGENT_KEYS = (("agent/tool_calls_mean", "calls"), ("agent/turns_mean", "turns"),
+              ("agent/tool_errors_mean", "errors"), ("agent/tool_truncations_mean", "truncated outputs"),
+              ("agent/max_turns_frac", "at the turn limit"))
+
+
+def tool_use(rows) -> str | None:
+    """Multi-turn runs, per sample: 'calls 0.3 -> 0.95, turns 1.3 -> 2, errors 0.1 -> 0, ...' (first -> last step)."""
+    parts = []
+    for key, name in AGENT_KEYS:
+        _, values = series(rows, key)
+        if values:
+            parts.append(f"{name} {values[0]:.3g} -> {values[-1]:.3g}")
+    return ", ".join(parts) or None
+
+
 def summary_rows(run: RunFiles) -> list[tuple[str, str]]:
     """(label, value) lines of the table; a quantity the run did not log is left out."""
     steps, _ = series(run.rows, "perf/step_seconds")
@@ -136,8 +162,10 @@ def summary_rows(run: RunFiles) -> list[tuple[str, str]]:
         ("reward (score/mean)", first_last_extreme(run.rows, "score/mean")),
         ("accuracy (eval)", first_last_extreme(run.rows, "eval/accuracy")),
         ("eval rows", eval_rows(run.rows)),
+        ("eval sets", eval_sets_line(run.rows)),
         ("KL (kl/mean)", first_last_extreme(run.rows, "kl/mean", "max")),
         ("entropy", first_last_extreme(run.rows, "policy/entropy", "min", min)),
+        ("tool use per sample", tool_use(run.rows)),
         ("throughput", throughput(run)),
         ("peak memory", peak_memory(run.rows)),
         ("checkpoints", checkpoint_line(run)),

@@ -188,3 +188,49 @@ def test_truncated_shard_under_torchrun_exits_2_with_one_line(tmp_path, straight
     assert f"cannot read {run}/checkpoints/step_000004/actor (a truncated or damaged shard?)" in ours[0]
     assert re.search(r"exitcode\s*:\s*2\b", p.stderr), p.stderr[-3000:]
     assert "Traceback" not in p.stdout
+
+
+def _megarl_train(run, *overrides, timeout=600):
+    """`python -m megarl train` (the `megarl` command) on 2 processes: its exit code, stdout, stderr."""
+    cmd = [sys.executable, "-m", "megarl", "train", "yaml/tiny.yaml", "--nproc", "2", f"trainer.run_dir={run}",
+           *SMALL, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_truncated_rng_file_of_any_rank_is_one_line(tmp_path, straight_tiny_run):
+    """Rank 1's RNG-state file cut in half: every rank stops before loading the models (the ranks agree
+    on the problem), rank 0 prints the one line naming rank 1's file, exit 2."""
+    run = tmp_path / "run"
+    shutil.copytree(straight_tiny_run, run)
+    rng = run / "checkpoints" / "step_000004" / "rng" / "rank_1.pt"
+    os.truncate(rng, os.path.getsize(rng) // 2)
+    code, out, err = _megarl_train(run, "trainer.steps=5")
+    assert code == 2, out[-2000:] + err[-3000:]
+    [line] = err.splitlines()
+    assert line.startswith(f"checkpoint error: cannot read {rng} (a truncated or damaged RNG-state file?): ")
+    assert line.endswith("or set trainer.resume=false to start over")
+
+
+def test_resuming_with_another_training_file_is_one_line(tmp_path, straight_tiny_run):
+    """The run's config.yaml names the shipped train.jsonl. Another file: the config check refuses before
+    any worker starts (exit 2, one line naming data.train_path). trainer.resume=force: the data sampler
+    finds 100 rows where the checkpoint had 2000, one checkpoint error line, exit 2."""
+    run = tmp_path / "run"
+    shutil.copytree(straight_tiny_run, run)
+    other = tmp_path / "train.jsonl"
+    rows = open(os.path.join(ROOT, "megarl", "assets", "tiny", "train.jsonl")).readlines()
+    other.write_text("".join(rows[:100]))
+    code, out, err = _megarl_train(run, "trainer.steps=5", f"data.train_path={other}")
+    assert (code, out) == (2, ""), err
+    [line] = err.splitlines()
+    assert line.startswith(f"config error: trainer.run_dir '{run}' holds a run of another config (data.train_path '")
+    assert line.endswith(f"{other}'); pick a new trainer.run_dir, set trainer.resume=false to start over, or "
+                         "trainer.resume=force to continue it anyway")
+    code, out, err = _megarl_train(run, "trainer.steps=5", f"data.train_path={other}", "trainer.resume=force")
+    assert code == 2, out[-2000:] + err[-3000:]
+    [line] = err.splitlines()
+    assert line.startswith(f"checkpoint error: {run}/checkpoints/step_000004: PromptSampler.load_state_dict: "
+                           "checkpoint has num_items=2000 but this sampler has 100")
+    assert f"data.train_path={other}); pick a new trainer.run_dir for new data" in line

@@ -37,10 +37,10 @@ def error_of(argv, cls=Config) -> str:
     return msg
 
 
-def check_error(overrides, world_size=2, base=(TINY,)) -> str:
+def check_error(overrides, world_size=2, base=(TINY,), check=validate) -> str:
     cfg = load_config([*base, *overrides], Config)
     with pytest.raises(ConfigError) as e:
-        validate(cfg, world_size)
+        check(cfg, world_size)
     msg = str(e.value)
     assert "\n" not in msg, msg
     return msg
@@ -114,7 +114,7 @@ def test_yaml_then_overrides(tmp_path):
     cfg = load_config([str(path), "critic.optim.warmup_steps=3", "trainer.steps=9"], Config)
     assert (cfg.critic.optim.lr, cfg.critic.optim.warmup_steps) == (0.002, 3)
     assert cfg.trainer.steps == 9  # the command line wins over the file
-    assert cfg.trainer.run_dir == "runs/tiny"
+    assert cfg.trainer.run_dir == "runs/run"  # the yaml's name: no run of another config shares it
 
 
 def test_repo_yaml_files_load():
@@ -343,3 +343,121 @@ def test_replay_dir_without_dumps_is_a_config_error(tmp_path):
     assert msg.startswith(f"trainer.replay_rollouts: '{tmp_path}' holds no dumped rollouts")
     msg = check_error([f"trainer.replay_rollouts={tmp_path / 'missing'}"])
     assert "holds no dumped rollouts" in msg
+
+
+# --- issue 39: bad input that used to end in a traceback or pass silently ----
+
+@pytest.mark.parametrize("overrides, start", [
+    (["model.vocab_divisible_by=0"], "model.vocab_divisible_by=0 must be >= 1"),
+    (["rollout.top_k=0"], "rollout.top_k=0 keeps no token; use a count >= 1, or -1"),
+    (["rollout.top_k=-2"], "rollout.top_k=-2 keeps no token"),
+    # the tiny model has vocab_size 57: ids 0..56
+    (["rollout.stop_token_ids=[3, 57]"], "rollout.stop_token_ids: [57] outside the vocabulary"),
+    (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids: [-1] outside the vocabulary"),
+    (["trainer.run_dir="], "trainer.run_dir is empty"),
+])
+def test_more_bad_values_are_one_line_errors(overrides, start):
+    assert check_error(overrides).startswith(start)
+
+
+def test_output_dirs_that_cannot_be_created(tmp_path):
+    """A run_dir under a file, and a dump_rollouts naming a file: one line each, before any process starts."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    msg = check_error([f"trainer.run_dir={f}/run"])
+    assert msg == f"trainer.run_dir: '{f}/run' cannot be created: '{f}' is not a directory; pick another path"
+    msg = check_error([f"trainer.run_dir={tmp_path}/run", f"trainer.dump_rollouts={f}"])
+    assert msg.startswith(f"trainer.dump_rollouts: '{f}' is a file, not a directory")
+    validate(load_config([TINY, f"trainer.run_dir={tmp_path}/a/b/c", f"trainer.dump_rollouts={tmp_path}/d"],
+                         Config), 2)
+
+
+def test_replay_needs_every_step_dumped_up_front(tmp_path):
+    """5 steps dumped for 2 DP ranks: trainer.steps=5 passes; 6 names the first missing step and the fix;
+    one DP rank's file missing for step 3 names that rank; replaying on 4 DP ranks is refused."""
+    from megarl.trainer.run_config import validate_run
+
+    for step in range(1, 6):
+        for r in range(2):
+            (tmp_path / f"step_{step:06d}_dp{r}.pt").write_bytes(b"")
+    base = [TINY, f"trainer.replay_rollouts={tmp_path}"]
+    validate_run(load_config([*base, "trainer.steps=5"], Config), 2)
+    msg = check_error(["trainer.steps=6"], base=base, check=validate_run)
+    assert msg == (f"trainer.replay_rollouts: '{tmp_path}' has no dump of step 6 for data-parallel rank 0 (dumped: "
+                   "steps 1..5); set trainer.steps=5 or fewer, or dump more steps with the same data-parallel size")
+    (tmp_path / "step_000003_dp1.pt").unlink()
+    assert "no dump of step 3 for data-parallel rank 1" in check_error(["trainer.steps=5"], base=base, check=validate_run)
+    assert "no dump of step 1 for data-parallel rank 2" in check_error(["trainer.steps=2", "actor.micro_batch_size=8", "critic.micro_batch_size=8"], 4, base=base, check=validate_run)
+
+
+def test_help_prints_a_sections_own_keys_before_its_sub_sections():
+    """rollout.n belongs under [rollout], not under [rollout.sglang] printed before it."""
+    lines = help_text(Config).splitlines()
+    header = {line.split("]")[0][1:]: i for i, line in enumerate(lines) if line.startswith("[")}
+    at = {line.split(" = ")[0].strip(): i for i, line in enumerate(lines) if " = " in line}
+    for key, i in at.items():
+        section = key.rsplit(".", 1)[0]
+        between = [h for h, j in header.items() if header[section] < j < i]
+        assert not between, f"{key} printed under [{between[-1]}]"
+
+
+def test_resume_takes_a_bool_or_force():
+    assert [load_config([f"trainer.resume={v}"], Config).trainer.resume for v in ("force", "false", "true")] == [
+        "force", False, True]
+    assert error_of(["trainer.resume=maybe"]) == "trainer.resume: expected bool or force, got 'maybe'"
+
+
+def test_default_run_dir_comes_from_the_yaml_name(tmp_path):
+    (tmp_path / "my_grpo.yaml").write_text("algorithm:\n  advantage: grpo\n")
+    assert load_config([str(tmp_path / "my_grpo.yaml")], Config).trainer.run_dir == "runs/my_grpo"
+    assert load_config([str(tmp_path / "my_grpo.yaml"), "trainer.run_dir=x"], Config).trainer.run_dir == "x"
+    assert load_config([], Config).trainer.run_dir == "runs/default"
+
+
+def test_yaml_relative_paths(tmp_path, monkeypatch):
+    """An input path in a yaml is read from the working directory when it exists there, else from the
+    yaml's directory; one found in neither stays as written (a hub id, or a missing file the checks name).
+    A command-line override is always from the working directory."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    shutil.copy(ROOT / "megarl" / "assets" / "tiny" / "train.jsonl", project / "data" / "train.jsonl")
+    (project / "run.yaml").write_text("data:\n  train_path: data/train.jsonl\n  eval_path: data/none.jsonl\n"
+                                      "model:\n  path: Qwen/Qwen2.5-0.5B-Instruct\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["project/run.yaml"], Config)
+    assert cfg.data.train_path == "project/data/train.jsonl"
+    assert cfg.data.eval_path == "data/none.jsonl" and cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert load_config(["project/run.yaml", "data.train_path=data/train.jsonl"], Config).data.train_path == \
+        "data/train.jsonl"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    assert load_config(["project/run.yaml"], Config).data.train_path == "data/train.jsonl"  # the CWD wins
+
+
+def test_resume_refuses_a_run_dir_of_another_config(tmp_path):
+    """RUN_DIR/config.yaml of a PPO-with-critic run and a checkpoint: a GRPO config pointed at it is one
+    line naming each difference (algorithm, critic, reward); trainer.resume=force returns the same
+    differences instead, false starts over; the same config, or a changed learning rate, resumes."""
+    from megarl.trainer.run_config import check_resume, save_run_config
+
+    run = f"trainer.run_dir={tmp_path}"
+    save_run_config(load_config([TINY, run], Config))
+    assert check_resume(load_config([str(ROOT / "yaml" / "tiny_grpo.yaml"), run], Config)) == []  # no checkpoint yet
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("40")
+    grpo = [str(ROOT / "yaml" / "tiny_grpo.yaml"), run, "reward.terms=[{name: format}]"]
+    with pytest.raises(ConfigError) as e:
+        check_resume(load_config(grpo, Config))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"trainer.run_dir '{tmp_path}' holds a run of another config (")
+    assert "algorithm.advantage 'gae' -> 'grpo'" in msg and "critic.enable True -> False" in msg
+    assert "reward.terms [('math', 1.0, {})] -> [('format', 1.0, {})]" in msg
+    assert msg.endswith("trainer.resume=force to continue it anyway")
+    forced = check_resume(load_config([*grpo, "trainer.resume=force"], Config))
+    assert forced[0] == "algorithm.advantage 'gae' -> 'grpo'" and len(forced) == 4  # + critic.path
+    assert check_resume(load_config([*grpo, "trainer.resume=false"], Config)) == []
+    assert check_resume(load_config([TINY, run, "actor.optim.lr=3e-4", "trainer.steps=80"], Config)) == []
+    other_data = tmp_path / "train.jsonl"
+    shutil.copy(ROOT / "megarl" / "assets" / "tiny" / "train.jsonl", other_data)
+    with pytest.raises(ConfigError, match=r"data.train_path '.*/megarl/assets/tiny/train.jsonl' -> '.*/train.jsonl'"):
+        check_resume(load_config([TINY, run, f"data.train_path={other_data}"], Config))

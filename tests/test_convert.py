@@ -122,3 +122,88 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
 def test_help():
     done = convert("--help")
     assert done.returncode == 0 and "hf-to-mcore" in done.stdout
+
+
+# -- a training checkpoint (checkpoints/step_N) to HF ------------------------------------------------
+
+PPO = os.path.join(ROOT, "launch", "ppo.py")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """Two PPO steps (critic, LoRA rank 4, a large LR so the adapters move), a checkpoint and an
+    export (trainer.export_every=1) after each step, then the usual final export RUN/hf."""
+    run = tmp_path_factory.mktemp("lora_run")
+    done = subprocess.run(
+        [sys.executable, PPO, "yaml/tiny.yaml", "trainer.steps=2", "trainer.save_every=1", "trainer.export_every=1",
+         "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2", "data.batch_size=8",
+         "actor.mini_batch_size=32", "actor.micro_batch_size=16", "critic.micro_batch_size=16",
+         "data.eval_path=null", f"trainer.run_dir={run}", "trainer.monitor_interval_s=0", "trainer.tensorboard=false"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run
+
+
+def test_training_checkpoint_exports_like_the_live_model(lora_run, tmp_path):
+    """convert.py on step_000001 (and on the run directory: its newest step) writes the bytes the
+    trainer's own export of that step wrote (LoRA merged into W), and no critic or value head."""
+    meta = json.load(open(lora_run / "checkpoints" / "step_000001" / "actor" / "megarl_model.json"))
+    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "targets": sorted(["linear_qkv", "linear_proj", "linear_fc1",
+                                                                         "linear_fc2"])}
+    assert json.load(open(lora_run / "checkpoints" / "step_000001" / "critic" / "megarl_model.json"))["value_head"]
+    for ckpt, live in ((lora_run / "checkpoints" / "step_000001", lora_run / "exports" / "step_000001"),
+                       (lora_run, lora_run / "hf")):
+        out = tmp_path / ckpt.name
+        done = convert("mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
+        assert done.returncode == 0, done.stderr[-3000:]
+        got, config = read_hf_dir(out)
+        want, want_config = read_hf_dir(live)
+        assert sorted(got) == sorted(want) and not any("score" in k or "value" in k for k in got)
+        assert all(torch.equal(got[k], want[k]) for k in got)
+        assert config == want_config and config["architectures"] == ["Qwen2ForCausalLM"]
+        assert os.path.isfile(out / "tokenizer.json")
+    base, _ = read_hf_dir(os.path.join(ROOT, "megarl", "assets", "tiny", "sft"))
+    changed = [k for k in base if not torch.equal(base[k], got[k])]
+    assert any("mlp.down_proj" in k for k in changed)  # the adapters' W + s B A, merged
+
+
+def test_training_checkpoint_export_loads_in_transformers(lora_run, tmp_path):
+    """The export of the newest checkpoint gives transformers the logits of the trainer's own export."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    assert convert("mcore-to-hf", "--ckpt", str(lora_run / "checkpoints"), "--out", str(out)).returncode == 0
+    ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7]])
+    logits = [AutoModelForCausalLM.from_pretrained(str(p)).eval()(ids).logits
+              for p in (out, lora_run / "hf", os.path.join(ROOT, "megarl", "assets", "tiny", "sft"))]
+    assert torch.equal(logits[0], logits[1])
+    assert not torch.allclose(logits[0], logits[2])
+
+
+def test_old_training_checkpoint_without_meta_is_one_line(lora_run, tmp_path):
+    import shutil
+
+    step = tmp_path / "step_000002"
+    shutil.copytree(lora_run / "checkpoints" / "step_000002", step)
+    os.remove(step / "actor" / "megarl_model.json")
+    done = convert("mcore-to-hf", "--ckpt", str(step), "--out", str(tmp_path / "x"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"convert.py: error: '{step / 'actor'}' has no megarl_model.json (saved by an "
+                                   "older megarl); pass --hf-config-from with the run's model.path to describe "
+                                   "the model")
+    tiny = os.path.join(ROOT, "megarl", "assets", "tiny", "sft")
+    done = convert("mcore-to-hf", "--ckpt", str(step), "--out", str(tmp_path / "x"), "--hf-config-from", tiny)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"convert.py: error: '{step / 'actor'}' holds LoRA adapters but no "
+                                   "megarl_model.json (saved by an older megarl), so their rank and scale are "
+                                   "unknown; evaluate or export it with the megarl that saved it")
+
+
+def test_meta_of_an_old_checkpoint_comes_from_hf_config_from(tmp_path):
+    from megarl.models.hf_config import ModelInfo, read_hf_config
+    from megarl.models.mcore_ckpt import load_training_meta
+
+    tiny = os.path.join(ROOT, "megarl", "assets", "tiny", "sft")
+    meta = load_training_meta(str(tmp_path), tiny)
+    assert meta["lora"] is None and meta["source"] == tiny and meta["params_dtype"] == "fp32"
+    assert ModelInfo.from_json(meta) == read_hf_config(tiny)

@@ -71,7 +71,8 @@ def test_parquet_malformed_names_row(tmp_path, tok):
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"answer": "3"}', "row has neither 'prompt' nor 'messages'; add one of them"),
+    ('{"answer": "3"}', r"row has neither 'prompt' nor 'messages' \(its columns: answer\); name the prompt column with "
+                         "data.prompt_key"),
     ('{"prompt": "a", "answer": "3"', "bad JSON"),
     ('{"prompt": 5}', "'prompt' is a int; it must be a string"),
     ('{"messages": [{"role": "user"}]}', r"messages\[0\] must be an object"),

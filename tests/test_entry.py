@@ -94,5 +94,76 @@ def test_data_error_names_file_and_line(tmp_path):
             "data.eval_path=null", timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("data error:")]
-    assert errors == [f"data error: {bad}:2: row has neither 'prompt' nor 'messages'; add one of them"]
+    assert errors == [f"data error: {bad}:2: row has neither 'prompt' nor 'messages' (its columns: answer); name "
+                      "the prompt column with data.prompt_key (e.g. data.prompt_key=question data.answer_key=answer) "
+                      "or map rows with data.row_map"]
     assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_resume_of_another_config_is_one_line_before_joining(tmp_path, monkeypatch):
+    """A run directory holding a PPO run's config.yaml and a checkpoint; launch/ppo.py with the GRPO
+    yaml pointed at it stops in the checks (exit 2, one line naming the differences), starting nothing."""
+    from megarl.cli import load_config
+    from megarl.config import Config
+    from megarl.trainer.run_config import save_run_config
+
+    monkeypatch.chdir(ROOT)
+    save_run_config(load_config(["yaml/tiny.yaml", f"trainer.run_dir={tmp_path}"], Config))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("40")
+    p = run(sys.executable, "launch/ppo.py", "yaml/tiny_grpo.yaml", f"trainer.run_dir={tmp_path}")
+    assert p.returncode == 2, p.stderr
+    [line] = p.stderr.splitlines()
+    assert line.startswith(f"config error: trainer.run_dir '{tmp_path}' holds a run of another config (algorithm"
+                           ".advantage 'gae' -> 'grpo'") and "trainer.resume=force" in line
+    assert "Traceback" not in p.stderr + p.stdout and p.stdout == ""
+
+
+# --- the `megarl` command (megarl/launcher.py; `python -m megarl` is the same main) ------------
+
+SMALL_RUN = ["data.batch_size=8", "rollout.n=2", "actor.mini_batch_size=8", "actor.micro_batch_size=4",
+             "critic.micro_batch_size=4", "trainer.eval_samples=8", "trainer.tensorboard=false",
+             "trainer.monitor_interval_s=0"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["yaml/tiny.yaml", "--nproc", "2", "actor.optim.lrr=1"],
+     "config error: unknown key 'actor.optim.lrr'; did you mean 'lr'?"),
+    (["yaml/tiny.yaml", "--nproc", "3"], "config error: data.batch_size=32 must be a multiple of the data-parallel "
+                                         "size 3"),
+    (["yaml/tiny.yaml", "--nproc", "two"], "config error: megarl train: argument --nproc: invalid int value: 'two'; "
+                                           "see megarl train --help"),
+    (["yaml/tiny.yaml", "--nprocs", "2"], "config error: megarl train: unknown option --nprocs; known: --nproc, "
+                                          "--max-restarts, --stop-timeout"),
+])
+def test_megarl_train_config_error_is_one_line_before_any_worker(args, line):
+    p = run(sys.executable, "-m", "megarl", "train", *args)
+    assert (p.returncode, p.stderr.splitlines(), p.stdout) == (2, [line], "")
+
+
+def test_megarl_train_runs_stops_on_sigint_and_resumes(tmp_path):
+    """2 workers under the in-process elastic agent: plain step lines on stdout (not a terminal), nothing
+    from torchrun on stderr. SIGINT to the launcher after step 1: the agent forwards it, the workers finish
+    their step and save it, the launcher prints one line and exits 130. The same command with trainer.steps
+    one past the saved step resumes and finishes (exit 0, stderr empty)."""
+    import signal
+
+    base = [sys.executable, "-m", "megarl", "train", "yaml/tiny.yaml", "--nproc", "2",
+            f"trainer.run_dir={tmp_path}", *SMALL_RUN]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    p = subprocess.Popen([*base, "trainer.steps=200"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("step 1/200  score "):
+            p.send_signal(signal.SIGINT)
+            break
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130, out + err
+    [line] = err.splitlines()
+    assert line.startswith("megarl train: stopped by SIGINT; each worker finished its step and saved it")
+    saved = int((tmp_path / "checkpoints" / "latest").read_text())
+    assert f"stopped by SIGINT after step {saved}; checkpoint saved" in out
+    p = run(*base, f"trainer.steps={saved + 1}", timeout=300)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert f"resumed from step {saved}" in p.stdout and f"\nstep {saved + 1}/{saved + 1}  score " in p.stdout
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "config.yaml").is_file()

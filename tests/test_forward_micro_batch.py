@@ -1,8 +1,8 @@
 """``actor.forward_micro_batch_size`` / ``critic.forward_micro_batch_size``: the forward-only passes.
 
 The old and reference log-probs and the critic's values take micro-batches of their own size
-(0: the update's ``micro_batch_size``). On an H200 the 1.5B reference forward of the e2e
-workload went from 0.544 s to 0.252 s with 64 rows instead of 16 (benchmarks/RESULTS.md).
+(0: the update's ``micro_batch_size``): with no activations kept, larger ones run faster
+(docs/performance.md).
 Checked here: ``prepare`` hands each forward its size; the log-probs do not depend on it
 beyond fp32 rounding (1e-6 relative; rows are computed independently, only the matmul shapes
 change); a negative size is a config error.
@@ -44,10 +44,10 @@ def _prepare_sizes(**sizes) -> list:
         role, name = key.split("__")
         setattr(getattr(cfg, role), name, value)
     log = []
-    tr = SimpleNamespace(cfg=cfg, step=0, groups=SimpleNamespace(dp_size=1), timer=lambda name: nullcontext(),
-                         actor=_Recorder(log, "old"), ref=_Recorder(log, "ref"), critic=_Recorder(log, "values"))
-    tr.actor.module = SimpleNamespace(config=SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0))
-    phases.prepare(tr, SimpleNamespace(batch=_Batch()))
+    actor = _Recorder(log, "old")
+    actor.module = SimpleNamespace(config=SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0))
+    phases.prepare(SimpleNamespace(batch=_Batch()), cfg, step=0, dp_size=1, actor=actor, ref=_Recorder(log, "ref"),
+                   critic=_Recorder(log, "values"), timer=lambda name: nullcontext())
     return log
 
 

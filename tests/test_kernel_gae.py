@@ -3,8 +3,8 @@
 On CPU the Triton path runs in the interpreter (TRITON_INTERPRET=1 must be set
 before megarl_kernels is imported, hence the top of this file). Shapes are
 small and odd: prime T, ragged row blocks and T chunks, empty and all-masked
-rows, masked runs across chunk edges; both scan kernels (KERNEL "grouped", with
-and without PREFETCH, and "rev") and thread-group widths VEC 1..16. Not covered
+rows, masked runs across chunk edges; tilings other than the shipped one and
+thread-group widths VEC 1..16. Not covered
 here: speed (benchmarks/bench_kernels.py), and the GPU lowering itself (the
 interpreter runs the kernels' Python; `-m gpu` runs them compiled).
 """
@@ -21,8 +21,6 @@ from megarl_kernels import gae, gae_ref  # noqa: E402
 from megarl_kernels.dispatch import tl, triton  # noqa: E402
 
 gae_mod = importlib.import_module("megarl_kernels.gae")  # the module (the package attribute is the function)
-# (KERNEL, PREFETCH) of megarl_kernels.gae
-VARIANTS = [("grouped", False), ("grouped", True), ("rev", False)]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-5, rtol=1e-5)}
 
 
@@ -74,28 +72,13 @@ def test_bf16_inputs(backend):
         torch.testing.assert_close(g.cpu(), w, **TOL[torch.bfloat16])
 
 
-def _use(monkeypatch, variant, **consts):
-    """Point megarl_kernels.gae at one scan kernel and tiling for this test."""
-    kernel, prefetch = variant
-    for k, v in dict(KERNEL=kernel, PREFETCH=prefetch, **consts).items():
+def _use(monkeypatch, **consts):
+    """Point megarl_kernels.gae at one tiling for this test."""
+    for k, v in consts.items():
         monkeypatch.setattr(gae_mod, k, v)
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("B,T", [(3, 13), (2, 131)])
-@pytest.mark.parametrize("whiten", [False, True])
-def test_variants_match_ref(monkeypatch, variant, B, T, whiten):
-    """Each scan kernel at the shipped tiling (one chunk per row here)."""
-    _use(monkeypatch, variant)
-    r, v, m = _inputs(B, T, seed=6)
-    want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 0.99, 0.95, whiten)
-    for w, g in zip(want, gae(r, v, m, 0.99, 0.95, whiten=whiten, backend="triton")):
-        torch.testing.assert_close(g.cpu(), w, **TOL[torch.float32])
-
-
-@needs_triton
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("whiten", [False, True])
 @pytest.mark.parametrize("block_t,tile,num_warps,T", [
     (32, 64, 1, 97),  # 2-row tiles (B=3: ragged), 4 chunks (last ragged), VEC 2
@@ -103,9 +86,9 @@ def test_variants_match_ref(monkeypatch, variant, B, T, whiten):
     (256, 256, 1, 557),  # VEC 8 (32 groups of 8 per chunk), 3 chunks
     (512, 512, 1, 1031),  # VEC 16, 3 chunks
 ])
-def test_triton_chunked_carry(monkeypatch, variant, whiten, block_t, tile, num_warps, T):
+def test_triton_chunked_carry(monkeypatch, whiten, block_t, tile, num_warps, T):
     """Small BLOCK_T forces several chunks per row (prime T): carries cross chunk edges."""
-    _use(monkeypatch, variant, BLOCK_T=block_t, TILE=tile, NUM_WARPS=num_warps)
+    _use(monkeypatch, BLOCK_T=block_t, TILE=tile, NUM_WARPS=num_warps)
     r, v, m = _inputs(3, T, seed=1)
     want = gae_ref(r.cpu(), v.cpu(), m.cpu(), 0.97, 0.9, whiten)
     for w, g in zip(want, gae(r, v, m, 0.97, 0.9, whiten=whiten, backend="triton")):
@@ -113,15 +96,14 @@ def test_triton_chunked_carry(monkeypatch, variant, whiten, block_t, tile, num_w
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_carry_across_masked_chunks(monkeypatch, variant):
+def test_carry_across_masked_chunks(monkeypatch):
     """Real tokens far apart: the next real value and advantage cross whole masked chunks.
 
     Row 0 is real at t = 0, 5, 199 only, so t=5 bootstraps from v_199 across five
     all-masked 32-token chunks; row 1 is real at t = 0 only (no next real token);
     row 2 at t = 31, 32 (the two sides of a chunk edge).
     """
-    _use(monkeypatch, variant, BLOCK_T=32, TILE=32, NUM_WARPS=1)
+    _use(monkeypatch, BLOCK_T=32, TILE=32, NUM_WARPS=1)
     r, v, _ = _inputs(3, 200, seed=7)
     m = torch.zeros(3, 200, dtype=torch.bool, device=DEVICE)
     m[0, [0, 5, 199]] = True
@@ -197,11 +179,9 @@ def test_degenerate_coefficients(backend, gamma, lam):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_cuda_full_size(monkeypatch, variant):
+def test_cuda_full_size():
     """B=64, T=2048 (one chunk per row), T=5000 (chunked, prime-free but ragged) and T=1031
     (prime) against the vectorized torch path, compiled for the GPU at the shipped tiling."""
-    _use(monkeypatch, variant)
     for B, T in [(64, 2048), (16, 5000), (5, 1031)]:
         r, v, m = _inputs(B, T, seed=5)
         for w, g in zip(gae(r, v, m, 0.99, 0.95, True, backend="torch"),

@@ -175,6 +175,29 @@ def test_decode_launch_from_shapes():
     assert 1 < decode_launch(1, cache, 4096).target <= sms
 
 
+@needs_triton
+def test_decode_launch_on_a_shape_it_was_not_tuned_on():
+    """The launch constants were tuned on 2 kv heads of 128 bf16 dims; on 4 kv heads of 256 fp32 dims the
+    rules still give a sane launch (the K/V stages fit the shared-memory budget, one program a row once
+    the rows fill the SMs, a bounded split below that) and the default launch gives the spec's output."""
+    from megarl_kernels.decode_plan import MAX_SPLITS, NUM_STAGES, SMEM_BUDGET, sm_count
+
+    cache = torch.empty(1, 16, 4, 256, dtype=torch.float32, device=DEVICE)
+    sms = sm_count(cache.device)
+    for batch in (1, 3, sms, 4 * sms):
+        launch = decode_launch(batch, cache, 1000)
+        assert 2 * NUM_STAGES * launch.block_n * 256 * 4 <= SMEM_BUDGET and launch.block_n >= 16
+        assert launch.segments == batch + launch.target
+        if batch * 4 >= sms:
+            assert launch.target == batch
+        else:
+            assert batch <= launch.target <= batch * MAX_SPLITS
+    kc, vc, table, sl = paged([1, 40, 77], 16, 4, 256, torch.float32, seed=3)
+    q = queries((3, 8, 256), torch.float32)
+    check(paged_decode_attention(q, kc, vc, table, sl, 0.0625, backend="triton"),
+          paged_decode_attention_ref(q, kc, vc, table, sl, 0.0625), torch.float32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_strided_q_and_all_empty(backend):
     """q a (B, Hq, D) view into a fused qkv buffer; then every row with 0 keys -> all zeros."""

@@ -28,10 +28,11 @@ from megarl.cli import load_config
 from megarl.config import Config, WandbConfig
 from megarl.config_checks import check_trainer
 from megarl.monitor.curves import panels_present, plot_curves
-from megarl.monitor.progress import stage
+from megarl.monitor.progress import StepProgress, stage
 from megarl.monitor.resources import ResourceMonitor, gpu_reading, nvml_sampler, psutil_sampler, summarize
 from megarl.monitor.run_files import RunDirError, read_jsonl, read_metrics
 from megarl.report import load_run, summary_rows
+from megarl.trainer.metrics import console_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,6 +163,48 @@ def test_stage_lines():
     assert out.getvalue() == ""
 
 
+def test_step_progress_is_one_plain_line_per_step_off_a_terminal():
+    """A log file gets each step's line whole (no carriage return); a terminal gets the bar, whose
+    description is the step's line; other ranks print nothing."""
+    out = io.StringIO()
+    progress = StepProgress(3, 1, stream=out)  # StringIO is no terminal
+    for step in (2, 3):
+        progress.update(console_line(step, 3, {"score/mean": 0.5, "agent/tool_calls_mean": 0.95,
+                                                "agent/tool_errors_mean": 0.0}))
+    progress.close()
+    assert out.getvalue() == ("step 2/3  score 0.5  tools 0.95  tool_err 0\n"
+                              "step 3/3  score 0.5  tools 0.95  tool_err 0\n")
+    tty = io.StringIO()
+    progress = StepProgress(3, 0, stream=tty, tty=True)
+    progress.update("step 1/3  score 0.5")
+    progress.close()
+    assert "\r" in tty.getvalue() and "step 1/3  score 0.5" in tty.getvalue() and "1/3" in tty.getvalue()
+    quiet = io.StringIO()
+    StepProgress(3, 0, enabled=False, stream=quiet).update("step 1/3")
+    assert quiet.getvalue() == ""
+
+
+AGENT_ROWS = [
+    {"step": 1, "score/mean": 0.1, "agent/tool_calls_mean": 0.3, "agent/turns_mean": 1.3,
+     "agent/tool_errors_mean": 0.125, "agent/tool_truncations_mean": 0.0, "agent/max_turns_frac": 0.0},
+    {"step": 2, "score/mean": 0.9, "agent/tool_calls_mean": 0.95, "agent/turns_mean": 1.95,
+     "agent/tool_errors_mean": 0.0, "agent/tool_truncations_mean": 0.0625, "agent/max_turns_frac": 0.0},
+]
+
+
+def test_tool_use_in_report_and_curves(tmp_path):
+    write_run(tmp_path, AGENT_ROWS)
+    table = dict(summary_rows(load_run(str(tmp_path))))
+    assert table["tool use per sample"] == ("calls 0.3 -> 0.95, turns 1.3 -> 1.95, errors 0.125 -> 0, "
+                                            "truncated outputs 0 -> 0.0625, at the turn limit 0 -> 0")
+    panels = dict(panels_present(read_metrics(str(tmp_path / "metrics.jsonl"))))
+    assert panels["tool use (per sample)"] == ["agent/tool_calls_mean", "agent/turns_mean", "agent/tool_errors_mean",
+                                               "agent/tool_truncations_mean", "agent/max_turns_frac"]
+    assert plot_curves(str(tmp_path)) is not None
+    write_run(tmp_path / "plain", ROWS)
+    assert "tool use per sample" not in dict(summary_rows(load_run(str(tmp_path / "plain"))))
+
+
 # -- run directory files, curves, report -----------------------------------------------
 def write_run(run_dir, rows, events=(), checkpoints=()):
     os.makedirs(run_dir, exist_ok=True)
@@ -282,7 +325,12 @@ def tiny_run(tmp_path_factory):
 
 def test_run_writes_progress_events_resources_and_curves(tiny_run):
     run_dir, stdout = tiny_run
+    assert re.search(r"^step 1/1  score \S+  .*s/step \S+$", stdout, re.M), stdout[-2000:]  # a plain line: no tty
+    assert "\r" not in stdout
+    saved = load_config([str(run_dir / "config.yaml")], Config)  # the resolved config, saved at start
+    assert saved.trainer.run_dir == str(run_dir) and saved.data.batch_size == 4
     for line in ("loading the tokenizer and prompts ... done (", "loading the actor from ", "evaluating 4 held-out",
+                 f"run directory {run_dir} (resolved config: {run_dir}/config.yaml)\n",
                  "held-out accuracy ", f"exporting the actor to {run_dir}/hf ... done (50 tensors, 3.8 MB, "):
         assert line in stdout, (line, stdout[-2000:])
     rows = read_metrics(str(run_dir / "metrics.jsonl"))

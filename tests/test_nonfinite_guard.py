@@ -82,13 +82,13 @@ def _run(rank, ckpt, out_dir):
         res[kind]["state_tensors"] = len(before)
         res[kind]["scheduler_advanced"] = actor.trainable.scheduler.num_steps != sched
 
-    tr = SimpleNamespace(cfg=cfg, metrics={}, bad_updates={}, step=4)  # the trainer's bookkeeping
+    updater, metrics = phases.Updater(cfg, actor, None, None, groups), {}  # the trainer's bookkeeping
     rollout = SimpleNamespace(metrics={})
     for kind in ("nan_loss", "nan_grad", "good", "nan_loss", "nan_grad"):  # 2 bad, good, 2 bad: no stop
-        phases._record_steps(tr, rollout, "actor", [actor.train_step(micro, _head(kind))])
-    res["skipped"], res["in_row"] = tr.metrics["actor/skipped_updates"], tr.bad_updates["actor"]
+        updater.record(rollout, "actor", [actor.train_step(micro, _head(kind))], 4, metrics)
+    res["skipped"], res["in_row"] = metrics["actor/skipped_updates"], updater.bad_updates["actor"]
     try:
-        phases._record_steps(tr, rollout, "actor", [actor.train_step(micro, _head("nan_loss"))])
+        updater.record(rollout, "actor", [actor.train_step(micro, _head("nan_loss"))], 4, metrics)
         res["abort"] = None
     except NonFiniteError as e:
         res["abort"] = (e.kind, str(e))

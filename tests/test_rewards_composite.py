@@ -15,6 +15,10 @@ def length_reward(prompt, response, ground_truth, extra, unit=1.0):
     CALLS.append(response)
     return len(response) * unit
 
+def by_weight(prompt, response, ground_truth, extra):
+    CALLS.append(response)
+    return 3.0 * extra["weight"]
+
 def flaky(prompt, response, ground_truth, extra):
     if response == "boom":
         raise RuntimeError("boom")
@@ -101,7 +105,8 @@ def test_cache_hits(user):
     mod = importlib.import_module(user)
     rm_seen = []
     rm = RewardModelTerm(scorer=lambda b: (rm_seen.append(len(b)), torch.ones(len(b)))[1], cache=True)
-    reward = CompositeReward([(f"{user}:length_reward", 1.0)], rm=rm, cache=RewardCache(max_size=10))
+    term = RewardTerm(name=f"{user}:length_reward", weight=1.0, cache=True)  # a user function opts in
+    reward = CompositeReward([term], rm=rm, cache=RewardCache(max_size=10))
     batch = samples("aa", "b", "aa", "b")
     out = reward(batch)
     assert out.total.tolist() == [3.0, 2.0, 3.0, 2.0]
@@ -131,3 +136,32 @@ def test_registry_errors():
         get_reward("nope")
     with pytest.raises(ValueError, match="unique"):
         CompositeReward([("format", 1.0), ("format", 2.0)])
+
+
+def test_rows_differing_only_in_extra_get_their_own_rewards(user):
+    """The duplicated-rows case: same prompt, response and answer, `extra` weight 1 or 0 ->
+    rewards 3.0 and 0.0 (3 * weight), whether or not the term is cached; with the cache,
+    the 2 distinct (row, extra) pairs are computed once each (2 misses, 2 hits)."""
+    mod = importlib.import_module(user)
+    rows = [RewardSample("p", "r", "5", {"weight": w, "tags": {"b", "a"}}) for w in (1, 0, 1, 0)]
+    for cache_term in (True, None):
+        mod.CALLS.clear()
+        term = RewardTerm(name=f"{user}:by_weight", cache=cache_term)
+        out = CompositeReward([term], cache=RewardCache(max_size=10))(rows)
+        assert out.total.tolist() == [3.0, 0.0, 3.0, 0.0]
+        if cache_term:
+            assert (out.metrics["cache/hits"], out.metrics["cache/misses"]) == (2.0, 2.0) and len(mod.CALLS) == 2
+        else:  # a user function is not cached unless it opts in: every row computed, no lookups
+            assert (out.metrics["cache/hits"], out.metrics["cache/misses"]) == (0.0, 0.0) and len(mod.CALLS) == 4
+
+
+def test_registered_rewards_are_cached_and_extra_keys_are_stable():
+    """A registered term is cached by default; the key of `extra` does not depend on dict or
+    set order, and tells 1 from 1.0 from "1" from a list [1] (a miss at worst, never a wrong hit)."""
+    reward = CompositeReward([("format", 1.0)], cache=RewardCache(max_size=10))
+    out = reward(samples("a", "a"))
+    assert (out.metrics["cache/hits"], out.metrics["cache/misses"]) == (1.0, 1.0)
+    key = lambda extra: RewardCache.key("t", "p", "r", "a", extra)  # noqa: E731
+    assert key({"x": 1, "y": {"b", "a"}}) == key({"y": {"a", "b"}, "x": 1})
+    assert len({key({"x": v}) for v in (1, 1.0, "1", [1], (1,), None)}) == 6
+    assert key({}) != key(None) and key({1: "a", "1": "a"}) != key({"1": "a"})  # mixed key types sort too

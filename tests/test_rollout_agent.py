@@ -46,6 +46,7 @@ def make_tokenizer():
 class Out:  # what the tool executor returns per call
     text: str
     ok: bool = True
+    truncated: bool = False
 
 
 @dataclass
@@ -155,6 +156,28 @@ def test_turn_budget_and_tool_output_limits():
     (r,) = _loop(tok, ScriptedEngine(tok), max_tool_output_tokens=2).generate(_one(prompt, 90), SamplingParams())
     tool = r.extra["trajectory"][1]["content"]
     assert tool.startswith("42\n") and "4 of 6 tokens dropped" in tool
+
+
+class FailingExecutor(Executor):
+    def run(self, calls):
+        self.calls += calls
+        return [Out("error: mul timed out", ok=False) for c in calls]
+
+
+def test_tool_metrics_count_calls_errors_and_truncations():
+    """Two samples, one call each, a turn after it: per sample 2 turns, 1 call; a cut output
+    (max_tool_output_tokens=2 of 6 tokens) counts as a truncation, a failed call as an error."""
+    tok = make_tokenizer()
+    prompt = tok.encode("<s>user:mul</s><s>assistant:")
+    two = [Request(k, prompt, k, 90) for k in range(2)]
+    loop = _loop(tok, ScriptedEngine(tok), max_tool_output_tokens=2)
+    loop.generate(two, SamplingParams())
+    stats = {k: v for k, v in loop.stats.items() if k.startswith("agent/tool") or k == "agent/turns_mean"}
+    assert stats == {"agent/turns_mean": 2.0, "agent/tool_calls_mean": 1.0, "agent/tool_errors_mean": 0.0,
+                     "agent/tool_truncations_mean": 1.0}
+    loop = _loop(tok, ScriptedEngine(tok), executor=FailingExecutor())
+    loop.generate(two, SamplingParams())
+    assert (loop.stats["agent/tool_errors_mean"], loop.stats["agent/tool_truncations_mean"]) == (1.0, 0.0)
 
 
 def test_interaction_adds_user_turns_until_it_returns_none():

@@ -286,3 +286,24 @@ def test_split_k_decode_keeps_greedy_tokens_and_training_logprobs(ckpt_and_hf):
     assert r["diff"] < 1e-5
     assert r["calls"] and all(parts > 1 and rows <= 5 for rows, parts in r["calls"])  # decode rows only
     assert len(r["calls"]) % (3 * r["layers"]) == 0  # per decode step: every qkv, proj and fc2
+
+
+def test_engine_options_take_their_defaults_and_values_from_the_rollout_section():
+    """EngineOptions() has RolloutConfig()'s defaults; engine_options(cfg) carries every rollout key it names
+    (each set here to a non-default value) and sizes the graphs for the longest prompt + response."""
+    import dataclasses
+
+    from megarl.config import Config, RolloutConfig
+    from megarl.rollout.factory import engine_options
+    from megarl.rollout.native import EngineOptions
+
+    keys = [f.name for f in dataclasses.fields(EngineOptions) if f.name != "max_model_len"]
+    assert len(keys) == 8 and {k: getattr(EngineOptions(), k) for k in keys} == {
+        k: getattr(RolloutConfig(), k) for k in keys}
+    cfg = Config()
+    changed = {"max_batch": 7, "page_size": 32, "max_num_batched_tokens": 99, "kv_cache_gb": 1.5,
+               "kv_cache_fraction": 0.25, "cuda_graphs": False, "prefix_cache": True, "mixed_prefill": False}
+    for key, value in changed.items():
+        setattr(cfg.rollout, key, value)
+    cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = 40, 24
+    assert engine_options(cfg) == EngineOptions(**changed, max_model_len=64)

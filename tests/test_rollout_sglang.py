@@ -10,26 +10,26 @@ model are 256 B (norms) to 32 KiB (gate/up/down), so buckets both pack several
 tensors and hold a single over-limit tensor alone; no bucket of two or more
 tensors may exceed the limit.
 
-Control flow. ``FakeEngine`` has the method and parameter names of SGLang
-0.5.23's Engine for everything the adapter calls (test_rollout_sglang_api.py
-checks it against the manifest), answers in its formats (result dicts with
-``output_ids`` and ``meta_info`` holding ``finish_reason`` {"type": ...} and
-``output_token_logprobs`` as (logprob, token id, None)), and enforces its
-preconditions (weight updates only inside begin/end_weight_update; no resume
-of a tag that was not released; no generate or update into released memory).
-Expected: the fake is built once, on TP rank 0 only (``tp_size`` = TP); each
-request becomes one SGLang request, in order, with its own seed as
-``sampling_seed`` (requests given in an order that is not by prompt, two per
-prompt), its own ``max_new_tokens``, stops = eos + params' stops; results come
-in request order under the requests' keys with the fake's ids, log-probs and
-finish types ("stop" and "length" both occur) and are identical on both TP
-ranks; every weight sync sends exactly the
-stream's buckets in order, then flushes; release frees all three memory tags,
-a weight sync re-maps "weights" only, resume_memory the rest, and a generate
-after release_memory re-maps all three first.
+Control flow, against ``tests/sglang_fake.py`` (SGLang 0.5.23's names, formats
+and behaviours; see its docstring). Expected: the fake is built once, on TP
+rank 0 only (``tp_size`` = TP, bfloat16, dummy weights); each request becomes
+one SGLang request, in order, with its own seed as ``sampling_seed`` (requests
+given in an order that is not by prompt, two per prompt), its own
+``max_new_tokens``, stops = eos + params' stops; results come in request order
+under the requests' keys with the fake's ids, log-probs and finish types
+("stop" and "length" both occur) and are identical on both TP ranks. Weights:
+streamed before the first generate and again after every release (no CPU
+backup), each sync exactly the bfloat16 stream's buckets in order, then a
+flush; every tensor carries one payload per TP worker and worker i read TP rank
+i's. Memory: a flush before each release of all three tags; a resume re-maps
+"weights" first, then "kv_cache" and "cuda_graph". Process: the fake changed
+rank 0's environment, start method, SIGQUIT handler, logging and gc as SGLang
+does (NCCL_ALGO too, at TP2 with deterministic inference); after the start
+each rank's process state equals its state before.
 
 Not covered: a real SGLang (see megarl/rollout/sglang.py for what only a GPU
-run with SGLang verifies), the consecutive-GPU check (CUDA only), PP > 1.
+run with SGLang verifies), the consecutive-GPU check (CUDA only), PP > 1, the
+scenarios across steps (test_rollout_sglang_lifecycle.py).
 """
 import io
 import os
@@ -54,82 +54,24 @@ def _sampled_requests():
     return [Request(10 + 2 * i + j, PROMPTS[i], SEEDS[i] * 100 + j, LIMITS[i]) for j in range(2) for i in range(4)]
 
 
-class FakeEngine:
-    """Stands in for ``sglang.srt.entrypoints.engine.Engine`` (0.5.23) and records every call."""
-
-    def __init__(self, **kwargs):
-        self.calls = [("__init__", kwargs)]
-        self.released, self.session = set(), False
-
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False):
-        assert prompt is None and not self.released, "token ids in; memory resumed"
-        outs = [self._one(ids, sp, return_logprob) for ids, sp in zip(input_ids, sampling_params)]
-        self.calls.append(("generate", {"input_ids": input_ids, "sampling_params": sampling_params,
-                                        "return_logprob": return_logprob}, outs))
-        return outs
-
-    @staticmethod
-    def _one(ids, sp, return_logprob):
-        rng = random.Random(sp["sampling_seed"] * 1_000_003 + sum(ids))
-        out, reason = [], {"type": "length", "length": sp["max_new_tokens"]}
-        for _ in range(sp["max_new_tokens"]):
-            out.append(rng.randrange(8))  # small ids: eos 3 and stop 5 come up often
-            if not sp["ignore_eos"] and out[-1] in (sp["stop_token_ids"] or ()):
-                reason = {"type": "stop", "matched": out[-1]}
-                break
-        meta = {"id": f"req-{rng.random()}", "finish_reason": reason, "prompt_tokens": len(ids)}
-        if return_logprob:
-            meta["output_token_logprobs"] = [(-0.1 - rng.random(), t, None) for t in out]
-            meta["output_token_logprobs_length"] = len(out)
-        return {"output_ids": out, "meta_info": meta}
-
-    def begin_weight_update(self, selector="all"):
-        self.calls.append(("begin_weight_update", {}))
-        ok = not self.session and "weights" not in self.released
-        self.session = True
-        return ok, "Success" if ok else "a weight-update session is already open"
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update_weights_from_tensor", {
-            "named_tensors": [(n, t.detach().clone()) for n, t in named_tensors],
-            "load_format": load_format, "flush_cache": flush_cache}))
-        return self.session, "Success" if self.session else "must run between begin and end_weight_update"
-
-    def end_weight_update(self):
-        self.calls.append(("end_weight_update", {}))
-        ok, self.session = self.session, False
-        return ok, "Success" if ok else "no weight-update session is open"
-
-    def flush_cache(self):
-        self.calls.append(("flush_cache", {}))
-        return SimpleNamespace(success=True, message="")
-
-    def release_memory_occupation(self, tags=None):
-        assert not self.released & set(tags)
-        self.released.update(tags)
-        self.calls.append(("release_memory_occupation", {"tags": tags}))
-
-    def resume_memory_occupation(self, tags=None):
-        if not set(tags) <= self.released:  # SGLang: offload_tags.remove(tag) raises
-            raise KeyError(f"not released: {set(tags) - self.released}")
-        self.released.difference_update(tags)
-        self.calls.append(("resume_memory_occupation", {"tags": tags}))
-
-    def shutdown(self):
-        self.calls.append(("shutdown", {}))
-
-
 def _job(rank, ckpt, tp, out_dir):
     from megarl.models import export_hf
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.sglang import SGLangEngine, SGLangOptions
+    from megarl.rollout.sglang_process import process_state
     from megarl.rollout.weight_stream import iter_hf_buckets
+    from sglang_fake import FakeEngine, FakeSerialized
 
     actor, groups = worker_actor(ckpt, tp)
     export_hf(actor.module, actor.info, groups, out_dir)
     stream = [[(n, t.clone()) for n, t in b] for b in iter_hf_buckets(actor.module, groups, actor.info, LIMIT)]
-    options = SGLangOptions(model_path=ckpt, update_bucket_mb=LIMIT / 2**20)
-    engine = SGLangEngine(actor.module, groups, actor.info, [EOS], options, engine_factory=FakeEngine)
+    synced = [[(n, t.clone()) for n, t in b]  # what a sync sends: SGLang's dtype
+              for b in iter_hf_buckets(actor.module, groups, actor.info, LIMIT, torch.bfloat16)]
+    options = SGLangOptions(model_path=ckpt, update_bucket_mb=LIMIT / 2**20, deterministic=True)
+    before = process_state()
+    engine = SGLangEngine(actor.module, groups, actor.info, [EOS], options, engine_factory=FakeEngine,
+                          tensor_wrapper=FakeSerialized)
+    after = process_state()
     sampled = engine.generate(_sampled_requests(),
                               SamplingParams(temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=(5,)))
     greedy = engine.generate(sample_requests(PROMPTS[:2], 1, 0, 4), SamplingParams(temperature=0.0))
@@ -139,10 +81,17 @@ def _job(rank, ckpt, tp, out_dir):
     engine.release_memory()
     engine.generate(sample_requests(PROMPTS[:1], 1, 0, 2), SamplingParams())  # resumes everything first
     engine.close()
-    calls = engine.engine.calls if engine.engine is not None else None
+    fake = engine.engine
     buf = io.BytesIO()  # by value: tensors in shared memory would not outlive this process
-    torch.save({"stream": stream, "sampled": sampled, "greedy": greedy, "metrics": metrics, "calls": calls}, buf)
+    torch.save({"stream": stream, "synced": synced, "sampled": sampled, "greedy": greedy, "metrics": metrics,
+                "calls": fake.calls if fake is not None else None,
+                "loaded_by_worker": fake.loaded_by_worker if fake is not None else None,
+                "same_state": _comparable(before) == _comparable(after)}, buf)
     return buf.getvalue()
+
+
+def _comparable(state):
+    return {k: (v if k != "signals" else {s: repr(h) for s, h in v.items()}) for k, v in state.items()}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -183,8 +132,9 @@ def test_generate_control_flow(run):
     from megarl.rollout.engine import mix_seed
 
     tp, _, ranks = run
-    assert ranks[0]["calls"][0][1]["tp_size"] == tp and all(r["calls"] is None for r in ranks[1:])
-    assert ranks[0]["calls"][0][1]["skip_tokenizer_init"] and ranks[0]["calls"][0][1]["load_format"] == "dummy"
+    init = ranks[0]["calls"][0][1]
+    assert init["tp_size"] == tp and all(r["calls"] is None for r in ranks[1:])
+    assert init["skip_tokenizer_init"] and init["load_format"] == "dummy" and init["dtype"] == "bfloat16"
     (_, sent, outs), (_, greedy_sent, _), _ = _calls(ranks, "generate")
     requests = _sampled_requests()
     assert sent["return_logprob"] and sent["input_ids"] == [r.prompt for r in requests]
@@ -206,28 +156,49 @@ def test_generate_control_flow(run):
 
 
 def test_weight_sync_and_memory_calls(run):
+    """Weights stream before the first generate (dummy until then), after each release (no CPU backup)
+    before the next generate, weights resumed before the KV cache, a flush before every release."""
     _, _, ranks = run
-    stream = ranks[0]["stream"]
+    stream = ranks[0]["synced"]
     names = [c[0] for c in ranks[0]["calls"]]
     sync = ["begin_weight_update"] + ["update_weights_from_tensor"] * len(stream) + ["end_weight_update", "flush_cache"]
-    assert names == (["__init__"] + sync + ["generate", "generate", "release_memory_occupation",
-                                            "resume_memory_occupation"] + sync
-                     + ["resume_memory_occupation", "release_memory_occupation", "resume_memory_occupation",
-                        "generate", "shutdown"])
+    release = ["flush_cache", "release_memory_occupation"]
+    resume = ["resume_memory_occupation"]
+    assert names == (["__init__"] + sync + ["generate", "generate"] + release + resume + sync + resume + release
+                     + resume + sync + resume + ["generate", "shutdown"])
     updates = _calls(ranks, "update_weights_from_tensor")
     for k, (_, sent) in enumerate(updates):
         bucket = stream[k % len(stream)]
         assert [n for n, _ in sent["named_tensors"]] == [n for n, _ in bucket]
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent["named_tensors"], bucket))
+        assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for (_, a), (_, b) in zip(sent["named_tensors"], bucket))
         assert sent["load_format"] is None and sent["flush_cache"] is False
     every = ["kv_cache", "weights", "cuda_graph"]
     assert [c[1]["tags"] for c in _calls(ranks, "release_memory_occupation")] == [every, every]
     resumed = [c[1]["tags"] for c in _calls(ranks, "resume_memory_occupation")]
-    assert resumed == [["weights"], ["kv_cache", "cuda_graph"], every]
+    assert resumed == [["weights"], ["kv_cache", "cuda_graph"]] * 2
     m = ranks[0]["metrics"]
     assert m["weight_sync/buckets"] == len(stream) and m["weight_sync/seconds"] >= 0
-    assert m["weight_sync/bytes"] == sum(t.numel() * t.element_size() for b in stream for _, t in b)
-    assert all(r["metrics"] == m for r in ranks[1:])
+    assert m["weight_sync/bytes"] == sum(t.numel() * 2 for b in stream for _, t in b)  # bfloat16
+    assert len(stream) < len(ranks[0]["stream"])  # half the bytes of float32: fewer buckets
+    assert all(r["metrics"] == {**m, "weight_sync/seconds": r["metrics"]["weight_sync/seconds"]} for r in ranks[1:])
+
+
+def test_each_tp_rank_sends_its_own_copy(run):
+    """One payload per SGLang TP worker per tensor, and worker i read TP rank i's payload of every tensor."""
+    tp, _, ranks = run
+    names = [[n for n, _ in b] for b in ranks[0]["synced"]]
+    assert all(sent["payloads"] == [tp] * len(sent["named_tensors"]) for _, sent in
+               _calls(ranks, "update_weights_from_tensor"))
+    assert ranks[0]["loaded_by_worker"] == [[bucket] * tp for bucket in names] * 3
+
+
+def test_engine_start_leaves_the_process_as_it_was(run):
+    """The fake set NCCL_ALGO, CUDA_DEVICE_MAX_CONNECTIONS, spawn, SIGQUIT, logging, gc as SGLang does;
+    after the start rank 0's environment, start method, handlers, logging and gc are as before."""
+    tp, _, ranks = run
+    seen = ranks[0]["calls"][0][1]["environ_seen"]
+    assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and ("NCCL_ALGO" in seen) == (tp > 1)
+    assert all(r["same_state"] for r in ranks)
 
 
 def test_requests_and_outputs_edge_cases():
@@ -247,12 +218,15 @@ def test_requests_and_outputs_edge_cases():
         parse_output({**ok, "output_ids": [4, 4]}, 2)
 
 
-def test_pipeline_parallel_is_refused():
+def test_pipeline_and_context_parallel_are_refused():
     from megarl.errors import ConfigError
+    from sglang_fake import FakeEngine
     from megarl.rollout.sglang import SGLangEngine, SGLangOptions
 
     with pytest.raises(ConfigError, match="parallel.pp=1"):
         SGLangEngine(None, SimpleNamespace(pp_size=2), None, [3], SGLangOptions(model_path="x"), FakeEngine)
+    with pytest.raises(ConfigError, match="parallel.cp=1"):
+        SGLangEngine(None, SimpleNamespace(pp_size=1, cp_size=2), None, [3], SGLangOptions(model_path="x"), FakeEngine)
 
 
 def test_missing_sglang_is_a_config_error():
@@ -268,4 +242,4 @@ def test_missing_sglang_is_a_config_error():
     with pytest.raises(ConfigError, match="^rollout.engine=sglang: SGLang is not installed"):
         load_engine_class()
     with pytest.raises(ConfigError, match="pip install sglang==0.5.23"):
-        SGLangEngine(None, SimpleNamespace(pp_size=1), None, [3], SGLangOptions(model_path="x"))
+        SGLangEngine(None, SimpleNamespace(pp_size=1, cp_size=1), None, [3], SGLangOptions(model_path="x"))

@@ -83,10 +83,16 @@ def test_adapter_uses_only_manifest_names():
     assert (imp.module.replace(".", "/") + ".py", [a.name for a in imp.names]) == (
         MANIFEST["engine"]["file"], [MANIFEST["engine"]["class"]])
     assert _assigned(ADAPTER, "SGLANG_VERSION").value == MANIFEST["version"]
+    (imp,) = [n for n in ast.walk(_function(ADAPTER, "load_tensor_wrapper")) if isinstance(n, ast.ImportFrom)]
+    wrapper = MANIFEST["serialized_tensor"]
+    assert (imp.module.replace(".", "/") + ".py", [a.name for a in imp.names]) == (wrapper["file"], [wrapper["class"]])
+    calls = [n for n in ast.walk(_function(ADAPTER, "load_tensor_wrapper")) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == wrapper["class"]]
+    assert calls and all({k.arg for k in c.keywords} == set(wrapper["fields"]) for c in calls)
 
 
 def test_fake_engine_has_the_manifest_signatures():
-    from test_rollout_sglang import FakeEngine
+    from sglang_fake import FakeEngine
 
     for method, params in MANIFEST["engine"]["methods"].items():
         accepted = inspect.signature(getattr(FakeEngine, method)).parameters
@@ -155,6 +161,11 @@ def test_server_args_and_sampling_fields_exist(wheel):
     assert set(sp["fields"]) <= _fields(_class(_tree(wheel, sp["file"]), sp["class"]))
     choices = _assigned(_tree(wheel, MANIFEST["load_formats"]["file"]), "LOAD_FORMAT_CHOICES")
     assert set(MANIFEST["load_formats"]["values"]) <= {c.value for c in choices.elts}
+
+
+def test_serialized_tensor_class_exists(wheel):
+    wrapper = MANIFEST["serialized_tensor"]
+    assert set(wrapper["fields"]) <= _fields(_class(_tree(wheel, wrapper["file"]), wrapper["class"]))
 
 
 def test_memory_tags_and_result_formats_exist(wheel):

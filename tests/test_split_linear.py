@@ -59,3 +59,21 @@ def test_split_choice():
     assert split_parts("logits", 32, 1536) == 1  # no table: never split
     for table in SPLITS.values():  # an eager batch and its padded graph choose the same S
         assert all(limit in BUCKETS for limit, _ in table)
+
+
+@pytest.mark.parametrize("hidden,ffn", [(4096, 11008), (896, 4864)])  # Llama-2-7B, Qwen2.5-0.5B: not the tuned shape
+def test_split_choice_on_another_shape(hidden, ffn):
+    """The table was tuned on the 1.5B shape; on another one every chosen S is at most the table's, splits K
+    into equal 8-aligned slices, and its partials add up to F.linear (fp32, to summation order)."""
+    g = torch.Generator().manual_seed(2)
+    for name, k, n in (("fc2", ffn, hidden), ("proj", hidden, hidden), ("qkv", hidden, hidden + 256)):
+        for rows in (1, 32, 64, 128, 256, 512):
+            parts = split_parts(name, rows, k)
+            want = next((s for limit, s in SPLITS[name] if rows <= limit), 1)
+            assert 1 <= parts <= want and k % parts == 0 and (k // parts) % 8 == 0, (name, rows, k, parts)
+        x, w = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
+        parts = split_parts(name, 16, k)
+        got = sum_parts_ref(split_k_linear(x.to(DEVICE), w.to(DEVICE), parts), torch.float32).cpu()
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert split_parts("proj", 128, 896) == 2  # 3 does not divide 896: 2 (448-wide slices)
+    assert split_parts("fc2", 128, 11008) == 4  # 11008 / 4 = 2752, a multiple of 8

@@ -107,3 +107,24 @@ def test_reward_model_and_remax_step(tmp_path):
     row = metrics(tmp_path / "run")[1]
     assert 0.0 <= row["reward/rm/mean"] <= 5.0 and "reward/math/mean" in row
     assert row["reward/rm/failures"] == 0.0
+
+
+def test_rollout_only_run_neither_evaluates_nor_exports_and_replay_is_checked_up_front(tmp_path):
+    """A rollout-only run (2 steps dumped) trains nothing: no held-out evaluation, no HF export, no
+    checkpoint, no eval row; it saves its config.yaml. Replaying 3 steps of the 2 dumped is refused
+    before any process joins (exit 2, one line), so no trained step can be lost at step 3."""
+    dump = tmp_path / "rollouts"
+    out = ppo("yaml/tiny_grpo.yaml", tmp_path / "gen", *SMALL, "trainer.rollout_only=true",
+              f"trainer.dump_rollouts={dump}", steps=2)
+    assert "evaluating" not in out and "held-out accuracy" not in out and "exporting" not in out
+    assert sorted(os.listdir(dump)) == [f"step_00000{s}_dp{r}.pt" for s in (1, 2) for r in (0, 1)]
+    run = tmp_path / "gen"
+    assert not (run / "hf").exists() and not (run / "checkpoints").exists() and (run / "config.yaml").is_file()
+    assert sorted(metrics(run)) == [0, 1, 2] and not any("eval/accuracy" in r for r in metrics(run).values())
+    cmd = [sys.executable, "launch/ppo.py", "yaml/tiny_grpo.yaml", f"trainer.run_dir={tmp_path / 'replay'}",
+           f"trainer.replay_rollouts={dump}", "trainer.steps=3", *SMALL]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, WORLD_SIZE="2"))
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        f"config error: trainer.replay_rollouts: '{dump}' has no dump of step 3 for data-parallel rank 0 (dumped: "
+        "steps 1..2); set trainer.steps=2 or fewer, or dump more steps with the same data-parallel size"], p.stderr

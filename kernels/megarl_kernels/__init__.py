@@ -7,15 +7,16 @@ set before this package is imported).
 This package lives at kernels/megarl_kernels/ and is imported as ``megarl_kernels``
 (setup.py says why the name differs from the folder above it).
 """
-from megarl_kernels.bucket import BucketLayout, bucket_layout, pack, pack_ref, unpack, unpack_into, unpack_into_ref
 from megarl_kernels.dispatch import BACKENDS, HAS_TRITON, choose, interpret_mode, triton_usable
 from megarl_kernels.fc1_swiglu import fc1_silu_mul, fc1_silu_mul_ref
 from megarl_kernels.feed_tokens import feed_tokens, feed_tokens_ref
 from megarl_kernels.gae import gae, gae_ref, gae_torch
+from megarl_kernels.fused_moe import fused_moe, fused_moe_local, fused_moe_ref, fused_moe_torch
 from megarl_kernels.host_copy import copy_words, copy_words_ref
 from megarl_kernels.group_advantage import group_advantage, group_advantage_ref, group_advantage_torch
-from megarl_kernels.linear_logprob import linear_logprob, linear_logprob_ref
 from megarl_kernels.logprob import logprob_entropy, logprob_entropy_ref
+from megarl_kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
+from megarl_kernels.moe_routing import ROUTING_KINDS, moe_route, moe_route_ref, moe_route_replay
 from megarl_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -51,7 +52,7 @@ __all__ = [
     "BACKENDS", "HAS_TRITON", "choose", "interpret_mode", "triton_usable",
     "gae", "gae_ref", "gae_torch",
     "group_advantage", "group_advantage_ref", "group_advantage_torch",
-    "logprob_entropy", "logprob_entropy_ref", "linear_logprob", "linear_logprob_ref",
+    "logprob_entropy", "logprob_entropy_ref",
     "paged_decode_attention", "paged_decode_attention_ref", "paged_prefill_attention", "paged_prefill_attention_ref",
     "add_rms_norm", "add_rms_norm_ref", "rope_cache", "rope_cache_ref", "silu_mul", "silu_mul_ref",
     "fc1_silu_mul", "fc1_silu_mul_ref",
@@ -61,5 +62,6 @@ __all__ = [
     "fc1_split", "fc1_merge", "fc1_split_ref", "fc1_merge_ref",
     "split_interleaved", "merge_interleaved", "split_interleaved_ref", "merge_interleaved_ref",
     "padded_vocab_size", "pad_vocab", "unpad_vocab", "tp_split", "tp_concat",
-    "BucketLayout", "bucket_layout", "pack", "pack_ref", "unpack", "unpack_into", "unpack_into_ref",
+    "fused_moe", "fused_moe_local", "fused_moe_ref", "fused_moe_torch",
+    "MoeAlignment", "moe_align", "moe_align_ref", "ROUTING_KINDS", "moe_route", "moe_route_ref", "moe_route_replay",
 ]

@@ -1,9 +1,8 @@
 """Which program of the decode attention reads which key tiles: its launch shape and work plan.
 
 A decode step's rows can differ a lot in length (a ragged batch holds rows of 16 and of
-1,000+ keys). One program per row made the step wait for its longest rows: on an H200
-(1.5B shape, B = 128, ragged live contexts of mean 477 keys) the attention took 33.9 us
-where rows of a uniform 469 keys took 23.6 (benchmarks/RESULTS.md, session 16). The plan
+1,000+ keys). One program per row made the step wait for its longest rows: a ragged batch's
+attention cost 1.4x that of uniform rows of the same mean length (docs/performance.md). The plan
 cuts every row into segments of at most c key tiles, c = the mean tiles per target program,
 and orders them largest first: the full segments of every row, then the rows' remainders.
 The GPU's block scheduler hands the next segment to whichever program slot frees first, so
@@ -38,47 +37,37 @@ import torch
 
 from megarl_kernels.dispatch import next_pow2, tl, triton
 
-# Keys per loop step and launch shape of the split kernel. Swept on an H200 (2026-12-01,
-# `benchmarks/bench_attention.py`), Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16),
-# 640 keys per row, per call in a CUDA graph, B = 32 / 128 / 512 (HBM floor 5 / 20 / 79 us):
-#   BLOCK_N 64, 4 warps, 2 stages        13.9 / 30.2 / 86.3 us  (36 / 67 / 84% of HBM)  <- chosen
-#   best of 27 (32|64|128 x 2|4|8 x 1|2|3) 13.7 / 29.9 / 86.3
-#   BLOCK_N 32 (any warps, stages)       14.3+ / 31.0+ / 100+;  8 warps 14.0+ / 35+ / 97+
-#   1 stage                              13.7 / 32.1 / 95.6
-# Not kept (within +-5%, none better at B=512): a flat (B*Hkv, S) grid so kv heads of a row run
-# together. (The next tile's page ids a loop step ahead, 13.1 / 29.3 / 87.5 here, were kept later
-# with the first tile's before the RoPE chain, `paged_decode._decode_span`: B = 128 22.5 -> 22.2 us,
-# session 20.)
-# Dense baseline, SDPA (FA2) on contiguous K/V: 12.8 / 24.7 / 86.2 us.
+# Launch shape. Every setting below is correct for any shape (the tests run several); they only set
+# speed. They were chosen by sweeping `benchmarks/bench_attention.py` and the decode step's own call
+# on the Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16) at B = 32 / 128 / 256 / 512 and
+# 128..640 keys a row (tables in docs/performance.md). Other shapes get the same rules, which are
+# stated in programs and SMs, not in batch sizes: wider heads shrink BLOCK_N to fit SMEM_BUDGET,
+# other GPUs read their SM count, and a batch that does not fill the SMs is split further.
+# Keys per loop step and launch shape of the split kernel (batches that fill the GPU, or wide
+# heads): the best of 27 (BLOCK_N x warps x stages) within 2% at every batch size.
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 # Programs at small batch: aim at PROGRAMS_PER_SM * (SM count), at most MAX_SPLITS per row, and
 # at least MIN_TILES_PER_SPLIT key tiles of the longest possible row (max_seqlen_k) per program.
-# Same sweep (as splits of each row), PROGRAMS_PER_SM 1 / 2 / 4 / 8 (S at B=32: 3 / 5 / 5 / 5;
-# B=128: 1 / 2 / 3 / 5): 15.8 / 13.9 / 13.9 / 13.9 us at B=32;  31.0 / 29.9 / 34.5 / 35.1 at
-# B=128;  86.6 / 86.7 / 86.6 / 99 at B=512.  MIN_TILES_PER_SPLIT 1 = 2; 4 costs 13% at B=32.
+# 1 program per SM is slower at small batch, 4 or more slower at B = 128; MIN_TILES_PER_SPLIT 4 is
+# slower at B = 32.
 PROGRAMS_PER_SM = 2
 # One program per row once B * Hkv programs fill the SMs, and then 128-key tiles on 8 warps while
 # there are at most WIDE_ROWS_PER_SM programs per SM (such a program takes 72 KiB of shared memory
-# and 80-94 registers a thread: two fit an SM; compiled for sm_90 by Triton 3.6, ptxas -v). H200 (2026-12-02), the decode step's form (`rope_paged_decode`, 3 fp32 QKV partials +
-# bias), us per call in a CUDA graph, splits / BLOCK_N / warps; B = 128 at 128 / 384 / 640 keys:
-#   2 / 64 / 4 (the rule before)  12.7 / 22.2 / 31.0     1 / 64 / 4   11.1 / 23.5 / 34.4
-#   1 / 128 / 8                   10.9 / 20.5 / 29.5  <- chosen
-# B = 256, 384 keys: 1 / 64 / 4 33.9 (chosen), 1 / 128 / 8 37.4, 2 / 64 / 4 40.7;
-# B = 512, 384 / 640 keys: 1 / 64 / 4 63.9 / 96.9 (chosen), 1 / 128 / 8 68.2 / 100.9.
+# and 80-94 registers a thread: two fit an SM). With more rows per SM the 64-key tiles on 4 warps
+# win again (more programs resident).
 WIDE_ROWS_PER_SM = 2
 WIDE_BLOCK_N = 128
 WIDE_NUM_WARPS = 8
-MAX_SPLITS = 32  # unswept: the bound only binds for B * Hkv < 9 on 132 SMs
+MAX_SPLITS = 32  # not tuned: the bound only binds for B * Hkv < 9 on a GPU of 132 SMs
 MIN_TILES_PER_SPLIT = 2
 CPU_SM_COUNT = 4  # interpreter runs: a stand-in SM count
-# K + V tiles of all pipeline stages must fit in shared memory (H200: 227 KiB per SM);
+# K + V tiles of all pipeline stages must fit in shared memory (227 KiB per SM on Hopper);
 # BLOCK_N shrinks for wide heads (fp32 D=256: 32 keys at 2 stages).
 SMEM_BUDGET = 160 << 10
 # Rows the plan kernel's one compiled variant covers (more: one more compile per power of two). A
-# variant per batch bucket compiled inside the first mixed steps of a run: +0.9 s of a 3.4 s
-# B = 512 benchmark run on an H200 (2026-12-03).
+# variant per batch bucket was compiled inside a run's first mixed steps, which then stalled.
 PLAN_ROWS = 1024
 
 
@@ -122,7 +111,7 @@ def decode_launch(batch: int, k_cache: torch.Tensor, max_seqlen_k: int, programs
     _, _, hkv, d = k_cache.shape
     block_d, itemsize, sms = max(16, next_pow2(d)), k_cache.element_size(), sm_count(k_cache.device)
     block_n, warps = fit_keys(BLOCK_N, block_d, itemsize, NUM_STAGES), NUM_WARPS
-    if batch * hkv >= sms:  # the rows alone fill every SM (WIDE_ROWS_PER_SM evidence above)
+    if batch * hkv >= sms:  # the rows alone fill every SM (see WIDE_ROWS_PER_SM)
         want = batch
         if batch * hkv <= WIDE_ROWS_PER_SM * sms:
             block_n, warps = fit_keys(WIDE_BLOCK_N, block_d, itemsize, NUM_STAGES), WIDE_NUM_WARPS

@@ -3,8 +3,8 @@
 Spec (`fc1_silu_mul_ref`). x (M, K), w (2F, K) megatron's fused ``linear_fc1`` weight with
 ``gated_linear_unit`` (this rank's gate rows, then its up rows) -> (M, F) =
 ``silu_mul(F.linear(x, w))``: the GEMM's fp32 sums rounded to x.dtype as F.linear's output, then
-`silu_mul`'s rounding. The kernel equals the spec up to the GEMM's fp32 summation order (on the
-H200 bitwise, every element, at M = 32 to 128: RESULTS.md session 23).
+`silu_mul`'s rounding. The kernel equals the spec up to the GEMM's fp32 summation order (on the GPU
+bitwise, every element, at M = 32 to 128, `tests/test_kernel_fc1_swiglu.py`).
 
 Kernel: program n owns BLOCK_N + TAIL output columns. It streams those columns' gate and up rows
 of w through a TMA ring (host tensor descriptors) and accumulates both in fp32, then writes only
@@ -14,14 +14,12 @@ one MMA tile wide; the TAIL tile (rows on the M side) lets a program's width be 
 64 + 16 columns give 112 programs at F = 8,960 instead of 70 (128) or 140 (64, a second wave).
 On Hopper it is launched as a programmatic dependent of the add + RMSNorm before it (which lets its
 dependents start at once, `rms_norm.py`): its programs are placed and set up while the norm runs,
-and wait at ``gdc_wait`` for the norm's writes (B = 128 decode loop 2.31 -> 2.29 ms a step). Before
-that wait they ask the L2 for the first K step of their weight rows (`PREFETCH_STEPS`): the weights
-never depend on the norm, and HBM idles while it runs (it reads its inputs from the L2), so the
-loop's first loads find them there (B = 128 loop 2.27 -> 2.25 ms a step, RESULTS.md session 25).
-Against cuBLAS's fc1 then `silu_mul` (H200, the 1.5B shape, after the norm, weights past the L2,
-µs): M = 32 22.1 -> 19.8, 64 23.5 -> 20.0, 96 23.3 -> 23.2, 128 24.9 -> 23.5; 256 30.0 -> 59.6
-(one row tile no longer fits the registers), so above `MAX_ROWS` (and for shapes the kernel does
-not take) the op is the two-kernel spec.
+and wait at ``gdc_wait`` for the norm's writes. Before that wait they ask the L2 for the first K
+step of their weight rows (`PREFETCH_STEPS`): the weights never depend on the norm, and HBM idles
+while it runs (it reads its inputs from the L2), so the loop's first loads find them there.
+Up to 128 rows it is faster than cuBLAS's fc1 then `silu_mul`; at 256 rows one row tile no longer
+fits the registers and it runs at half their speed, so above `MAX_ROWS` (and for shapes the kernel
+does not take, `fits_kernel`) the op is the two-kernel spec. Measurements: docs/performance.md.
 """
 from __future__ import annotations
 
@@ -33,18 +31,17 @@ from megarl_kernels.paged_decode import f32_dot
 from megarl_kernels.swiglu import silu_mul, silu_mul_rounded
 
 # (BLOCK_N, TAIL, STAGES, NUM_WARPS) by the row tile (the next power of two >= M, at least 16), K
-# steps of BLOCK_K. H200 sweeps (2026-12-04, the 1.5B shape, RESULTS.md session 23; µs per norm +
-# fc1 + SwiGLU): at M = 32, 128 + 0 columns, 4 stages, 8 warps (19.8; 64 + 16 at 5 stages 23.1); at
-# M = 64 and 128, 64 + 16 columns, 5 stages, 4 warps (20.0 / 23.5; 128 + 0: 21.1 / 24.7; 64 + 8:
-# 20.2 / 23.6; 6 stages 20.2 / 23.6; 3 stages 22.9 / 26.8; K steps of 128 at 3 stages 20.0 / 24.2).
+# steps of BLOCK_K. Chosen by timing norm + fc1 + SwiGLU in a CUDA graph over 44 tiles at the
+# Qwen2.5-1.5B shape (K 1,536, F 8,960) and M = 32, 64, 96, 128 (table in docs/performance.md):
+# one wide tile a program for few rows; for more rows 64 + 16 columns, so that F / 80 programs fill the GPU in one wave. Every tile is correct at any F and K that `fits_kernel`
+# accepts (the tests run other shapes); at another F the program count is cdiv(F, BLOCK_N + TAIL),
+# which may leave part of the GPU idle or take a second wave: slower, never wrong.
 TILES = {16: (128, 0, 4, 8), 32: (128, 0, 4, 8), 64: (64, 16, 5, 4), 128: (64, 16, 5, 4)}
 BLOCK_K = 64
 MAX_ROWS = 128  # 256 rows run at half cuBLAS's speed
 # K steps of each program's weight rows asked of the L2 before ``gdc_wait``, i.e. while the norm before
-# fc1 still runs (HBM is idle then: the norm reads its inputs from the L2). H200, 2026-12-04
-# (`bench_decode_options.py --parts fc1-fused`, µs per norm + fc1 + SwiGLU at M = 32 / 64 / 128), steps
-# 0: 19.48 / 19.87 / 22.84, 1: 18.85 / 19.46 / 22.17, 2: 19.03 / 19.43 / 22.22, 4: 19.62 / 19.96 / 23.25,
-# 8: 20.28 / 20.84 / 24.70.
+# fc1 still runs (HBM is idle then: the norm reads its inputs from the L2). One step was fastest at
+# every M measured; deeper prefetches queue ahead of the loop's own loads (docs/performance.md).
 PREFETCH_STEPS = 1
 
 

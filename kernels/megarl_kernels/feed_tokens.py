@@ -6,14 +6,14 @@ or is < 0 where the host wrote it into input_ids (B,) int64:
     ids[i] = int(outputs[src[i]])   if src[i] >= 0
              input_ids[i]            otherwise
 Returns (B,) int64. The decode and prefill graphs open with it (`megarl/rollout/graphs.py`):
-torch's compare, clamp, index_select, cast and where were five launches, ~1.5 us each plus the
-gaps between them (H200, B = 128, `benchmarks/results/rollout_1p5b_b128_profile_s18.txt`).
+torch's compare, clamp, index_select, cast and where were five launches, each a fixed cost
+in every step, plus the gaps between them.
 """
 import torch
 
 from megarl_kernels.dispatch import choose, tl, triton
 
-BLOCK = 1024  # rows per program: a decode graph's batch (<= 1024) in one program; unswept
+BLOCK = 1024  # rows per program: a decode graph's batch (<= 1024) in one program; not tuned
 
 
 def feed_tokens_ref(src, outputs, input_ids):

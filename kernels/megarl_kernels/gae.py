@@ -29,7 +29,8 @@ one group per thread, loaded in forward time order (16-byte vector loads):
   3. in registers, each group walked backwards from that state: A per token;
      stores in 16-byte pieces that already have the scan's register layout.
 The state at the chunk's first token is the carry into the previous chunk;
-PREFETCH issues the previous chunk's loads before this chunk's work.
+the previous chunk's loads are issued before this chunk's work, so they fly
+while it computes.
 
 Why not a reverse scan over tokens: Triton 3.6 lowers
 `tl.associative_scan(..., reverse=True)` with five butterfly shuffles per value
@@ -38,10 +39,6 @@ on a 1 x 2048 tile with 4 warps compiles (sm_90) to 694 shuffles and 1544 SASS
 instructions per thread, against 39 and 728 here. Combine order: a forward
 scan calls combine(earlier, later) (`test_scan_combine_order`); here "earlier"
 is later in time, so the result is map2 o map1.
-
-`_gae_scan_rev_kernel` (KERNEL = "rev") is the first version: each chunk loaded
-in reversed time order (coalesced, scalar loads), a forward scan for the next
-real value, then one for A.
 """
 import torch
 
@@ -49,27 +46,17 @@ from megarl_kernels.dispatch import HAS_TRITON, choose, next_pow2, tl, triton
 
 WHITEN_EPS = 1e-8
 
-# Scan kernel: "grouped" (_gae_scan_kernel) or "rev" (_gae_scan_rev_kernel, the first
-# version). Swept on an H200 (2026-11-30, `benchmarks/bench_kernels.py --ops gae`), B=512
-# T=2048 fp32, per call in a CUDA graph, HBM floor 4.2 us:
-#   grouped, prefetch, BLOCK_T=TILE=512, 2 warps   7.2 us (58%)  <- chosen
-#   grouped, prefetch, BLOCK_T=TILE=512, 4 warps   7.4 us
-#   grouped, prefetch, BLOCK_T=TILE=1024, 4 warps  8.0 us
-#   grouped, BLOCK_T=TILE=2048, 4 warps            9.5 us (44%)
-#   grouped, BLOCK_T=2048, TILE=4096, 8 warps     10.4 us
-#   rev, BLOCK_T=TILE=1024, 4 warps               10.6 us;  rev at 2048: 13.2 us (32%)
-# With whitening the best was grouped, prefetch, BLOCK_T=TILE=1024, 4 warps: 13.2 us (49%).
-# Offline sm_90 compile (Triton 3.6, 1 x 2048 tile, 4 warps, no spills): grouped 104
-# registers, 728 SASS instructions, 39 shuffles; rev 151 registers, 2528, 334 shuffles.
-KERNEL = "grouped"
-# Longest chunk along T (power of 2): 512 (sweep above; chunks carry state backwards).
+# Tiling. Any (B, T) is correct under any of these (the tests run tiles of 32..2048 on
+# ragged shapes); they only set speed. Chosen by `benchmarks/bench_kernels.py --ops gae`'s sweep
+# at B=512, T=2048 fp32, the shape of a large PPO batch (table in docs/performance.md). Shorter
+# rows take several rows a program (`_tile`), longer ones several chunks, so other shapes keep
+# one program's work near TILE elements.
+# Longest chunk along T (power of 2); chunks carry the state backwards.
 BLOCK_T = 512
 # Elements per program (BLOCK_B * BLOCK_T); short rows get TILE // BLOCK_T rows each.
 TILE = 512
-# Warps per program: 2 (sweep above).
+# Warps per program.
 NUM_WARPS = 2
-# Load chunk k-1 before working on chunk k (matters when T > BLOCK_T): on (sweep above).
-PREFETCH = True
 # Most tokens per thread group (power of 2, <= 16): the in-register walk's length.
 VEC_MAX = 16
 
@@ -229,18 +216,9 @@ def _store_groups(ptr, base, t_grp, row_ok, T, parts, VEC: tl.constexpr, SVEC: t
 
 
 @triton.jit
-def _tile_stats(sp, stride, a, m):
-    # per-tile count, mean, M2 of the real tokens' advantages at sp, sp + stride, sp + 2 stride
-    n = tl.sum(m.to(tl.float32))
-    mean = tl.sum(a) / tl.maximum(n, 1.0)
-    tl.store(sp, n)
-    tl.store(sp + stride, mean)
-    tl.store(sp + 2 * stride, tl.sum(tl.where(m, (a - mean) * (a - mean), 0.0)))
-
-
-@triton.jit
 def _group_stats(sp, stride, adv, M, VEC: tl.constexpr):
-    # _tile_stats over VEC parts (BB, N): summed in registers first, then one block reduction each
+    # the tile's count, mean and M2 of its real tokens' advantages, stored at sp, sp + stride, sp + 2 stride;
+    # over VEC parts (BB, N): summed in registers first, then one block reduction each
     n = M[0].to(tl.float32)
     s = adv[0]
     for i in tl.static_range(1, VEC):
@@ -259,7 +237,7 @@ def _group_stats(sp, stride, adv, M, VEC: tl.constexpr):
 @triton.jit
 def _gae_scan_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gamma, gamma_lam,
                      BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, LOG_VEC: tl.constexpr,
-                     LOG_SVEC: tl.constexpr, WHITEN: tl.constexpr, PREFETCH: tl.constexpr):
+                     LOG_SVEC: tl.constexpr, WHITEN: tl.constexpr):
     VEC: tl.constexpr = 1 << LOG_VEC
     N: tl.constexpr = BLOCK_T // VEC  # groups per chunk row
     pid = tl.program_id(0)
@@ -274,15 +252,11 @@ def _gae_scan_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gam
     a_carry = tl.zeros([BLOCK_B, N], dtype=tl.float32)
     w_carry = tl.zeros([BLOCK_B, N], dtype=tl.float32)
     n_chunks = tl.cdiv(T, BLOCK_T)
-    if PREFETCH:
-        r_nx, v_nx, m_nx = _load_groups(r_ptr, v_ptr, m_ptr, base, (n_chunks - 1) * BLOCK_T + t_in, row_ok, T)
+    r_nx, v_nx, m_nx = _load_groups(r_ptr, v_ptr, m_ptr, base, (n_chunks - 1) * BLOCK_T + t_in, row_ok, T)
     for ci in range(n_chunks):
         t0 = (n_chunks - 1 - ci) * BLOCK_T  # chunks from the end of the row
-        if PREFETCH:
-            r, v, m = r_nx, v_nx, m_nx
-            r_nx, v_nx, m_nx = _load_groups(r_ptr, v_ptr, m_ptr, base, t0 - BLOCK_T + t_in, row_ok, T)
-        else:
-            r, v, m = _load_groups(r_ptr, v_ptr, m_ptr, base, t0 + t_in, row_ok, T)
+        r, v, m = r_nx, v_nx, m_nx  # loaded during the chunk before; the next chunk's loads go out now
+        r_nx, v_nx, m_nx = _load_groups(r_ptr, v_ptr, m_ptr, base, t0 - BLOCK_T + t_in, row_ok, T)
         R = _split_vec(r, LOG_VEC)
         V = _split_vec(v, LOG_VEC)
         M = _split_vec(m, LOG_VEC)
@@ -305,53 +279,6 @@ def _gae_scan_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gam
         _store_groups(ret_ptr, base, t0 + t_grp, row_ok, T, ret, VEC, 1 << LOG_SVEC, LOG_SVEC)
         if WHITEN:
             _group_stats(stats_ptr + pid * n_chunks + ci, tl.num_programs(0) * n_chunks, adv, M, VEC)
-
-
-# The first kernel (KERNEL = "rev").
-@triton.jit
-def _affine_combine(c1, d1, c2, d2):
-    # apply x -> d1 + c1 x, then x -> d2 + c2 x (later time first)
-    return c1 * c2, d2 + c2 * d1
-
-
-@triton.jit
-def _last_col(x, j, BLOCK_T: tl.constexpr):
-    # (BLOCK_B, BLOCK_T) -> (BLOCK_B,): the column j == BLOCK_T - 1
-    return tl.sum(tl.where(j == BLOCK_T - 1, x, 0.0), axis=1)
-
-
-@triton.jit
-def _gae_scan_rev_kernel(r_ptr, v_ptr, m_ptr, adv_ptr, ret_ptr, stats_ptr, B, T, gamma, gamma_lam,
-                         BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, WHITEN: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)  # (BB,)
-    base = rows.to(tl.int64)[:, None] * T  # (BB, 1)
-    row_ok = (rows < B)[:, None]
-    j = tl.arange(0, BLOCK_T)[None, :]  # (1, BT) reversed position in the chunk
-    nv_carry = tl.zeros([BLOCK_B], dtype=tl.float32)
-    a_carry = tl.zeros([BLOCK_B], dtype=tl.float32)
-    n_chunks = tl.cdiv(T, BLOCK_T)
-    for ci in range(n_chunks):
-        t = T - 1 - ci * BLOCK_T - j  # (1, BT) descending time
-        ok = row_ok & (t >= 0)
-        nxt = row_ok & (t >= 0) & (t + 1 < T)
-        r = tl.load(r_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + base + t, mask=ok, other=0) != 0
-        v1 = tl.load(v_ptr + base + t + 1, mask=nxt, other=0.0).to(tl.float32)
-        m1 = tl.load(m_ptr + base + t + 1, mask=nxt, other=0) != 0
-        c, d = tl.associative_scan((tl.where(m1, 0.0, 1.0), tl.where(m1, v1, 0.0)), 1, _affine_combine)
-        nv = d + c * nv_carry[:, None]  # (BB, BT) value of the next real token
-        delta = r + gamma * nv - v
-        c, d = tl.associative_scan((tl.where(m, gamma_lam, 1.0), tl.where(m, delta, 0.0)), 1, _affine_combine)
-        a = d + c * a_carry[:, None]  # (BB, BT) advantage, carried over skipped tokens
-        nv_carry = _last_col(nv, j, BLOCK_T)
-        a_carry = _last_col(a, j, BLOCK_T)
-        a = tl.where(m, a, 0.0)
-        tl.store(adv_ptr + base + t, a, mask=ok)
-        tl.store(ret_ptr + base + t, tl.where(m, a + v, 0.0), mask=ok)
-        if WHITEN:
-            _tile_stats(stats_ptr + pid * n_chunks + ci, tl.num_programs(0) * n_chunks, a, m)
 
 
 @triton.jit
@@ -411,8 +338,6 @@ def _log_vec(block_b: int, block_t: int) -> int:
 
 def gae_triton(rewards, values, mask, gamma: float, lam: float, whiten: bool = False):
     """Triton GAE: one scan launch, plus one whitening launch when whiten=True."""
-    if KERNEL not in ("grouped", "rev"):
-        raise ValueError(f"megarl_kernels.gae.KERNEL={KERNEL!r}; expected 'grouped' or 'rev'")
     B, T = values.shape
     r, v = rewards.contiguous(), values.contiguous()
     m = mask.contiguous()
@@ -427,11 +352,8 @@ def gae_triton(rewards, values, mask, gamma: float, lam: float, whiten: bool = F
     stats = torch.empty(n_tiles * 3 if whiten else 1, dtype=torch.float32, device=v.device)
     args = (r, v, m, adv, ret, stats, B, T, float(gamma), float(gamma * lam))
     tiles = dict(BLOCK_B=block_b, BLOCK_T=block_t, WHITEN=whiten, num_warps=NUM_WARPS)
-    if KERNEL == "grouped":
-        log_vec = _log_vec(block_b, block_t)
-        _gae_scan_kernel[grid](*args, LOG_VEC=log_vec, LOG_SVEC=min(log_vec, 2), PREFETCH=PREFETCH, **tiles)
-    else:
-        _gae_scan_rev_kernel[grid](*args, **tiles)
+    log_vec = _log_vec(block_b, block_t)
+    _gae_scan_kernel[grid](*args, LOG_VEC=log_vec, LOG_SVEC=min(log_vec, 2), **tiles)
     if whiten:
         _whiten_kernel[grid](adv, m, stats, n_tiles, B, T, WHITEN_EPS, BLOCK_B=block_b,
                              BLOCK_T=block_t, BLOCK_S=min(next_pow2(n_tiles), 1024), num_warps=NUM_WARPS)

@@ -5,12 +5,10 @@ of a pair of one dtype and size; every dst[:] = src[:].
 
 Why a kernel. The decode loop's step boundary was three asynchronous memcpys on the compute
 stream (the sampled tokens out, the next step's inputs and block table in), and each one that
-follows a kernel, or is followed by one, waits for the copy engine and back: 17.7 us of idle
-device time per step at B = 128 (H200, `bench_rollout.py --busy 128`, benchmarks/RESULTS.md,
-session 22), 0.8% of the step. Pinned host memory is mapped into the GPU's address space (CUDA's
-unified addressing), so a kernel reads or writes it directly over the bus: the boundary becomes
-two kernel launches between the graphs (~2 us each): B = 128 2.29 -> 2.28 ms a step, B = 32
-1.74 -> 1.72 (RESULTS.md, session 24). The kernel moves 32-bit words, so any dtype whose size
+follows a kernel, or is followed by one, waits for the copy engine and back: the GPU idles at
+every step boundary. Pinned host memory is mapped into the GPU's address space (CUDA's unified
+addressing), so a kernel reads or writes it directly over the bus: the boundary becomes two small
+kernel launches between the graphs (the gain: docs/performance.md). The kernel moves 32-bit words, so any dtype whose size
 is a multiple of 4 bytes goes through (int64 inputs, int32 tables, fp32 tokens).
 
 On the GPU the host side of a pair must be pinned (checked). Elsewhere (CPU tensors, or a CUDA
@@ -21,7 +19,7 @@ import torch
 from megarl_kernels.dispatch import HAS_TRITON, interpret_mode, tl, triton
 
 MAX_PAIRS = 3
-BLOCK = 2048  # 32-bit words per program (8 KiB); a decode step's inputs are 2-5 programs; unswept
+BLOCK = 2048  # 32-bit words per program (8 KiB); a decode step's inputs are 2-5 programs; not tuned
 
 
 def copy_words_ref(pairs):

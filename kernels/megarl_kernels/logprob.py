@@ -25,7 +25,8 @@ import torch.distributed as dist
 from megarl_kernels.dispatch import choose, next_pow2, tl, triton
 
 # Vocab chunk per loop step: 4096 bf16 = 16 per thread at 8 warps (two 16 B
-# loads). Unswept on H200; `benchmarks/bench_kernels.py` sweeps 2048/4096/8192.
+# loads). Not tuned; `benchmarks/bench_kernels.py` sweeps 2048/4096/8192. Any vocab size
+# is correct (the last chunk is masked).
 BLOCK_V = 4096
 NUM_WARPS = 8
 # torch backend: rows per chunk so one fp32 temporary is <= 2^24 elements (64 MiB).

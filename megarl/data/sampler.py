@@ -99,6 +99,9 @@ class PromptSampler:
                 "num_items": self.num_items, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") == "mixture":  # megarl.data.mixture.MixtureSampler's
+            raise DataError("the checkpoint's data position is of several training sets (data.train_mix), but "
+                            "this run reads one; resume with the same data settings (or start a new trainer.run_dir)")
         for key in ("seed", "num_items", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"PromptSampler.load_state_dict: checkpoint has {key}={state[key]} but this "

@@ -149,7 +149,7 @@ def _patch_megatron_rng() -> None:
 def paused():
     """Runs code that never names CUDA without the device-rewriting mode.
 
-    The mode costs ~8 us per torch call; the rollout engine's CPU decode loop
+    The mode costs microseconds per torch call; the rollout engine's CPU decode loop
     makes tens of thousands of them and builds every tensor on its own device.
     """
     if not _installed:

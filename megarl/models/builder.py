@@ -165,7 +165,7 @@ def _norms_in_params_dtype(model, dtype: torch.dtype) -> None:
     """The local spec builds ``torch.nn.RMSNorm`` in fp32 whatever params_dtype is (megatron's
     Float16Module would cast it; megarl builds in the target dtype instead). Beside bf16
     activations an fp32 weight keeps torch off its fused RMSNorm (the composite ran ~6 kernels
-    per norm, ~12% of a 1.5B actor update on an H200): cast them like every other parameter."""
+    per norm, ~12% of a 1.5B actor update on a GPU): cast them like every other parameter."""
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             module.to(dtype)

@@ -2,9 +2,8 @@
 
 megatron-core's ``MLP`` without transformer-engine computes
 ``silu(chunk(fc1(x))[0]) * chunk(...)[1]`` as separate ops (with
-``bias_activation_fusion`` it needs ``torch.compile``); measured on an H200
-(Qwen2.5-1.5B shape, 16k-token micro-batches, 2026-12-01) the activation and
-its backward took ~13% of an actor update. :class:`FusedSwiGLUMLP` is the same
+``bias_activation_fusion`` it needs ``torch.compile``): on a GPU the activation
+and its backward were over a tenth of an actor update (docs/performance.md). :class:`FusedSwiGLUMLP` is the same
 module (same submodules, parameters, checkpoint keys and forward contract)
 whose forward sends the fc1 output through ``megarl_kernels.swiglu`` — one
 Triton launch each way, the same numbers as the unfused ops. Anything else

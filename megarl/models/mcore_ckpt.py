@@ -66,3 +66,80 @@ def load_mcore(model: "nn.Module", groups: "ParallelGroups", ckpt_dir: str) -> N
     state = model.sharded_state_dict(metadata={"dp_cp_group": groups.dp_cp})
     loaded = dist_checkpointing.load(state, ckpt_dir)
     model.load_state_dict(loaded, strict=True)
+
+
+# -- training checkpoints (megarl/trainer/checkpoint.py: step_N/<role>/) ----------------------------
+
+def lora_of(module: "nn.Module") -> Optional[dict]:
+    """The LoRA adapters of ``module`` as {rank, alpha, targets}, or None without adapters."""
+    linears = [(name, m) for name, m in module.named_modules() if hasattr(m, "lora_enabled")]
+    if not linears:
+        return None
+    first = linears[0][1]
+    rank = int(first.lora_a.shape[0])
+    return {"rank": rank, "alpha": float(first.lora_scale * rank),
+            "targets": sorted({name.rsplit(".", 1)[-1] for name, _ in linears})}
+
+
+def write_role_meta(role_dir: str, module: "nn.Module", info: ModelInfo, build: dict) -> None:
+    """``role_dir``/megarl_model.json of a training checkpoint's role: the model (architecture, HF
+    config, value head), ``build`` (source directory, params_dtype, layer_spec, vocab_divisible_by)
+    and its LoRA adapters, so launch/convert.py rebuilds it from the checkpoint alone."""
+    meta = dict(info.to_json(), **build, lora=lora_of(module))
+    with open(os.path.join(role_dir, META), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def training_role_dir(ckpt: str, role: str = "actor") -> Optional[str]:
+    """The ``role`` directory of a training checkpoint named by ``ckpt`` (a run directory, its
+    ``checkpoints/``, a ``step_N`` or ``step_N/<role>``); None for a plain converted checkpoint."""
+    if os.path.isfile(os.path.join(ckpt, META)) and not os.path.isfile(os.path.join(ckpt, "..", "state.json")):
+        return None
+    root = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
+    latest = os.path.join(root, "latest")
+    if os.path.isfile(latest):
+        step = open(latest).read().strip()
+        ckpt = os.path.join(root, f"step_{int(step):06d}") if step.isdigit() else ckpt
+    if os.path.isdir(os.path.join(ckpt, role)) and os.path.isfile(os.path.join(ckpt, "state.json")):
+        return os.path.join(ckpt, role)
+    if os.path.isfile(os.path.join(ckpt, "..", "state.json")) and os.path.basename(os.path.normpath(ckpt)) == role:
+        return ckpt
+    return None
+
+
+def load_training_meta(role_dir: str, hf_config_from: Optional[str] = None) -> dict:
+    """megarl_model.json of a training checkpoint's role; a checkpoint saved before megarl wrote it
+    is described by ``hf_config_from`` (the run's model.path; no LoRA)."""
+    if os.path.isfile(os.path.join(role_dir, META)):
+        with open(os.path.join(role_dir, META)) as f:
+            return json.load(f)
+    if not hf_config_from:
+        raise ModelConfigError(f"{role_dir!r} has no {META} (saved by an older megarl); pass --hf-config-from "
+                               "with the run's model.path to describe the model")
+    from megarl.models.hf_config import load_config_json
+
+    if _has_lora(role_dir):
+        raise ModelConfigError(f"{role_dir!r} holds LoRA adapters but no {META} (saved by an older megarl), so "
+                               "their rank and scale are unknown; evaluate or export it with the megarl that saved it")
+    return {"arch": None, "value_head": False, "hf_config": load_config_json(hf_config_from),
+            "source": hf_config_from, "params_dtype": "fp32", "lora": None}
+
+
+def load_training_model(model: "nn.Module", role_dir: str) -> None:
+    """Collective: fills ``model`` (built at any TP / PP, with the checkpoint's LoRA adapters) from
+    a training checkpoint's role directory; the optimizer and scheduler there are not read."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, role_dir)
+    model.load_state_dict(loaded["model"], strict=True)
+
+
+def _has_lora(role_dir: str) -> bool:
+    """Whether the distributed checkpoint in ``role_dir`` holds LoRA adapter tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(role_dir).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable metadata: the load that follows says why
+        return False
+    return any(".lora_a" in k or ".lora_b" in k for k in keys)

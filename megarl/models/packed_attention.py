@@ -64,11 +64,10 @@ class _FlashVarlen(torch.autograd.Function):
     """Flash varlen forward and backward as two aten calls.
 
     ``torch.nn.attention.varlen.varlen_attn`` wraps the same two ops in a
-    ``torch.library`` custom op whose Python glue took ~0.47 ms of host time
-    per layer and micro-batch beyond the two ops (forward 0.34 ms vs flash's
-    0.07, backward 0.29 vs 0.09; torch 2.11, profile of the 1.5B actor update
-    on the H200, 2026-12-02: ~105 ms of a launch-bound 1.38 s update), and it
-    makes a zero rng-state tensor per call. Grouped K/V heads go in as they are
+    ``torch.library`` custom op whose Python glue cost several times the host
+    time of the two ops themselves, per layer and micro-batch, in a launch-bound
+    actor update (torch 2.11; docs/performance.md), and it makes a zero
+    rng-state tensor per call. Grouped K/V heads go in as they are
     (flash sums dk / dv over a group); dropout is 0, so rng_state is unused.
     """
 

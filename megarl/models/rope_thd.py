@@ -4,9 +4,8 @@ megatron-core 0.16's unfused THD path (``rope_utils._apply_rotary_pos_emb_thd``,
 taken whenever RoPE fusion is off, i.e. without transformer-engine) reads the
 sequence lengths to the host (``.tolist()``, ``.item()``) and splits the row per
 sequence, for queries and keys of every layer: two device syncs and 2 x n small
-kernels per layer. Measured on the H200 (2026-12-01, ``bench_e2e.py``, 128
-equal-length sequences): the packed reference forward took 0.70 s against 0.57
-s padded.
+kernels per layer: the packed reference forward of the end-to-end benchmark
+took 1.2x the padded one (docs/performance.md).
 
 `packed_rope` computes each token's position in its sequence on the device
 (``repeat_interleave`` with a known output size; once per micro-batch, shared by every layer's
@@ -16,8 +15,8 @@ ops, so the same bits (tests/test_rope_thd.py). On CUDA (full, non-interleaved
 rotary, mscale 1) the rotation is ``megarl_kernels.rope`` instead, forward and
 backward in one launch each, on cos / sin tables of megatron's angles rounded
 as megatron rounds them: the same numbers up to one rounding (see
-``kernels/megarl_kernels/rope.py``; the unfused ops took ~6% of a 1.5B actor update on
-an H200). The tables are made once per forward: megatron hands
+``kernels/megarl_kernels/rope.py``; the unfused ops were ~6% of a 1.5B actor
+update). The tables are made once per forward: megatron hands
 every layer the same (cached) ``freqs`` tensor. Context parallel ranks (cp > 1)
 keep megatron's function. Padded rows (``actor.packing=false``: megatron's
 ``_apply_rotary_pos_emb_bshd``) take the same kernel through `padded_rope`, so
@@ -63,7 +62,7 @@ def padded_rope(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool =
 
 # Every layer's queries and keys of a micro-batch share their positions, so they are made once
 # (`remembered`). Made per call, a 28-layer 1.5B actor update of 8 packed micro-batches built them
-# 448 times (~2,000 small launches of a host-bound update; H200 profile, 2026-12-02). Keyed on
+# 448 times (~2,000 small launches of a host-bound update). Keyed on
 # inference mode too: the RoPE kernel saves positions for backward, which an inference tensor cannot be.
 def _positions(layout: str, anchors: tuple, key: tuple, make) -> torch.Tensor:
     return remembered(("rope positions", layout), anchors, (*key, torch.is_inference_mode_enabled()), make)

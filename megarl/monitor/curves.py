@@ -1,4 +1,5 @@
-"""End-of-run figure ``RUN_DIR/curves.png``: reward, KL, entropy and held-out accuracy vs step.
+"""End-of-run figure ``RUN_DIR/curves.png``: reward, KL, entropy, held-out accuracy, tool use and the
+eval sets' pass@k / mean@n vs step.
 
 A panel shows each of its metrics that the run logged; a panel with none is
 left out, and a run with no such metric at all gets no figure.
@@ -15,7 +16,15 @@ PANELS = (  # (title, metric keys drawn in it)
     ("KL", ("kl/mean", "actor/approx_kl", "actor/kl_loss")),
     ("entropy", ("policy/entropy", "actor/entropy")),
     ("held-out accuracy", ("eval/accuracy",)),
+    ("tool use (per sample)", ("agent/tool_calls_mean", "agent/turns_mean", "agent/tool_errors_mean",
+                               "agent/tool_truncations_mean", "agent/max_turns_frac")),
 )
+
+
+def eval_set_keys(rows: dict[int, dict[str, float]]) -> list[str]:
+    """The data.eval_sets metrics logged (eval/<name>/pass@k, eval/<name>/mean@n), sorted."""
+    return sorted({k for row in rows.values() for k in row if k.startswith("eval/") and k.count("/") == 2
+                   and "@" in k.rsplit("/", 1)[-1]})
 
 
 def panels_present(rows: dict[int, dict[str, float]]) -> list[tuple[str, list[str]]]:
@@ -25,6 +34,9 @@ def panels_present(rows: dict[int, dict[str, float]]) -> list[tuple[str, list[st
         have = [k for k in keys if series(rows, k)[0]]
         if have:
             out.append((title, have))
+    sets = eval_set_keys(rows)
+    if sets:
+        out.append(("eval sets", sets))
     return out
 
 

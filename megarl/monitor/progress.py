@@ -1,8 +1,11 @@
-"""Progress lines for the phases outside the step loop (start-up, evaluation, export), rank 0 only.
+"""Progress on rank 0: the step loop's, and lines for the phases outside it (start-up, evaluation, export).
 
-``stage`` writes ``what ...`` when the phase starts and ``done (detail, 1.2 s)``
-on the same line when it ends, for phases that run while no progress bar is
-drawn; ``note`` writes a whole line through tqdm, so it lands above a bar that is.
+``StepProgress`` draws a tqdm bar on a terminal and writes one plain line per
+step anywhere else (a log file, SLURM's ``.out``, a pipe through ``tee``), where
+a bar's carriage returns would pile every step onto one line. ``stage`` writes
+``what ...`` when a phase starts and ``done (detail, 1.2 s)`` on the same line
+when it ends, for phases that run while no bar is drawn; ``note`` writes a whole
+line through tqdm, so it lands above a bar that is.
 """
 from __future__ import annotations
 
@@ -44,3 +47,26 @@ def note(line: str, enabled: bool = True, stream=None) -> None:
     if enabled:
         tqdm.write(line, file=stream or sys.stdout)
         (stream or sys.stdout).flush()
+
+
+class StepProgress:
+    """``update(line)`` once per step: a bar showing ``line`` on a terminal, else ``line`` as its own line."""
+
+    def __init__(self, total: int, initial: int, enabled: bool = True, stream=None, tty: bool | None = None):
+        self.out = stream or sys.stdout
+        self.enabled = enabled
+        self.tty = self.out.isatty() if tty is None else tty
+        self.bar = None
+        if enabled and self.tty:
+            self.bar = tqdm(total=total, initial=initial, file=self.out, dynamic_ncols=True)
+
+    def update(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(line)
+            self.bar.update(1)
+        elif self.enabled:
+            print(line, file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

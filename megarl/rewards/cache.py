@@ -2,15 +2,32 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from megarl.rewards.cache_backends import CacheBackend, MemoryBackend
 
 
-class RewardCache:
-    """Maps hash(term, prompt, response, ground_truth) -> value in a backend (an LRU by default).
+def canonical(value: Any) -> str:
+    """A text equal for equal values in any process: dict keys and set members sorted, numpy and
+    torch values as lists. Values it cannot tell apart by repr only ever cost a cache miss."""
+    if isinstance(value, dict):
+        return "{" + ",".join(sorted(f"{canonical(k)}:{canonical(v)}" for k, v in value.items())) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(canonical(v) for v in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + ",".join(canonical(v) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):
+        return "set{" + ",".join(sorted(canonical(v) for v in value)) + "}"
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        return f"{type(value).__name__}:{canonical(value.tolist())}"
+    return repr(value)
 
-    The key ignores a sample's `extra` fields: do not cache terms that read them.
+
+class RewardCache:
+    """Maps hash(term, prompt, response, ground_truth, extra) -> value in a backend (an LRU by default).
+
+    The key covers everything a reward function reads, the sample's `extra` fields included
+    (as :func:`canonical` text), so two samples that differ anywhere never share a value.
     Counting: of the keys in one lookup, each distinct key the backend lacks is a
     miss (its value gets computed once); every other key is a hit.
     """
@@ -21,9 +38,10 @@ class RewardCache:
         self.misses = 0
 
     @staticmethod
-    def key(term: str, prompt: str, response: str, ground_truth: str | None) -> str:
+    def key(term: str, prompt: str, response: str, ground_truth: str | None, extra: Any = None) -> str:
         h = hashlib.sha256()
-        for part in (term, prompt, response, ground_truth):  # length-prefixed: no two tuples collide
+        extra_text = None if extra is None else canonical(extra)
+        for part in (term, prompt, response, ground_truth, extra_text):  # length-prefixed: no two tuples collide
             if part is None:
                 h.update(b"\xff" * 8)  # not a valid length prefix
                 continue

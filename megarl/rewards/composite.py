@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from megarl.rewards.cache import RewardCache
-from megarl.rewards.registry import get_reward
+from megarl.rewards.registry import REWARDS, get_reward
 from megarl.rewards.terms import RewardModelTerm, RewardSample, RewardTerm
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,12 @@ def _cache_label(term: RewardTerm) -> str:
     return term.key + (json.dumps(term.kwargs, sort_keys=True, default=repr) if term.kwargs else "")
 
 
+def cacheable(term: RewardTerm) -> bool:
+    """term.cache, defaulting to: a registered reward yes, a user's 'module:function' no (it may
+    read state the key does not cover, or change between runs sharing an on-disk cache)."""
+    return term.cache if term.cache is not None else term.name in REWARDS.names()
+
+
 class CompositeReward:
     """Scores samples with rule/user terms and an optional reward-model term.
 
@@ -62,6 +68,7 @@ class CompositeReward:
     ):
         self.terms = [RewardTerm.of(t) for t in terms]
         self.fns: list[Callable[..., float]] = [get_reward(t.name) for t in self.terms]
+        self.cached = {t.key for t in self.terms if cacheable(t)}  # labels of the terms the cache serves
         self.rm = rm
         self.cache = cache
         labels = [t.key for t in self.terms] + ([rm.key] if rm else [])
@@ -97,8 +104,9 @@ class CompositeReward:
         are looked up in one call and the new ones stored in one call; a key repeated in
         the batch is computed once."""
         use = self.cache is not None
-        keys = {t.key: [RewardCache.key(_cache_label(t), s.prompt, s.response, s.ground_truth) for s in samples]
-                for t in self.terms if use and t.cache}
+        keys = {t.key: [RewardCache.key(_cache_label(t), s.prompt, s.response, s.ground_truth, s.extra)
+                        for s in samples]
+                for t in self.terms if use and t.key in self.cached}
         flat = [k for ks in keys.values() for k in ks]
         known = {k: v for k, v in zip(flat, self.cache.get_many(flat)) if v is not None} if flat else {}
         new: dict[str, float] = {}

@@ -61,8 +61,10 @@ class RewardTerm(_Shaping):
     """Registered reward name or dotted path 'pkg.module:function'."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the function."""
-    cache: bool = True
-    """Look values up in the composite's RewardCache (not for functions reading `extra`)."""
+    cache: bool | None = None
+    """Look values up in the composite's RewardCache (keyed on prompt, response, ground truth and
+    `extra`). None: yes for a registered reward, no for a 'module:function' one (set True when the
+    function is a pure function of its arguments)."""
     label: str | None = None
     """Name in metrics and per-term outputs; defaults to `name`. Must be unique."""
 

@@ -1,8 +1,8 @@
 """What apex gives megatron-core's training step, in plain torch.
 
 Without apex (or transformer-engine) megatron-core falls back to per-tensor
-Python loops, and the actor update on an H200 is launch-bound (RESULTS,
-"the actor update profiled"). Three of those fallbacks are replaced here:
+Python loops, and the actor update on a GPU is launch-bound: the host takes
+about as long per kernel as the GPU (docs/performance.md). Three of those fallbacks are replaced here:
 
 - **weight gradients into ``main_grad``** (``gradient_accumulation_fusion``):
   without apex's ``fused_weight_gradient_mlp_cuda`` each parallel linear makes

@@ -10,6 +10,7 @@ from megarl.models.hf_config import read_hf_config
 from megarl.models.loader import load_hf_checkpoint
 from megarl.models.lora import LoraOptions, adapters_off, apply_lora
 from megarl.models.value_head import load_value_model
+from megarl.algos.rollout_correction import from_section as rollout_correction
 from megarl.roles.base import RunOptions
 from megarl.roles.optim import build_trainable
 from megarl.roles.policy import Policy
@@ -87,7 +88,7 @@ def build_actor(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Po
         if cfg.actor.recompute == "full":
             keep_layer_inputs_differentiable(module)
     return Policy("actor", module, groups, info, _trainable(module, cfg, groups, cfg.actor.optim, optimizer_steps),
-                  run_options(cfg, cfg.actor.packing))
+                  run_options(cfg, cfg.actor.packing), correction=rollout_correction(cfg.algorithm.rollout_correction))
 
 
 class BasePolicy(Policy):

@@ -176,7 +176,7 @@ def _offload_masters_are_fp32(optimizer) -> None:
     """megatron-core 0.16.1 builds its HybridDeviceOptimizer with ``param_update_in_fp32=True``
     (keep fp32 copies of half-precision parameters). Under the distributed optimizer its
     parameters are the fp32 master shards, so it makes no copies, yet its load hook looks one up
-    for every parameter: every checkpoint load raised KeyError (seen on an H200). With the flag
+    for every parameter: every checkpoint load raised KeyError (on the GPU). With the flag
     off for parameters that are fp32 already the update is the same; `resync_offloaded_masters`
     then does what the flag's aliasing did on a load."""
     for hdo in _hybrid_optimizers(optimizer):

@@ -6,9 +6,12 @@ the output layer) are masked out, so the distribution is the checkpoint's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from megarl.algos import Aggregation, PolicyLossConfig, entropy_loss, get_policy_loss, kl_loss, masked_sum
+from megarl.algos.rollout_correction import RolloutCorrection, correct
 from megarl.config import ActorConfig
 from megarl_kernels import logprob_entropy
 from megarl.roles.base import ModelRole, imbalance
@@ -48,7 +51,14 @@ def policy_loss_config(cfg: ActorConfig) -> PolicyLossConfig:
 
 
 class Policy(ModelRole):
-    """The actor (with ``trainable``) or the frozen reference policy."""
+    """The actor (with ``trainable``) or the frozen reference policy.
+
+    ``correction`` (algorithm.rollout_correction) weights and masks the policy-gradient
+    term of the update's loss by the ratio of the old log-probs to the rollout's."""
+
+    def __init__(self, *args, correction: RolloutCorrection = RolloutCorrection(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.correction = correction
 
     def logprobs(self, batch: SampleBatch, micro_batch_size: int, temperature: float,
                  max_tokens: int = 0) -> dict[str, torch.Tensor]:
@@ -119,7 +129,8 @@ class Policy(ModelRole):
             lp, ent = token_logprobs(logits, mb.model_inputs, self.groups, self.info.vocab_size, temperature)
             on_policy = mb.old_logprobs is None
             old = lp.detach() if on_policy else mb.old_logprobs
-            pg, m = loss_fn(lp, old, mb.advantages, mask, loss_cfg, sums)
+            pg_mask, pg_agg = self._corrected(mb, old, sums)
+            pg, m = loss_fn(lp, old, mb.advantages, pg_mask, loss_cfg, pg_agg)
             loss = pg
             if cfg.entropy_coef:
                 loss = loss + entropy_loss(ent, mask, cfg.entropy_coef, sums)[0]
@@ -137,6 +148,19 @@ class Policy(ModelRole):
             return loss, count.long(), metrics
 
         return head
+
+    def _corrected(self, mb: SampleBatch, old: torch.Tensor, sums: Aggregation):
+        """(loss mask, aggregation) of the policy-gradient term under ``self.correction``: dropped
+        tokens leave the mask, the weights ride on the aggregation, and the normalizers still
+        count the response mask (a dropped token is a token of weight 0). Entropy and KL-loss
+        terms keep the plain mask."""
+        if not self.correction.enabled:
+            return mb.response_mask, sums
+        if mb.rollout_logprobs is None:
+            raise ValueError("algorithm.rollout_correction needs the rollout's log-probs in the batch")
+        c = correct(old, mb.rollout_logprobs, mb.response_mask, self.correction)
+        keep = c.keep.to(mb.response_mask.dtype)  # (b, l)
+        return keep, replace(sums, weights=c.weights, count_mask=mb.response_mask)
 
     def _micro_batches(self, mini: SampleBatch, cfg: ActorConfig) -> list[SampleBatch]:
         return [mini.select(i) for i in self.micro_batch_index(mini, cfg.micro_batch_size, cfg.max_tokens_per_micro)]

@@ -79,6 +79,8 @@ class Reply:
 
     messages: list[dict] | None  # tool results or a user turn; None: the conversation ends
     tool_calls: int = 0  # calls the turn made
+    tool_errors: int = 0  # of them failed (unknown tool, bad arguments, exception, timeout), plus unparsable calls
+    tool_truncations: int = 0  # tool outputs cut (max_tool_output_tokens, or the executor's character limit)
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Trajectory:
     messages: list[dict] = field(default_factory=list)  # assistant / tool / user, for rewards
     turns: int = 0
     tool_calls: int = 0
+    tool_errors: int = 0
+    tool_truncations: int = 0
     finish: str | None = None
     last_turn: list[int] = field(default_factory=list)  # the last sampled turn: the answer rewards read
 
@@ -216,6 +220,8 @@ class AgentLoop:
     def continue_after(self, t: Trajectory, finish: str, reply: Reply) -> None:
         """Appends ``reply``'s context to ``t``, or ends it (``finish``: its last turn's reason)."""
         t.tool_calls += reply.tool_calls
+        t.tool_errors += reply.tool_errors
+        t.tool_truncations += reply.tool_truncations
         if reply.messages is None:
             t.finish = finish
             return
@@ -235,11 +241,13 @@ class AgentLoop:
 
     def tool_reply(self, calls, outputs, problems: list[str]) -> Reply:
         limit = self.options.max_tool_output_tokens
-        messages = [{"role": "tool", "name": c.name, "content": self.renderer.truncate(o.text, limit)}
-                    for c, o in zip(calls, outputs)]
+        texts = [self.renderer.truncate(o.text, limit) for o in outputs]
+        messages = [{"role": "tool", "name": c.name, "content": text} for c, text in zip(calls, texts)]
         messages += [{"role": "tool", "content": f"error: {p}"} for p in problems]
+        errors = sum(not o.ok for o in outputs) + len(problems) + (not messages)
+        cut = sum(o.truncated or text != o.text for o, text in zip(outputs, texts))
         return Reply(messages or [{"role": "tool", "content": "error: no tool call found before </tool_call>"}],
-                     len(calls))
+                     len(calls), errors, cut)
 
     def user_reply(self, messages: list[dict]) -> Reply:
         user = self.interaction(messages)
@@ -296,6 +304,8 @@ class AgentLoop:
             "timing/agent_tool_wait": waited_s,  # seconds the engine had nothing to run but tools to wait for
             "agent/turns_mean": sum(t.turns for t in trajs) / n,
             "agent/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
+            "agent/tool_errors_mean": sum(t.tool_errors for t in trajs) / n,
+            "agent/tool_truncations_mean": sum(t.tool_truncations for t in trajs) / n,
             "agent/max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / n,
             "agent/context_tokens_mean": sum(len(t.ids) - sum(t.loss_mask) for t in trajs) / n,
         }

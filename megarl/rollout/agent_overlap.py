@@ -21,7 +21,7 @@ first rank blocks until one reply is ready (its peers block in the broadcast).
 Cost: one ``broadcast_object_list`` per step while a reply is awaited (TP or
 PP > 1 only). Over NCCL it waits for the step in flight, so the host stops
 planning decode steps ahead during those steps; a CPU (gloo) group for the
-decision would avoid that (not built: measured on CPU only).
+decision would avoid that (not built: its gain has not been measured on a GPU).
 
 A reply does not change a sample's tokens by when it lands: the next turn's
 prompt and seed are the same as in the turn-by-turn schedule.

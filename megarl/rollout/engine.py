@@ -68,7 +68,7 @@ def sample_requests(prompts: list[list[int]], n: int, seed: int, max_new_tokens:
     ``i`` (key ``k``, so its prompt is ``key // n``) with seed ``mix_seed(mix_seed(seed, i), j)``.
 
     ``max_new_tokens``: one limit for all, or one per prompt. The seeds are the ones engines derived
-    themselves when they expanded ``n`` (before issue 9), so runs sample the same tokens as then.
+    themselves when they expanded ``n``, so runs sample the same tokens as when they did.
     """
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
     if len(limits) != len(prompts):

@@ -8,13 +8,17 @@ from megarl.rollout.native import EngineOptions, NativeEngine
 
 
 def engine_options(cfg: Config) -> EngineOptions:
+    """The native engine's options: ``rollout.*``, graphs sized for the longest prompt + response."""
+    return EngineOptions.from_config(cfg.rollout, max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+
+
+def engine_title(cfg: Config) -> str:
+    """What starts, for the start-up line; says when SGLang samples in another dtype than the actor trains in."""
     r = cfg.rollout
-    return EngineOptions(
-        max_batch=r.max_batch, page_size=r.page_size, max_num_batched_tokens=r.max_num_batched_tokens,
-        kv_cache_gb=r.kv_cache_gb, kv_cache_fraction=r.kv_cache_fraction, cuda_graphs=r.cuda_graphs,
-        prefix_cache=r.prefix_cache, mixed_prefill=r.mixed_prefill,
-        max_model_len=cfg.data.max_prompt_len + r.max_new_tokens,
-    )
+    if r.engine == "sglang" and r.sglang.dtype != cfg.model.dtype:
+        return (f"the sglang rollout engine (it samples in rollout.sglang.dtype={r.sglang.dtype}, the actor trains "
+                f"in model.dtype={cfg.model.dtype}; algorithm.rollout_correction.preset=sglang corrects for it)")
+    return f"the {r.engine} rollout engine"
 
 
 def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:
@@ -32,9 +36,10 @@ def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> Rol
 
     s = cfg.rollout.sglang
     options = SGLangOptions(
-        model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=cfg.model.dtype,
+        model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=s.dtype,
         seed=cfg.rollout.seed, deterministic=s.deterministic, enable_memory_saver=s.enable_memory_saver,
-        max_running_requests=s.max_running_requests, update_bucket_mb=s.update_bucket_mb)
+        weights_cpu_backup=s.weights_cpu_backup, max_running_requests=s.max_running_requests,
+        update_bucket_mb=s.update_bucket_mb, start_timeout_s=s.start_timeout_s)
     return SGLangEngine(actor.module, groups, actor.info, stop_ids, options)  # SGLang needs no pad id
 
 

@@ -191,11 +191,10 @@ class DecodeGraphs:
         self.hidden_in.zero_()
         return self.shared.capture(lambda: self._body(b))
 
-    def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and log-probs (n,) of a decode step, through the bucket's graph (any PP)."""
+    def run_between_stages(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and log-probs (n,) of a decode step under PP, on every stage: hidden states in from the
+        previous stage, the bucket's graph, hidden states out to the next, tokens from the last."""
         engine, n = self.engine, len(plan.seqs)
-        if engine.groups.pp_size == 1:
-            return self.launch(plan, rows).result()
         b = self._prepare(plan, rows)
         if engine.receive_hidden(n, into=self.hidden_in[:n]) is not None:
             self.hidden_in[n:b].zero_()

@@ -1,17 +1,21 @@
 """megarl's native rollout engine: continuous batching on the actor's own Megatron weights.
 
-Per ``generate`` call: requests (one sample each, with its own seed) go to a
-:class:`~megarl.rollout.scheduler.Scheduler` over a paged KV cache — requests
-whose prompts are identical, wherever they are in the list, as one group whose
-prompt is prefilled once and whose other members fork its pages;
-each step it plans a chunked prefill (which also decodes the running
-sequences: a mixed step, ``rollout.mixed_prefill``) or a decode, the stage forward
-(:mod:`megarl.rollout.stage`) runs it, and the fused sampler
-(``megarl_kernels.sampling``) picks each request's next token from its seed and
-token index alone — so a request's tokens do not depend on the batch it ran
-in. Decode steps and small prefills replay CUDA graphs where CUDA is used
-(``graphs.py``, ``prefill_graphs.py``); every other step, and every step on
-CPU, runs eagerly (the tested reference).
+Per ``generate`` call, as a loop of schedule -> run -> record (:mod:`megarl.rollout.loop`):
+
+- **schedule**: requests (one sample each, with its own seed) go to a
+  :class:`~megarl.rollout.scheduler.Scheduler` over a paged KV cache — requests
+  whose prompts are identical, wherever they are in the list, as one group whose
+  prompt is prefilled once and whose other members fork its pages; each step it
+  plans a chunked prefill (which also decodes the running sequences: a mixed
+  step, ``rollout.mixed_prefill``) or a decode;
+- **run**: a :class:`~megarl.rollout.runners.StepRunner` runs the plan — eagerly
+  (the stage forward of :mod:`megarl.rollout.stage`; every step on CPU, the
+  tested reference), or replaying CUDA graphs for decode steps and small
+  prefills (``graphs.py``, ``prefill_graphs.py``) — and the fused sampler
+  (``megarl_kernels.sampling``) picks each request's next token from its seed
+  and token index alone, so a request's tokens do not depend on the batch it
+  ran in;
+- **record**: the scheduler appends the tokens and ends finished sequences.
 
 ``serve`` is ``generate`` for a caller that answers finished requests with new
 ones while the rest decode (the agent loop's tool calls): between steps it
@@ -19,41 +23,56 @@ hands out what finished and queues what the caller sends back.
 
 With TP every rank of the group runs the same scheduler and gathers the
 logits; with PP hidden states go stage to stage and the last stage broadcasts
-the sampled tokens to its pipeline group.
+the sampled tokens to its pipeline group. The engine itself holds what every
+runner shares: the KV cache, the graphs and the stage's forward pieces
+(:meth:`NativeEngine.compute`, the p2p of hidden states, the broadcast of tokens).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.config import RolloutConfig
 from megarl.errors import ConfigError
 from megarl.distributed import ParallelGroups, cpu_compat
-from megarl_kernels.sampling import sample_tokens
 from megarl.rollout.engine import FollowUps, GenerationResult, Request, SamplingParams
 from megarl.rollout.graphs import DecodeGraphs
+from megarl.rollout.loop import StepCounters, StepLoop
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
-from megarl.rollout.prefill_graphs import MAX_TOKENS as PREFILL_GRAPH_TOKENS
 from megarl.rollout.prefill_graphs import PrefillGraphs
-from megarl.rollout.scheduler import Scheduler, Sequence, StepPlan
-from megarl.rollout.stage import ForwardBatch, StageForward, prefill_cu
+from megarl.rollout.runners import EagerRunner, GraphRunner, PipelineGraphRunner, SamplingRows, StepRunner
+from megarl.rollout.scheduler import Scheduler, Sequence
+from megarl.rollout.stage import ForwardBatch, StageForward
+
+
+def _rollout_default(key: str):
+    """``rollout.<key>``'s default, read from :class:`~megarl.config.RolloutConfig` (its one source)."""
+    return next(f.default for f in fields(RolloutConfig) if f.name == key)
+
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Sizes of the engine (from ``rollout.*``)."""
+    """Sizes of the engine: the ``rollout.*`` keys of the same names (documented there, defaults
+    read from there), and the longest sequence the graphs are sized for."""
 
-    max_batch: int = 256  # sequences decoding at once (CUDA-graph batch sizes go up to it)
-    page_size: int = 16
-    max_num_batched_tokens: int = 8192  # new tokens per prefill step
-    kv_cache_gb: float = 0.0  # KV budget; 0: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.5
-    cuda_graphs: bool = True
-    max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: model max
-    prefix_cache: bool = False  # keep full K/V pages across generate calls until the weights change
-    mixed_prefill: bool = True  # prefill steps also decode a token of every running sequence
+    max_batch: int = _rollout_default("max_batch")
+    page_size: int = _rollout_default("page_size")
+    max_num_batched_tokens: int = _rollout_default("max_num_batched_tokens")
+    kv_cache_gb: float = _rollout_default("kv_cache_gb")
+    kv_cache_fraction: float = _rollout_default("kv_cache_fraction")
+    cuda_graphs: bool = _rollout_default("cuda_graphs")
+    prefix_cache: bool = _rollout_default("prefix_cache")
+    mixed_prefill: bool = _rollout_default("mixed_prefill")
+    max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: the model's maximum
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, max_model_len: int = 0) -> "EngineOptions":
+        """The options a run's ``rollout`` section sets."""
+        return cls(**{f.name: getattr(rollout, f.name) for f in fields(cls) if f.name != "max_model_len"},
+                   max_model_len=max_model_len)
 
 
 class NativeEngine:
@@ -116,16 +135,14 @@ class NativeEngine:
         return seqs, longest
 
     def _run(self, seqs: list[Sequence], params: SamplingParams, longest: int, feed: "_Feed | None") -> Scheduler:
+        """Schedule -> run -> record until every sequence is done; the scheduler holds them (``done``)."""
         sched = self._scheduler(seqs, params, longest, every_prompt=feed is not None)
-        rows = _SamplingRows(params, self.device)
-        # no module.eval(): the engine reads the weights, never calls a module (the train/eval walk
-        # over ~430 modules cost ~2 ms per call on an H200 host)
-        steps = {"prefill": 0, "prefill_tokens": 0, "prefill_graph": 0, "decode": 0, "graph": 0, "ahead": 0,
-                 "prefill_ahead": 0, "mixed": 0,
-                 "prefill_s": 0.0, "sync_s": 0.0, "wait_s": 0.0, "loop_s": 0.0, "plan_s": 0.0, "launch_s": 0.0}
+        runner = self._runner(SamplingRows(params, self.device), longest)
+        # no module.eval(): the engine reads the weights, never calls a module (a train/eval walk over
+        # every module would cost host time per call)
         with torch.no_grad(), cpu_compat.paused():
-            self._loop(sched, rows, steps, ahead=self._can_overlap(longest), feed=feed)
-        self._record(sched, steps)
+            counters = StepLoop(sched, runner, feed).run()
+        self._record(sched, counters)
         return sched
 
     def update_weights(self) -> dict:
@@ -151,7 +168,7 @@ class NativeEngine:
         if self.cache is not None and self.cache.storage is not None:
             self.cache.resume()
 
-    # -- steps ---------------------------------------------------------------
+    # -- scheduling and the KV cache -------------------------------------------
     def _scheduler(self, seqs: list[Sequence], params: SamplingParams, longest: int,
                    every_prompt: bool = False) -> Scheduler:
         """A scheduler holding ``seqs`` as prefill-sharing groups (see :meth:`_prefill_groups`), its KV
@@ -235,127 +252,16 @@ class NativeEngine:
 
         return o.kv_cache_fraction * psutil.virtual_memory().available
 
-    def _can_overlap(self, longest: int) -> bool:
-        """Plan decode steps ahead (one stage, every decode through the graphs' buffers)?"""
-        return self.graphs is not None and self.groups.pp_size == 1 and longest <= self.graphs.max_len
-
-    def _loop(self, sched: Scheduler, rows: "_SamplingRows", steps: dict, ahead: bool,
-              feed: "_Feed | None" = None) -> None:
-        """Steps until every request is done. With ``ahead``, a decode step is launched before the
-        previous one's tokens are read back: the host plans step t + 1 while the device runs t
-        (the tokens it feeds stay on the device), then records t. A prefill through the prefill
-        graphs is launched the same way, ahead of a pending step (a refill; a mixed one, whose decode
-        rows read the pending tokens on the device, a pending prefill's rows too, is held to the
-        graphs' tokens, so it never runs eagerly) or of nothing; a larger refill runs eagerly once
-        the pending step is recorded. ``steps`` gets the seconds spent waiting for the device (``wait_s``) and in
-        synchronous steps (``prefill_s``, ``sync_s``).
-        With ``feed`` (``serve``) each step starts by handing out the finished requests and taking
-        follow-ups, before the plan-ahead check: a new request waits in the queue and is admitted
-        like any refill (ahead of a pending decode, or after it is recorded)."""
-        pending = None  # (plan, Launched) of a graph step not yet recorded
-        clock = time.perf_counter
-
-        def record_pending():
-            start = clock()
-            tokens, logprobs = pending[1].result()
-            steps["wait_s"] += clock() - start
-            sched.record(pending[0], tokens, logprobs)
-
-        def run_now(plan):  # synchronous: tokens on the host
-            start = clock()
-            sched.commit(plan, *self._step(plan, rows, steps))
-            steps["prefill_s" if not plan.decode else "sync_s"] += clock() - start
-
-        loop_start = clock()
-        while True:
-            if feed is not None:
-                feed.exchange(sched, idle=pending is None and not sched.has_work())
-            if pending is not None and not sched.can_plan_ahead():
-                refill = sched.plan_prefill(PREFILL_GRAPH_TOKENS) if ahead else None
-                if refill is None or not self.prefill_graphs.fits(refill):  # (never a mixed one: capped)
-                    record_pending()
-                    pending = None
-                    if refill is not None:
-                        run_now(refill)
-                    continue  # what it finished goes out (and may be answered) before the next plan
-                pending = self._launch_ahead(sched, refill, rows, steps, pending, record_pending)
-                continue
-            if not sched.has_work():
-                break
-            start = clock()
-            plan = sched.next_step()
-            steps["plan_s"] += clock() - start
-            if ahead and (plan.decode or self.prefill_graphs.fits(plan)):
-                pending = self._launch_ahead(sched, plan, rows, steps, pending, record_pending)
-            else:
-                run_now(plan)
-        if pending is not None:
-            record_pending()
-        steps["loop_s"] = clock() - loop_start
-
-    def _launch_ahead(self, sched: Scheduler, plan: StepPlan, rows: "_SamplingRows", steps: dict, pending,
-                      record_pending):
-        """Launches ``plan`` (a graph decode or prefill), advances it with its tokens left on the device,
-        then records the step that was pending; returns the new pending (plan, Launched)."""
-        start = time.perf_counter()
-        launched = self._launch(plan, rows, steps)
-        steps["launch_s"] += time.perf_counter() - start
-        sched.advance(plan, on_device=True, row_base=0 if plan.decode else self.graphs.prefill_rows_base)
-        if pending is not None:
-            steps["ahead" if plan.decode else "prefill_ahead"] += 1
-            record_pending()
-        return plan, launched
-
-    def _launch(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
-        self._count(plan, steps)
-        if plan.copies[0]:
-            self.cache.copy_pages(*plan.copies)
-        if not plan.decode:
-            steps["prefill_graph"] += 1
-            return self.prefill_graphs.launch(plan, rows)
-        steps["graph"] += 1
-        return self.graphs.launch(plan, rows)
-
-    @staticmethod
-    def _count(plan: StepPlan, steps: dict) -> None:
-        steps["decode" if plan.decode else "prefill"] += 1
-        if not plan.decode:
-            steps["prefill_tokens"] += len(plan.input_ids) - plan.decoding
-            steps["mixed"] += plan.decoding > 0
-
-    def _step(self, plan: StepPlan, rows: "_SamplingRows", steps: dict):
-        self._count(plan, steps)
-        if plan.copies[0]:
-            self.cache.copy_pages(*plan.copies)
-        if plan.decode and self.graphs is not None and self.graphs.fits(plan):
-            steps["graph"] += 1
-            return self.graphs.run(plan, rows)
-        if not plan.decode and self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
-            steps["prefill_graph"] += 1
-            return self.prefill_graphs.run(plan, rows)
-        batch = self.to_device(plan)
-        out = self._forward(batch, torch.as_tensor(plan.sample_rows, device=self.device))
-        return self._sample_and_share(out, plan, rows)
-
-    def to_device(self, plan: StepPlan) -> ForwardBatch:
-        dev = self.device
-
-        def put(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype, non_blocking=True)
-
-        q_lens = np.diff(plan.cu_seqlens_q)
-        return ForwardBatch(
-            put(plan.input_ids, torch.long), put(plan.positions, torch.long), put(plan.slot_mapping, torch.long),
-            put(plan.block_table, torch.int32), put(plan.seq_lens, torch.int32),
-            put(plan.cu_seqlens_q, torch.int32), int(q_lens.max()), plan.decode, self.max_len,
-            plan.decoding, plan.decoding,
-            put(prefill_cu(plan.cu_seqlens_q, plan.decoding), torch.int32) if plan.decoding else None,
-        )
-
-    def _forward(self, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor | None:
-        """This stage's forward and its pipeline p2p; (S, V_padded) logits of the sampled rows on the last stage."""
-        x = self.receive_hidden(batch.input_ids.shape[0])
-        return self.send_hidden(self.compute(batch, x, sample_rows))
+    # -- running a step --------------------------------------------------------
+    def _runner(self, rows: SamplingRows, longest: int) -> StepRunner:
+        """How this call's steps run: eagerly, through the CUDA graphs of one stage (launched ahead when
+        every sequence fits the graphs' block table), or through each pipeline stage's graphs."""
+        eager = EagerRunner(self, rows)
+        if self.graphs is None:
+            return eager
+        if self.groups.pp_size > 1:
+            return PipelineGraphRunner(self, rows, eager)
+        return GraphRunner(self, rows, eager, overlap=longest <= self.graphs.max_len)
 
     def receive_hidden(self, rows: int, into: torch.Tensor | None = None) -> torch.Tensor | None:
         """(rows, h) hidden states from the previous pipeline stage; None on the first stage."""
@@ -391,23 +297,6 @@ class NativeEngine:
         dist.send(out, group=g.pp, group_dst=g.pp_rank + 1)
         return None
 
-    def sample(self, logits: torch.Tensor, rows: "_SamplingRows", seeds, offsets):
-        s = logits.shape[0]
-        return sample_tokens(logits, rows.temperature[:s], rows.top_k[:s], rows.top_p[:s], seeds, offsets,
-                             vocab_size=self.vocab_size)
-
-    def _sample_and_share(self, logits, plan: StepPlan, rows: "_SamplingRows"):
-        """Last stage samples; its pipeline group receives tokens and log-probs (numpy, (S,))."""
-        s = len(plan.sampled)
-        if s == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        packed = None
-        if self.groups.is_last_stage:
-            seeds = torch.as_tensor(plan.seeds, device=self.device)
-            offsets = torch.as_tensor(plan.offsets, device=self.device)
-            packed = torch.stack(self.sample(logits, rows.grow(s), seeds, offsets))
-        return self.share(packed, s)
-
     def share(self, sampled: torch.Tensor | None, s: int) -> tuple[np.ndarray, np.ndarray]:
         """(2, S) [tokens; log-probs] of the last stage -> numpy tokens, log-probs on every stage."""
         g = self.groups
@@ -419,26 +308,14 @@ class NativeEngine:
         return packed[0].astype(np.int64), packed[1].astype(np.float32)
 
     # -- results -------------------------------------------------------------
-    def _record(self, sched: Scheduler, steps: dict) -> None:
-        cache = self.cache
-        self.stats = {
-            "rollout/prefill_steps": float(steps["prefill"]), "rollout/decode_steps": float(steps["decode"]),
-            "rollout/prefill_tokens": float(steps["prefill_tokens"]),  # computed (shared or cached prefixes not)
-            "rollout/graph_steps": float(steps["graph"]), "rollout/planned_ahead_steps": float(steps["ahead"]),
-            "rollout/prefill_graph_steps": float(steps["prefill_graph"]),
-            "rollout/planned_ahead_prefills": float(steps["prefill_ahead"]),  # refills launched before a
-            #                                                                   pending decode's tokens came back
-            "rollout/mixed_steps": float(steps["mixed"]),  # prefill steps that decoded the running sequences too
+    def _record(self, sched: Scheduler, counters: StepCounters) -> None:
+        """``stats``: this call's step counters and seconds, preemptions, prefix-cache hits, memory."""
+        self.stats = counters.metrics()
+        self.stats.update({
             "rollout/preemptions": float(sched.preemptions),
-            # wall seconds of this call (timing/: run-dependent, unlike the counters)
-            "timing/rollout_prefill": steps["prefill_s"], "timing/rollout_device_wait": steps["wait_s"],
-            "timing/rollout_loop": steps["loop_s"],
-            # host time of the planned-ahead decode steps: planning, launching, recording
-            "timing/rollout_host": steps["loop_s"] - steps["wait_s"] - steps["prefill_s"] - steps["sync_s"],
-            "timing/rollout_host_plan": steps["plan_s"], "timing/rollout_host_launch": steps["launch_s"],
             "rollout/prefix_cached_tokens": float(sched.reused_tokens),
-            "rollout/kv_cache_gb": cache.nbytes / 2**30,
-        }
+            "rollout/kv_cache_gb": self.cache.nbytes / 2**30,
+        })
         if self.device.type == "cuda":
             self.stats["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
 
@@ -465,22 +342,3 @@ class _Feed:
                                  "initial request this call was sized for")
             alone = -1  # no prefill group: it shares nothing with the sequences already queued
             sched.add_group([Sequence(req.key, alone, list(req.prompt), req.seed, req.max_new_tokens)])
-
-
-class _SamplingRows:
-    """Per-row sampling settings of one generate call (every request shares ``params``)."""
-
-    def __init__(self, params: SamplingParams, device, rows: int = 256):
-        self.params, self.device = params, device
-        self._fill(rows)
-
-    def _fill(self, rows: int) -> None:
-        p, dev = self.params, self.device
-        self.temperature = torch.full((rows,), float(p.temperature), device=dev)
-        self.top_k = torch.full((rows,), int(p.top_k), dtype=torch.int32, device=dev)
-        self.top_p = torch.full((rows,), float(p.top_p), device=dev)
-
-    def grow(self, rows: int) -> "_SamplingRows":
-        if rows > self.temperature.shape[0]:
-            self._fill(rows)
-        return self

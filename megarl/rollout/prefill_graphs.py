@@ -2,9 +2,8 @@
 
 A prefill of a few prompts (a continuous-batching refill, a multi-turn follow-up)
 is host-bound when run eagerly: ~10 launches per layer, each costing more host
-time than its kernel takes on the device (H200, 1.5B shape: 16 prompts of 128
-tokens, 24 ms of wall time against 9 ms of kernels; benchmarks/RESULTS.md,
-"Prefill alone"). Such a step replays a graph captured at a bucket (t, c) instead:
+time than its kernel takes on the device. Such a step replays a graph captured
+at a bucket (t, c) instead:
 its T new tokens, N sequences and S sampled rows are padded to t >= T tokens and
 c >= max(N, S) rows:
 
@@ -40,9 +39,9 @@ from megarl_kernels.host_copy import copy_words
 from megarl.rollout.graphs import Launched, buckets_up_to, host_buffer
 from megarl.rollout.stage import ForwardBatch, prefill_cu
 
-# Token buckets. Eager prefills of 8k tokens and more run within ~15% of their kernel time on an
-# H200 (1.5B shape: 64 x 128 tokens 42.0 ms wall / 36.4 ms device), those of 1-2k tokens at 2-3x
-# it (16 x 64: 14.3 / 5.0 ms; 16 x 128: 24.0 / 9.1 ms): graphs go up to 2048 tokens.
+# Token buckets. Graphs cover prefills up to 2048 tokens (refills and follow-ups: run eagerly, their
+# wall time was a multiple of their kernel time); a larger prefill runs eagerly, its launches small
+# beside its kernels (docs/performance.md). The cap moves host time only: the tokens are the same.
 # Mixed steps add a decode row per running sequence (128 slots + 4 refills of 128 tokens: 640), so
 # from 128 up a bucket pads by at most a third, as the decode buckets do.
 TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
@@ -80,11 +79,10 @@ class PrefillGraphs:
         return (len(plan.input_ids) <= MAX_TOKENS and max(len(plan.seqs), len(plan.sampled)) <= self.max_rows
                 and plan.block_table.shape[1] <= self.max_pages)
 
-    def run(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and log-probs (S,) of a prefill step, through its bucket's graph (any PP)."""
+    def run_between_stages(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and log-probs (S,) of a prefill step under PP, on every stage: hidden states in from the
+        previous stage, the bucket's graph, hidden states out to the next, tokens from the last."""
         engine, n_tokens, n_sampled = self.engine, len(plan.input_ids), len(plan.sampled)
-        if engine.groups.pp_size == 1:
-            return self.launch(plan, rows).result()
         self._replay(plan, rows)
         engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n_tokens])
         if n_sampled == 0:  # a chunk that completes no prompt (as eager: nothing to share)

@@ -49,11 +49,9 @@ from megarl.rollout.pages import PagePool, pages_for, prefix_keys
 
 # While others decode, a prefill waits until this fraction of the slots is free (or every
 # waiting request fits): a prefill step stops every decoding slot for its length, against idle
-# slots while waiting. H200, 1.5B shape, 512 requests of 16-1024 tokens on 128 slots, prefills of
-# <= 2048 tokens through CUDA graphs (benchmarks/RESULTS.md, session 7), useful tokens/s:
-# 1/64 35,805 (185 prefill steps), 1/32 36,921 (96), 1/16 36,714 (50), 1/8 36,128 (26); with refills
-# launched ahead of the pending decode (session 8): 1/64 36,883, 1/32 37,257, 1/16 37,154.
-# (Eager prefills, ~17 ms each whatever their size, had 1/8 best: 1/16 34,794, 1/8 35,734.)
+# slots while waiting. Chosen by a sweep of 1/64 .. 1/8 on ragged requests with graph-replayed
+# prefills, where 1/32 made the most useful tokens per second (docs/performance.md); the spread
+# between the fractions was a few percent, and any fraction gives the same tokens per request.
 ADMIT_FRACTION = 1 / 32
 
 
@@ -195,8 +193,8 @@ class Scheduler:
         """Should this refill stop the decode? Yes when its due prompts do not fit beside the running rows
         and either the mixed budget is the prefill graphs' cap (a wave: one prefill at the full budget, not
         capped chunks) or they are new prompts that fit the full budget alone: mixed, the last one would be
-        cut, and the sequences started a step later stay a step apart to the end of the run (a fixed-length
-        8-wave run then ended with one request decoding alone for its 511 steps: 7% of the run). A prompt
+        cut, and the sequences started a step later stay a step apart to the end of the run (a run of
+        fixed-length waves then ended with one request decoding alone for a whole response). A prompt
         already being chunked keeps its mixed chunks."""
         due = self._due_tokens()
         whole = due <= self.max_tokens and self.waiting[0].slot < 0

@@ -4,18 +4,21 @@ Pinned to ``sglang==0.5.23``: ``tests/data/sglang_0.5.23_api.json`` lists every
 method, keyword, field, tag and result key used here; test_rollout_sglang_api.py
 checks this file against it and it against the wheel's source.
 
-Layout (PP = 1). TP rank 0 of each TP group starts SGLang's offline engine
-(``sglang.srt.entrypoints.engine.Engine``) with ``tp_size`` = the TP size and
-``base_gpu_id`` = its own GPU, so SGLang's TP workers share the group's GPUs
-(one node, consecutive GPUs, each process seeing all of them: torchrun's
-default). Only that rank talks to SGLang; each call's result, or its error,
-reaches the other TP ranks by ``broadcast_object_list`` over the TP group.
+Layout (PP = 1, CP = 1). TP rank 0 of each TP group starts SGLang's offline
+engine (``sglang.srt.entrypoints.engine.Engine``) with ``tp_size`` = the TP size
+and ``base_gpu_id`` = its own GPU, so SGLang's TP worker ``i`` shares TP rank
+``i``'s GPU (one node, consecutive GPUs, each process seeing all of them:
+torchrun's default). Only that rank talks to SGLang; each call's result, or its
+error, reaches the other TP ranks by ``broadcast_object_list`` over the TP
+group. The start runs with the process state restored afterwards and its TP
+peers waiting on a group with ``start_timeout_s`` (megarl/rollout/sglang_process.py).
 
 generate: token in / token out (``skip_tokenizer_init``); one SGLang request per
 :class:`~megarl.rollout.engine.Request`, in order, with ``sampling_seed`` = the
 request's seed (SGLang's radix cache shares the prefill of identical prompts).
 SGLang honours the seed only under ``enable_deterministic_inference``
-(``deterministic``, default on); off, tokens depend on SGLang's batching.
+(``deterministic``, default off: slower kernels, and at TP > 1 SGLang pins
+``NCCL_ALGO`` for its workers); off, tokens depend on SGLang's batching.
 Stops: ``eos_ids`` + ``params.stop_token_ids``; none: ``ignore_eos``
 (otherwise SGLang also stops at the model config's eos).
 Log-probs: ``meta_info["output_token_logprobs"]``, (logprob, token id, text)
@@ -23,20 +26,31 @@ per token, computed under the temperature (greedy: 1.0) before top-k / top-p.
 Finish types "stop" / "length" map through; "abort" raises.
 
 update_weights: :func:`~megarl.rollout.weight_stream.iter_hf_buckets` (the HF
-export's tensors) in buckets of at most ``update_bucket_mb``, each a ``(name,
-tensor)`` list for ``update_weights_from_tensor`` (SGLang serializes it per
-its TP rank; CUDA tensors travel as IPC handles) between ``begin_weight_update``
-and ``end_weight_update``, then ``flush_cache``. The engine starts with
-``load_format="dummy"`` and gets the actor's weights at construction.
-release_memory / resume_memory: ``release`` / ``resume_memory_occupation`` of
-the kv_cache, weights and cuda_graph tags; a weight sync resumes "weights"
-alone, generate whatever is still released.
+export's tensors, cast to ``dtype``) in buckets of at most ``update_bucket_mb``
+on every TP rank; each rank serializes its own copy and TP rank 0 sends one
+``LocalSerializedTensor`` per tensor (megarl/rollout/sglang_shards.py) to
+``update_weights_from_tensor`` between ``begin_weight_update`` and
+``end_weight_update``, then ``flush_cache``. The engine starts with
+``load_format="dummy"``.
+
+Memory (``enable_memory_saver``). release_memory: ``flush_cache`` (it fails
+unless SGLang is idle), then ``release_memory_occupation`` of the kv_cache,
+weights and cuda_graph tags. SGLang re-maps released weights without their
+values unless ``weights_cpu_backup``; the weights are then *stale*, as they are
+at the start, and the next resume_memory or generate streams the actor's
+weights first (a resumed run samples from its checkpoint, a rollout-only run
+from the same weights every step). Resumes go weights first, then kv_cache and
+cuda_graph, each after every TP rank emptied torch's CUDA cache: SGLang sized
+its pool from the memory free when it started (``mem_fraction_static`` is a
+share of that), and the activations torch keeps cached after a training step
+would otherwise leave too little for it to map back.
 
 Verified only where SGLang is installed (the CPU tests use a fake engine with
-its signatures and output format): that Engine starts with these arguments
-beside Megatron, that its ``load_weights`` takes the streamed names, that CUDA
-IPC tensors reach its workers, that seeds make tokens batch-independent, that
-its log-probs match the training forward, and what release_memory frees.
+its signatures, output format and the behaviours above): that Engine starts
+with these arguments beside Megatron, that its ``load_weights`` takes the
+streamed names, that CUDA IPC tensors reach its workers, that seeds make tokens
+batch-independent, that its log-probs match the training forward, and what
+release_memory frees.
 """
 from __future__ import annotations
 
@@ -53,13 +67,17 @@ from megarl.errors import ConfigError
 from megarl.distributed import ParallelGroups
 from megarl.models.hf_config import ModelInfo
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams
+from megarl.rollout.sglang_process import isolated_process_state, startup_group
+from megarl.rollout.sglang_shards import gather_bucket
 from megarl.rollout.weight_stream import iter_hf_buckets, tensor_bytes
 
 SGLANG_VERSION = "0.5.23"
 NOT_INSTALLED = (f"rollout.engine=sglang: SGLang is not installed (pip install sglang=={SGLANG_VERSION}); "
                  "use rollout.engine=native")
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+_KV_TAGS = ("kv_cache", "cuda_graph")
 _FINISH = {"stop": "stop", "length": "length"}  # SGLang finish_reason["type"] -> megarl
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -67,14 +85,16 @@ class SGLangOptions:
     """How the SGLang engine is started and fed (from ``rollout.*``)."""
 
     model_path: str  # HF directory; SGLang reads config.json from it (weights come from the actor)
-    mem_fraction_static: float = 0.5  # share of each GPU's memory SGLang takes for weights + KV cache
-    dtype: str = "auto"  # SGLang's dtype ("auto", "bfloat16", "float16", "float32")
+    mem_fraction_static: float = 0.5  # share of the GPU memory free when SGLang starts, for weights + KV cache
+    dtype: str = "bfloat16"  # SGLang's dtype; the streamed weights are cast to it
     seed: int = 1234  # SGLang's random_seed
-    deterministic: bool = True  # enable_deterministic_inference: per-request seeds are honoured
+    deterministic: bool = False  # enable_deterministic_inference: per-request seeds are honoured
     enable_memory_saver: bool = True  # release_memory / resume_memory free and re-map GPU memory
+    weights_cpu_backup: bool = False  # SGLang keeps a CPU copy of released weights (else: re-synced)
     max_running_requests: int = 0  # 0: SGLang's default
     nccl_port: int = 0  # 0: SGLang picks one; else nccl_port + global rank of TP rank 0 (one per engine)
     update_bucket_mb: float = 512.0  # weight-sync bucket size
+    start_timeout_s: float = 1800.0  # how long TP peers wait for TP rank 0 to start the engine
 
 
 def load_engine_class() -> Callable:
@@ -86,11 +106,21 @@ def load_engine_class() -> Callable:
     return Engine
 
 
+def load_tensor_wrapper() -> Callable:
+    """SGLang's per-TP-rank serialized tensor class (``values``: one payload per TP worker)."""
+    try:
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+    except ImportError as e:
+        raise ConfigError(NOT_INSTALLED) from e
+    return lambda values: LocalSerializedTensor(values=values)
+
+
 def _server_kwargs(o: SGLangOptions, tp_size: int, base_gpu_id: int, nccl_port: Optional[int]) -> dict:
     """Keyword arguments of ``Engine(...)`` (fields of SGLang's ServerArgs)."""
     return {"model_path": o.model_path, "tp_size": tp_size, "base_gpu_id": base_gpu_id,
             "mem_fraction_static": o.mem_fraction_static, "dtype": o.dtype, "random_seed": o.seed,
             "load_format": "dummy", "skip_tokenizer_init": True, "enable_memory_saver": o.enable_memory_saver,
+            "enable_weights_cpu_backup": o.weights_cpu_backup,
             "enable_deterministic_inference": o.deterministic, "nccl_port": nccl_port,
             "max_running_requests": o.max_running_requests or None}
 
@@ -142,15 +172,28 @@ def _base_gpu_id(groups: ParallelGroups) -> int:
     return base
 
 
+def _check_layout(groups: ParallelGroups) -> None:
+    if groups.pp_size > 1:
+        raise ConfigError("rollout.engine=sglang needs parallel.pp=1 (SGLang holds the whole model per "
+                          "TP group); use rollout.engine=native with pipeline parallelism")
+    if getattr(groups, "cp_size", 1) > 1:
+        raise ConfigError("rollout.engine=sglang needs parallel.cp=1 (each CP rank would sample its own "
+                          "responses for the same rows); use rollout.engine=native with context parallelism")
+
+
 class SGLangEngine:
-    """RolloutEngine on SGLang; one engine per TP group, on TP rank 0 (see the module docstring)."""
+    """RolloutEngine on SGLang; one engine per TP group, on TP rank 0 (see the module docstring).
+
+    Every public method is collective over the TP group; the memory state (``released``,
+    ``weights_stale``) is the same on every TP rank.
+    """
 
     def __init__(self, module, groups: ParallelGroups, info: ModelInfo, eos_ids: list[int],
-                 options: SGLangOptions, engine_factory: Optional[Callable] = None):
-        """``engine_factory(**server kwargs)`` builds the engine (default: SGLang's Engine class)."""
-        if groups.pp_size > 1:
-            raise ConfigError("rollout.engine=sglang needs parallel.pp=1 (SGLang holds the whole model per "
-                              "TP group); use rollout.engine=native with pipeline parallelism")
+                 options: SGLangOptions, engine_factory: Optional[Callable] = None,
+                 tensor_wrapper: Optional[Callable] = None):
+        """``engine_factory(**server kwargs)`` builds the engine (default: SGLang's Engine class);
+        ``tensor_wrapper(values)`` wraps one tensor's per-TP-rank payloads (default: SGLang's)."""
+        _check_layout(groups)
         if engine_factory is None and importlib.util.find_spec("sglang") is None:
             raise ConfigError(NOT_INSTALLED)
         self.module, self.groups, self.info, self.options = module, groups, info, options
@@ -158,30 +201,34 @@ class SGLangEngine:
         self.is_src = groups.tp_rank == 0
         self.engine = None
         self.released: set[str] = set()
+        self.weights_stale = True  # load_format="dummy": the first resume or generate streams the weights
         self.stats: dict[str, float] = {}
+        self.wrap = tensor_wrapper or (load_tensor_wrapper() if self.is_src else None)
         base = _base_gpu_id(groups)
         port = options.nccl_port + groups.tp_src_rank if options.nccl_port else None
         kwargs = _server_kwargs(options, groups.tp_size, base, port)
-        self._call(lambda: self._start(engine_factory or load_engine_class(), kwargs))
-        self.update_weights()  # dummy weights until now
+        waiting = startup_group(groups, options.start_timeout_s)
+        self._call(lambda: self._start(engine_factory or load_engine_class(), kwargs), group=waiting)
 
     def _start(self, factory: Callable, kwargs: dict) -> None:
-        self.engine = factory(**kwargs)
+        with isolated_process_state():
+            self.engine = factory(**kwargs)
 
     # -- RolloutEngine -------------------------------------------------------
     def generate(self, requests: list[Request], params: SamplingParams) -> list[GenerationResult]:
         """One result per request, in request order, under its key (same on every TP rank)."""
         if any(len(r.prompt) == 0 for r in requests):
             raise ValueError("SGLang rollout: every prompt needs at least one token")
+        if not requests:
+            self.stats = {"rollout/requests": 0.0}
+            return []
+        self.resume_memory()
         sampling = build_requests(requests, params, self.eos_ids)
         outputs, self.stats = self._call(lambda: self._generate([list(r.prompt) for r in requests], sampling))
         return [GenerationResult(list(r.prompt), ids, lps, reason, r.key)
                 for r, (ids, lps, reason) in zip(requests, outputs)]
 
     def _generate(self, input_ids: list[list[int]], sampling: list[dict]):
-        if not sampling:
-            return [], {"rollout/requests": 0.0}
-        self._resume(MEMORY_TAGS)
         start = time.perf_counter()
         raw = self.engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
         outputs = [parse_output(out, k) for k, out in enumerate(raw)]
@@ -190,65 +237,80 @@ class SGLangEngine:
         return outputs, stats
 
     def update_weights(self) -> dict:
-        """Streams the actor's weights into SGLang; collective over TP. Metrics: bytes, seconds, buckets."""
+        """Streams the actor's weights into SGLang (weights resumed first, the KV cache left as it is).
+        Metrics: bytes (one TP rank's copy), seconds, buckets."""
         start = time.perf_counter()
-        self._call(self._begin_update)
-        nbytes, buckets, failure = 0, 0, None
+        self._resume(("weights",))
+        self._call(lambda: _check(self.engine.begin_weight_update(), "begin_weight_update"))
+        nbytes, buckets = 0, 0
         limit = int(self.options.update_bucket_mb * 2**20)
-        for bucket in iter_hf_buckets(self.module, self.groups, self.info, limit):  # buckets on TP rank 0 only
-            buckets += 1
-            nbytes += sum(tensor_bytes(t) for _, t in bucket)
-            if failure is None:  # after a failure, keep iterating: the other ranks are in the all-gathers
-                try:
-                    _check(self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None,
-                                                                  flush_cache=False), "update_weights_from_tensor")
-                except Exception as e:  # noqa: BLE001 - re-raised on every rank by _call
-                    failure = e
-        return self._call(lambda: self._end_update(failure, {
-            "weight_sync/bytes": float(nbytes), "weight_sync/seconds": time.perf_counter() - start,
-            "weight_sync/buckets": float(buckets)}))
+        dtype = _DTYPES[self.options.dtype]
+        try:
+            for bucket in iter_hf_buckets(self.module, self.groups, self.info, limit, dtype, every_rank=True):
+                buckets += 1
+                nbytes += sum(tensor_bytes(t) for _, t in bucket)
+                named = gather_bucket(bucket, self.groups, self.wrap)  # on TP rank 0; others keep `bucket` alive
+                self._call(lambda: _check(self.engine.update_weights_from_tensor(
+                    named_tensors=named, load_format=None, flush_cache=False), "update_weights_from_tensor"))
+        except RuntimeError:  # raised on every TP rank by _call: close SGLang's session so a retry can begin
+            self._call(lambda: self.engine.end_weight_update())
+            raise
+        self._call(self._end_update)
+        self.weights_stale = False
+        return {"weight_sync/bytes": float(nbytes), "weight_sync/seconds": time.perf_counter() - start,
+                "weight_sync/buckets": float(buckets)}
 
-    def _begin_update(self) -> None:
-        self._resume(("weights",))  # the KV cache stays released until resume_memory or generate
-        _check(self.engine.begin_weight_update(), "begin_weight_update")
-
-    def _end_update(self, failure: Optional[BaseException], metrics: dict) -> dict:
-        if failure is not None:
-            raise failure
+    def _end_update(self) -> None:
         _check(self.engine.end_weight_update(), "end_weight_update")
-        flushed = self.engine.flush_cache()
-        if not getattr(flushed, "success", True):
-            raise RuntimeError(f"SGLang flush_cache failed: {getattr(flushed, 'message', '')}")
-        return metrics
+        self._flush("after a weight update")
 
     def release_memory(self) -> None:
-        """Frees SGLang's KV cache, weights and CUDA graphs (with enable_memory_saver)."""
-        if self.options.enable_memory_saver:
-            self._call(self._release)
+        """Frees SGLang's KV cache, weights and CUDA graphs (with enable_memory_saver); flushes first."""
+        if not self.options.enable_memory_saver:
+            return
+        tags = [t for t in MEMORY_TAGS if t not in self.released]
+        if tags:
+            self._call(lambda: self._release(tags))
+            self.released.update(tags)
+            if "weights" in tags and not self.options.weights_cpu_backup:
+                self.weights_stale = True  # SGLang re-maps them without their values
 
     def resume_memory(self) -> None:
-        """Re-maps what release_memory freed (generate and update_weights also do it when needed)."""
-        self._call(lambda: self._resume(MEMORY_TAGS))
+        """Weights back and current (streamed again when stale), then the KV cache and CUDA graphs."""
+        if self.weights_stale:
+            self.update_weights()
+        else:
+            self._resume(("weights",))
+        self._resume(_KV_TAGS)
 
     def close(self) -> None:
         """Shuts the SGLang engine down (its scheduler processes exit)."""
         self._call(lambda: self.engine.shutdown())
 
     # -- helpers ---------------------------------------------------------------
-    def _release(self) -> None:
-        tags = [t for t in MEMORY_TAGS if t not in self.released]
-        if tags:
-            self.engine.release_memory_occupation(tags=tags)
-            self.released.update(tags)
+    def _flush(self, when: str) -> None:
+        flushed = self.engine.flush_cache()
+        if not getattr(flushed, "success", True):
+            raise RuntimeError(f"SGLang flush_cache {when} failed (requests still running?): "
+                               f"{getattr(flushed, 'message', '')}")
 
-    def _resume(self, wanted) -> None:
+    def _release(self, tags: list[str]) -> None:
+        self._flush("before releasing memory")  # SGLang releases only when idle
+        self.engine.release_memory_occupation(tags=tags)
+
+    def _resume(self, wanted: tuple[str, ...]) -> None:
+        """Re-maps the released tags among ``wanted`` after every TP rank emptied torch's CUDA cache."""
         tags = [t for t in MEMORY_TAGS if t in wanted and t in self.released]  # SGLang raises on others
-        if tags:
-            self.engine.resume_memory_occupation(tags=tags)
-            self.released.difference_update(tags)
+        if not tags:
+            return
+        torch.cuda.empty_cache()  # SGLang's worker on this rank's GPU maps what torch gives back
+        if self.groups.tp_size > 1:
+            dist.barrier(group=self.groups.tp)
+        self._call(lambda: self.engine.resume_memory_occupation(tags=tags))
+        self.released.difference_update(tags)
 
-    def _call(self, fn: Callable):
-        """``fn()`` on TP rank 0, its value (or its error) on every TP rank."""
+    def _call(self, fn: Callable, group: Optional[dist.ProcessGroup] = None):
+        """``fn()`` on TP rank 0, its value (or its error) on every TP rank (over ``group``, default TP)."""
         box, error = [None], None
         if self.is_src:
             try:
@@ -257,7 +319,7 @@ class SGLangEngine:
                 error = e
                 box[0] = ("config" if isinstance(e, ConfigError) else "error", f"{type(e).__name__}: {e}")
         if self.groups.tp_size > 1:
-            dist.broadcast_object_list(box, src=self.groups.tp_src_rank, group=self.groups.tp)
+            dist.broadcast_object_list(box, src=self.groups.tp_src_rank, group=group or self.groups.tp)
         status, value = box[0]
         if error is not None:
             raise error

@@ -29,17 +29,16 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.T
     return torch.bmm(a.float(), b.float())
 
 
-# S by decode rows, per row-parallel linear (rows up to, S); more rows: no split. Measured on an
-# H200 (2026-12-02, `bench_decode_options.py --parts splitk`, Qwen2.5-1.5B shapes, us per linear +
-# its add-RMSNorm in a CUDA graph, weights rotating past the L2; cuBLAS F.linear -> best S):
-#   fc2 (1536 x 8960):  M=32 14.5 -> 12.7 (S 2 or 5)   64 14.6 -> 12.8 (2)   128 15.4 -> 13.4 (4)
-#                       256 21.7 -> 16.7 (4)           512 31.0 -> 24.6 (2)
-#   proj (1536 x 1536): M=32 7.2 -> 6.6 (3)   64 7.3 -> 6.7 (3)   128 7.6 -> 7.0 (3)   256 8.0 -> 7.8 (2)
-#                       512 9.5 -> 9.8 at S 2 (1 kept)
-#   qkv (2048 x 1536, the GEMM alone; its bias and sum go to the attention kernel): M=32 5.7 -> 4.5 (4)
-#                       64 5.8 -> 4.7 (4)   128 6.1 -> 5.0 (3)   256 6.1 -> 6.1 (1 kept)   512 8.0 -> 8.6 at 2
-# Other shapes are unmeasured and take the same S (rounded down to a divisor of K). Every limit is a
-# decode-graph bucket (graphs.BUCKETS), so an eager batch and its padded graph pick the same S.
+# S by decode rows, per row-parallel linear (rows up to, S); more rows: no split. Chosen by timing
+# each linear with the kernel that sums its partials (the add + RMSNorm; for QKV the GEMM alone) in a
+# CUDA graph, weights rotating past the L2, against cuBLAS's F.linear, at the Qwen2.5-1.5B shapes
+# (fc2 1536 x 8960, proj 1536 x 1536, qkv 2048 x 1536) and M = 32..512 (table in docs/performance.md):
+# a split pays while M gives cuBLAS too few output tiles to fill the GPU, and stops paying once it
+# has enough. Shapes not measured take the same S, rounded down to a divisor of K whose slices stay
+# 16-byte aligned (`split_parts`). Any S gives F.linear's result up to fp32 summation order, so an
+# unmeasured shape may be slower than its best split but is never wrong (tests/test_split_linear.py
+# runs the choice on a second model shape). Every limit is a decode-graph bucket (graphs.BUCKETS),
+# so an eager batch and its padded graph pick the same S.
 SPLITS = {"fc2": ((64, 2), (256, 4), (512, 2)), "proj": ((128, 3), (256, 2)), "qkv": ((64, 4), (128, 3))}
 ALIGN = 8  # K slice lengths a multiple of 8 elements: 16-byte aligned bf16 rows for cuBLAS
 

@@ -16,9 +16,11 @@ They are lists of ``(name, tensor)`` pairs, the form SGLang's
 packing would match SGLang's ``flattened_bucket`` load format, whose payload
 type is SGLang's own; the list form needs nothing from SGLang here.)
 
-Collective over the TP group: every TP rank must iterate to the end; TP rank
-0 receives the buckets, the other ranks iterate over nothing (their part is
-the all-gathers). One pipeline stage's weights only (callers need PP = 1 for
+Collective over the TP group: every TP rank must iterate to the end (or every
+rank stop at the same bucket). TP rank 0 receives the buckets, the other ranks
+iterate over nothing (their part is the all-gathers); with ``every_rank`` each
+TP rank receives the same buckets as tensors on its own device (an engine
+whose TP worker ``i`` shares TP rank ``i``'s GPU then reads them locally). One pipeline stage's weights only (callers need PP = 1 for
 a whole model).
 """
 from __future__ import annotations
@@ -48,8 +50,10 @@ def _tp_shards(param: torch.Tensor, groups: ParallelGroups) -> list[torch.Tensor
 
 
 def iter_hf_tensors(module: nn.Module, groups: ParallelGroups, info: ModelInfo,
-                    dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, tensor)`` in model order on TP rank 0 (nothing elsewhere); collective over TP.
+                    dtype: Optional[torch.dtype] = None,
+                    every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` in model order on TP rank 0 (on every TP rank with ``every_rank``;
+    nothing elsewhere); collective over TP.
 
     ``dtype``: cast to it (default: the parameters' own). Replicated tensors
     that need no cast are the live parameters (detached), not copies.
@@ -60,7 +64,7 @@ def iter_hf_tensors(module: nn.Module, groups: ParallelGroups, info: ModelInfo,
             continue
         param = params[name].detach()
         shards = [param] if rule.kind == REPLICATED else _tp_shards(param, groups)
-        if groups.tp_rank != 0:
+        if groups.tp_rank != 0 and not every_rank:
             continue
         for hf_name, t in merge_shards(rule, shards, info).items():
             yield hf_name, t.to(dtype or t.dtype).contiguous()
@@ -71,13 +75,13 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def iter_hf_buckets(module: nn.Module, groups: ParallelGroups, info: ModelInfo, bucket_bytes: int,
-                    dtype: Optional[torch.dtype] = None) -> Iterator[NamedTensors]:
+                    dtype: Optional[torch.dtype] = None, every_rank: bool = False) -> Iterator[NamedTensors]:
     """:func:`iter_hf_tensors` grouped into buckets of at most ``bucket_bytes`` (a bigger tensor alone)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: NamedTensors = []
     used = 0
-    for name, t in iter_hf_tensors(module, groups, info, dtype):
+    for name, t in iter_hf_tensors(module, groups, info, dtype, every_rank):
         size = tensor_bytes(t)
         if bucket and used + size > bucket_bytes:
             yield bucket

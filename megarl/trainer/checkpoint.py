@@ -4,6 +4,7 @@ Layout under ``<run_dir>/checkpoints/``::
 
     step_000004/actor/      model + distributed-optimizer shards, LR scheduler
     step_000004/critic/     the same for the critic
+    step_000004/<role>/megarl_model.json  the model, how it was built, its LoRA (launch/convert.py reads it)
     step_000004/state.json  step, data position, KL controller, layout, model signatures (rank 0)
     step_000004/rng/rank_N.pt  this rank's RNG states (torch's and megatron's tracker's)
     latest                  the newest complete step (written last)
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from megarl.errors import CheckpointError
+from megarl.models.mcore_ckpt import write_role_meta
 from megarl.roles.optim import inner_optimizers, resync_offloaded_masters
 from megarl.trainer import resume
 from megarl.trainer.resume import Layout
@@ -84,10 +86,32 @@ def _save_rng(path: str) -> None:
                 "tracker": get_cuda_rng_tracker().get_states()}, path)
 
 
-def _restore_rng(path: str) -> None:
-    rng = torch.load(path, weights_only=False)
+def _read_rng(path: str) -> tuple[dict | None, str | None]:
+    """The RNG states saved in ``path``, or None and a one-line reason it cannot be read."""
+    try:
+        rng = torch.load(path, weights_only=False)
+        if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
+            raise TypeError("not a megarl RNG-state dict")
+        return rng, None
+    except Exception as e:  # noqa: BLE001 - truncated (OSError / EOFError), unpicklable, not ours
+        why = " ".join(str(e).split())[:200]
+        return None, (f"cannot read {path} (a truncated or damaged RNG-state file?): {type(e).__name__}"
+                      f"{': ' + why if why else ''}; {resume.FIX_DAMAGED}")
+
+
+def _agree_on(problem: str | None) -> None:
+    """Raises on every rank the first rank's problem, so a bad file on any rank stops all of them
+    with one line (rank 0's host prints it) instead of one rank dying while the others wait."""
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def _restore_rng(rng: dict) -> None:
     torch.set_rng_state(rng["cpu"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
+    if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     if rng.get("tracker"):
         get_cuda_rng_tracker().set_states(rng["tracker"])
@@ -99,6 +123,13 @@ def _reseed(seed: int, step: int) -> None:
     model_parallel_cuda_manual_seed(seed + step)
 
 
+def checkpoint_build_meta(cfg) -> dict:
+    """How the trained roles were built, for each role's megarl_model.json."""
+    dtypes = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    return {"source": os.path.abspath(cfg.model.tokenizer or cfg.model.path), "params_dtype": dtypes[cfg.model.dtype],
+            "layer_spec": cfg.model.layer_spec, "vocab_divisible_by": cfg.model.vocab_divisible_by}
+
+
 class Checkpointer:
     """Saves and restores the trainable roles and the trainer's own state.
 
@@ -106,11 +137,13 @@ class Checkpointer:
     reseeds the RNG when a resume changes the layout.
     """
 
-    def __init__(self, run_dir: str, keep_last: int, layout: Layout | None = None, seed: int = 0):
+    def __init__(self, run_dir: str, keep_last: int, layout: Layout | None = None, seed: int = 0,
+                 build: dict | None = None):
         self.root = os.path.join(run_dir, "checkpoints")
         self.keep_last = max(keep_last, 1)
         self.rank = dist.get_rank()
         self.layout, self.seed = layout, seed
+        self.build = build or {}  # how the roles were built (source, params_dtype, ...): megarl_model.json
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.root, f"step_{step:06d}")
@@ -144,6 +177,8 @@ class Checkpointer:
             os.makedirs(os.path.join(path, name), exist_ok=True)
             stepped[name] = _stepped(role.trainable.optimizer)
             dist_checkpointing.save(_role_state(role, False, stepped[name]), os.path.join(path, name))
+            if self.rank == 0:
+                write_role_meta(os.path.join(path, name), role.module, role.info, self.build)
         steps = {name: adam_step(role.trainable.optimizer) for name, role in roles.items()}
         state = dict(state, optimizer_saved=stepped, adam_steps=steps,
                      models={name: resume.model_signature(role.info) for name, role in roles.items()})
@@ -178,11 +213,13 @@ class Checkpointer:
         resume.check_role_dirs(path, roles)
         resume.check_models(path, state, roles)
         same_layout = resume.check_layout(path, state, self.layout)
+        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
+        rng, problem = _read_rng(rng_file) if same_layout and os.path.isfile(rng_file) else (None, None)
+        _agree_on(problem)  # before the (slow) role loads
         for name, role in roles.items():
             self._load_role(role, os.path.join(path, name), state, name)
-        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
-        if same_layout and os.path.isfile(rng_file):
-            _restore_rng(rng_file)
+        if rng is not None:
+            _restore_rng(rng)
         else:
             _reseed(self.seed, state["step"])
             if self.rank == 0:

@@ -115,7 +115,10 @@ class MetricsWriter:
 CONSOLE_KEYS = (
     ("score/mean", "score"), ("eval/accuracy", "acc"), ("actor/pg_loss", "pg"),
     ("critic/vf_loss", "vf"), ("kl/mean", "kl"), ("response/length_mean", "len"),
-    ("perf/tokens_per_s_per_gpu", "tok/s/gpu"),
+    ("perf/tokens_per_s_per_gpu", "tok/s/gpu"), ("perf/step_seconds", "s/step"),
+    # multi-turn runs: per sample, tool calls, assistant turns, failed calls, cut tool outputs
+    ("agent/tool_calls_mean", "tools"), ("agent/turns_mean", "turns"), ("agent/tool_errors_mean", "tool_err"),
+    ("agent/tool_truncations_mean", "tool_cut"),
 )
 
 

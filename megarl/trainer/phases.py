@@ -1,22 +1,35 @@
-"""The heavier phases of a PPO step, as functions of the trainer.
+"""The heavier phases of a PPO step, each taking what it reads as arguments.
 
-Metrics collected here are local sums (``rollout.metrics``), reduced over DP
-in :func:`step_metrics`; values already identical on every rank (grad norms,
-learning rates, timings) go to ``trainer.metrics``.
+:func:`prepare` (old / reference log-probs, values), :func:`advantages`, the
+:class:`Updater`'s ``update`` (critic and actor optimizer steps, the guard against
+non-finite updates) and :func:`step_metrics`. Metrics collected here are local
+sums (``rollout.metrics``), reduced over DP in :func:`step_metrics`; values
+already identical on every rank (grad norms, learning rates, beta) go to the
+step's ``metrics`` dict, which the trainer owns.
 """
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from megarl.algos import AdaptiveKLController, FixedKLController
+from megarl.config import AlgorithmConfig, Config
 from megarl.config_checks import uses_critic
+from megarl.distributed import ParallelGroups
 from megarl.errors import NonFiniteError
-from megarl.rollout.engine import SamplingParams
 from megarl.trainer.advantage import compute_rollout_advantages, kl_sum, logprob_mismatch
-from megarl.trainer.rollout import generate_rollout
-from megarl.trainer.scoring import finish_score_metrics, score_rollout
+from megarl.trainer.metrics import PhaseTimer, dp_sum
+from megarl.trainer.rollout import Rollout
+from megarl.trainer.scoring import finish_score_metrics
+
+if TYPE_CHECKING:  # annotations only: the roles pull in megatron-core
+    from megarl.roles.policy import Policy
+    from megarl.roles.value import Critic
+
+KLController = AdaptiveKLController | FixedKLController
 
 
 def _add(metrics: dict, values: dict) -> None:
@@ -24,18 +37,14 @@ def _add(metrics: dict, values: dict) -> None:
         metrics[k] = metrics.get(k, 0.0) + float(v)
 
 
+def _dp(groups: ParallelGroups):
+    """The DP group to reduce over; None with one DP rank."""
+    return groups.dp if groups.dp_size > 1 else None
+
+
 def train_temperature(cfg) -> float:
     """Log-probs are taken under the sampling temperature (1 for greedy)."""
     return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-
-
-def greedy_baseline(tr, prompts, rollout) -> None:
-    """ReMax: the score of each prompt's greedy response, per sample."""
-    params = SamplingParams(temperature=0.0, stop_token_ids=tuple(tr.cfg.rollout.stop_token_ids))
-    greedy = generate_rollout(tr.engine, prompts, params, tr.tokenizer, tr.pad_id, tr.device,
-                              n=1, seed=0, max_new_tokens=tr.cfg.rollout.max_new_tokens)  # greedy: seed unused
-    score_rollout(tr.reward, greedy)
-    rollout.batch.greedy_scores = greedy.scores.repeat_interleave(tr.cfg.rollout.n)
 
 
 def on_policy_update(cfg, step: int, rows: int, dp_size: int, dropout: float = 0.0) -> bool:
@@ -65,20 +74,22 @@ def forward_micro_batch(role_cfg) -> int:
     return role_cfg.forward_micro_batch_size or role_cfg.micro_batch_size
 
 
-def prepare(tr, rollout) -> None:
-    """Old log-probs (unless the update is on-policy), reference log-probs and values."""
-    cfg, b = tr.cfg, rollout.batch
+def prepare(rollout: Rollout, cfg: Config, step: int, dp_size: int, actor: Policy, ref: Policy | None,
+            critic: Critic | None, timer: PhaseTimer) -> None:
+    """Old log-probs (unless the update of step ``step`` is on-policy), reference log-probs and values,
+    into ``rollout.batch``."""
+    b = rollout.batch
     micro = forward_micro_batch(cfg.actor)
-    if not on_policy_update(cfg, tr.step, len(b), tr.groups.dp_size, _dropout(tr.actor)):
-        with tr.timer("old_logprobs"):
-            out = tr.actor.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)
+    if not on_policy_update(cfg, step, len(b), dp_size, _dropout(actor)):
+        with timer("old_logprobs"):
+            out = actor.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)
             _set_old_logprobs(rollout, out)
-    if tr.ref is not None:
-        with tr.timer("ref_logprobs"):
-            b.ref_logprobs = tr.ref.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)["logprobs"]
-    if tr.critic is not None:
-        with tr.timer("values"):
-            b.values = tr.critic.values(b, forward_micro_batch(cfg.critic))
+    if ref is not None:
+        with timer("ref_logprobs"):
+            b.ref_logprobs = ref.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)["logprobs"]
+    if critic is not None:
+        with timer("values"):
+            b.values = critic.values(b, forward_micro_batch(cfg.critic))
 
 
 def _set_old_logprobs(rollout, out: dict) -> None:
@@ -89,103 +100,114 @@ def _set_old_logprobs(rollout, out: dict) -> None:
     rollout.metrics.update(logprob_mismatch(rollout))
 
 
-def advantages(tr, rollout) -> None:
-    dp = tr.groups.dp if tr.groups.dp_size > 1 else None
-    _add(rollout.metrics, compute_rollout_advantages(rollout, tr.cfg.algorithm, tr.kl_ctl.beta, dp))
-    tr.metrics["kl/beta"] = tr.kl_ctl.beta
+def advantages(rollout: Rollout, algo: AlgorithmConfig, kl_ctl: KLController, groups: ParallelGroups) -> dict:
+    """Advantages and returns into ``rollout.batch``; with old log-probs, the KL metrics and the KL
+    controller's update. Returns the step's ``kl/beta`` (the coefficient these rewards used)."""
+    beta = kl_ctl.beta
+    _add(rollout.metrics, compute_rollout_advantages(rollout, algo, beta, _dp(groups)))
     if rollout.batch.old_logprobs is not None:  # else after the on-policy update
-        _kl_metrics(tr, rollout)
+        kl_metrics(rollout, algo.kl_estimator, kl_ctl, groups)
+    return {"kl/beta": beta}
 
 
-def _kl_metrics(tr, rollout) -> None:
+def kl_metrics(rollout: Rollout, estimator: str, kl_ctl: KLController, groups: ParallelGroups) -> None:
     """KL(policy || ref) under the old log-probs; the KL controller's update."""
-    kl = kl_sum(rollout, tr.cfg.algorithm.kl_estimator)
+    kl = kl_sum(rollout, estimator)
     _add(rollout.metrics, {"kl/sum": kl})
     b = rollout.batch
-    totals = tr.reduce({"kl/sum": kl, "kl/tokens": float(b.response_mask.sum()), "n": len(b)})
-    tr.kl_ctl.update(totals["kl/sum"] / max(totals["kl/tokens"], 1.0), int(totals["n"]))
+    totals = dp_sum({"kl/sum": kl, "kl/tokens": float(b.response_mask.sum()), "n": len(b)}, _dp(groups))
+    kl_ctl.update(totals["kl/sum"] / max(totals["kl/tokens"], 1.0), int(totals["n"]))
 
 
-def _mini_batches(tr, n_rows: int, epoch: int) -> list[torch.Tensor]:
-    """Shuffled index chunks of the per-rank mini-batch size, the same on every rank."""
-    per_rank = tr.cfg.actor.mini_batch_size // tr.groups.dp_size
-    gen = torch.Generator().manual_seed((tr.cfg.trainer.seed * 7919 + tr.step) * 31 + epoch)
-    order = torch.randperm(n_rows, generator=gen)
-    return [order[i:i + per_rank] for i in range(0, n_rows, per_rank)]
+class Updater:
+    """The critic and actor updates of a run, and its count of non-finite updates in a row per role
+    (``trainer.max_bad_updates``; the count starts at 0 again on resume)."""
 
+    def __init__(self, cfg: Config, actor: Policy, critic: Critic | None, kl_ctl: KLController,
+                 groups: ParallelGroups):
+        self.cfg, self.actor, self.critic, self.kl_ctl, self.groups = cfg, actor, critic, kl_ctl, groups
+        self.bad_updates: dict[str, int] = {}  # role -> optimizer updates skipped in a row (non-finite)
 
-def _record_steps(tr, rollout, role: str, steps: list[dict]) -> None:
-    """Averages grad norm and LR over the updates made; counts and guards the skipped ones;
-    the DP token imbalance (max over mean of the ranks' tokens) is the worst update's."""
-    made = sum(1 for s in steps if s["update_ok"])
-    skipped = f"{role}/skipped_updates"
-    tr.metrics[skipped] = tr.metrics.get(skipped, 0.0)
-    for s in steps:
-        ok, nonfinite, grad_norm, lr = (s.pop(k) for k in ("update_ok", "nonfinite", "grad_norm", "lr"))
-        for key in ("dp_token_imbalance", "dp_token_imbalance_before", "oom_retries", "memory_divisor"):
-            # the same on every rank: the max over the step's updates
-            if key in s:
-                tr.metrics[f"{role}/{key}"] = max(tr.metrics.get(f"{role}/{key}", 0.0), s.pop(key))
-        if ok:
-            tr.metrics[f"{role}/grad_norm"] = tr.metrics.get(f"{role}/grad_norm", 0.0) + grad_norm / made
-            tr.metrics[f"{role}/lr"] = tr.metrics.get(f"{role}/lr", 0.0) + lr / made
-        else:
-            tr.metrics[skipped] += 1.0
-        if ok or nonfinite:  # an fp16 loss-scale skip neither counts nor breaks a run of bad updates
-            _guard_nonfinite(tr, role, bool(nonfinite))
-        _add(rollout.metrics, s)
+    def update(self, rollout: Rollout, step: int, timer: PhaseTimer, metrics: dict[str, float]) -> None:
+        """Step ``step``'s critic epochs, then (past the critic's warm-up) the actor's; grad norms, LRs and
+        skipped updates into ``metrics``."""
+        cfg, b = self.cfg, rollout.batch
+        on_policy = b.old_logprobs is None  # prepare skipped the old forward
+        metrics["perf/old_logprob_forward_skipped"] = float(on_policy)
+        if self.critic is not None:
+            with timer("critic_update"):
+                for epoch in range(cfg.critic.ppo_epochs):
+                    steps = self.critic.update(b, cfg.critic, self._mini_batches(len(b), step, epoch))
+                    self.record(rollout, "critic", steps, step, metrics)
+        if self.critic is None or step >= cfg.critic.warmup_steps:
+            with timer("actor_update"):
+                if on_policy:
+                    self._on_policy_actor_update(rollout, step, metrics)
+                else:
+                    for epoch in range(cfg.actor.ppo_epochs):
+                        steps = self.actor.update(b, cfg.actor, train_temperature(cfg),
+                                                  self._mini_batches(len(b), step, epoch),
+                                                  norm_len=cfg.rollout.max_new_tokens)
+                        self.record(rollout, "actor", steps, step, metrics)
+        if on_policy:
+            if b.old_logprobs is None:
+                raise RuntimeError("the old forward was skipped but the actor did not update this step")
+            kl_metrics(rollout, cfg.algorithm.kl_estimator, self.kl_ctl, self.groups)
 
+    def _on_policy_actor_update(self, rollout: Rollout, step: int, metrics: dict[str, float]) -> None:
+        """The single optimizer step; its forward gives the old log-probs and their metrics."""
+        cfg, b = self.cfg, rollout.batch
+        (index,) = self._mini_batches(len(b), step, 0)  # one mini-batch on this rank
+        made, out = self.actor.update_on_policy(b, cfg.actor, train_temperature(cfg), index,
+                                                norm_len=cfg.rollout.max_new_tokens)
+        self.record(rollout, "actor", [made], step, metrics)
+        _set_old_logprobs(rollout, out)
 
-def _guard_nonfinite(tr, role: str, nonfinite: bool) -> None:
-    """Counts non-finite updates in a row (the decision is the same on every rank); at
-    ``trainer.max_bad_updates`` stops the run before anything is saved, so the last
-    checkpoint is the last good one. The count starts at 0 again on resume."""
-    if not nonfinite:
-        tr.bad_updates[role] = 0
-        return
-    tr.bad_updates[role] = n = tr.bad_updates.get(role, 0) + 1
-    limit = tr.cfg.trainer.max_bad_updates
-    if dist.get_rank() == 0:
-        print(f"step {tr.step + 1}: {role} update skipped (non-finite loss or gradient; {n} in a row)", flush=True)
-    if limit and n >= limit:
-        raise NonFiniteError(
-            f"{role}: {n} optimizer updates in a row had a non-finite loss or gradient, the last at step "
-            f"{tr.step + 1} (trainer.max_bad_updates={limit}); stopped without saving, the last checkpoint "
-            f"in {tr.cfg.trainer.run_dir} is kept")
+    def _mini_batches(self, n_rows: int, step: int, epoch: int) -> list[torch.Tensor]:
+        """Shuffled index chunks of the per-rank mini-batch size, the same on every rank."""
+        per_rank = self.cfg.actor.mini_batch_size // self.groups.dp_size
+        gen = torch.Generator().manual_seed((self.cfg.trainer.seed * 7919 + step) * 31 + epoch)
+        order = torch.randperm(n_rows, generator=gen)
+        return [order[i:i + per_rank] for i in range(0, n_rows, per_rank)]
 
-
-def update(tr, rollout) -> None:
-    cfg, b = tr.cfg, rollout.batch
-    on_policy = b.old_logprobs is None  # prepare skipped the old forward
-    tr.metrics["perf/old_logprob_forward_skipped"] = float(on_policy)
-    if tr.critic is not None:
-        with tr.timer("critic_update"):
-            for epoch in range(cfg.critic.ppo_epochs):
-                steps = tr.critic.update(b, cfg.critic, _mini_batches(tr, len(b), epoch))
-                _record_steps(tr, rollout, "critic", steps)
-    if tr.critic is None or tr.step >= cfg.critic.warmup_steps:
-        with tr.timer("actor_update"):
-            if on_policy:
-                _on_policy_actor_update(tr, rollout)
+    def record(self, rollout: Rollout, role: str, steps: list[dict], step: int, metrics: dict[str, float]) -> None:
+        """Averages grad norm and LR over the updates made (into ``metrics``); counts and guards the
+        skipped ones; the DP token imbalance (max over mean of the ranks' tokens) is the worst update's;
+        the rest of each update's values are local sums into ``rollout.metrics``."""
+        made = sum(1 for s in steps if s["update_ok"])
+        skipped = f"{role}/skipped_updates"
+        metrics[skipped] = metrics.get(skipped, 0.0)
+        for s in steps:
+            ok, nonfinite, grad_norm, lr = (s.pop(k) for k in ("update_ok", "nonfinite", "grad_norm", "lr"))
+            for key in ("dp_token_imbalance", "dp_token_imbalance_before", "oom_retries", "memory_divisor"):
+                # the same on every rank: the max over the step's updates
+                if key in s:
+                    metrics[f"{role}/{key}"] = max(metrics.get(f"{role}/{key}", 0.0), s.pop(key))
+            if ok:
+                metrics[f"{role}/grad_norm"] = metrics.get(f"{role}/grad_norm", 0.0) + grad_norm / made
+                metrics[f"{role}/lr"] = metrics.get(f"{role}/lr", 0.0) + lr / made
             else:
-                for epoch in range(cfg.actor.ppo_epochs):
-                    steps = tr.actor.update(b, cfg.actor, train_temperature(cfg), _mini_batches(tr, len(b), epoch),
-                                            norm_len=cfg.rollout.max_new_tokens)
-                    _record_steps(tr, rollout, "actor", steps)
-    if on_policy:
-        if b.old_logprobs is None:
-            raise RuntimeError("the old forward was skipped but the actor did not update this step")
-        _kl_metrics(tr, rollout)
+                metrics[skipped] += 1.0
+            if ok or nonfinite:  # an fp16 loss-scale skip neither counts nor breaks a run of bad updates
+                self._guard_nonfinite(role, bool(nonfinite), step)
+            _add(rollout.metrics, s)
 
-
-def _on_policy_actor_update(tr, rollout) -> None:
-    """The single optimizer step; its forward gives the old log-probs and their metrics."""
-    cfg, b = tr.cfg, rollout.batch
-    (index,) = _mini_batches(tr, len(b), 0)  # one mini-batch on this rank
-    step, out = tr.actor.update_on_policy(b, cfg.actor, train_temperature(cfg), index,
-                                          norm_len=cfg.rollout.max_new_tokens)
-    _record_steps(tr, rollout, "actor", [step])
-    _set_old_logprobs(rollout, out)
+    def _guard_nonfinite(self, role: str, nonfinite: bool, step: int) -> None:
+        """Counts non-finite updates in a row (the decision is the same on every rank); at
+        ``trainer.max_bad_updates`` stops the run before anything is saved, so the last
+        checkpoint is the last good one."""
+        if not nonfinite:
+            self.bad_updates[role] = 0
+            return
+        self.bad_updates[role] = n = self.bad_updates.get(role, 0) + 1
+        t = self.cfg.trainer
+        if dist.get_rank() == 0:
+            print(f"step {step + 1}: {role} update skipped (non-finite loss or gradient; {n} in a row)", flush=True)
+        if t.max_bad_updates and n >= t.max_bad_updates:
+            raise NonFiniteError(
+                f"{role}: {n} optimizer updates in a row had a non-finite loss or gradient, the last at step "
+                f"{step + 1} (trainer.max_bad_updates={t.max_bad_updates}); stopped without saving, the last "
+                f"checkpoint in {t.run_dir} is kept")
 
 
 def _ratio(m: dict, num: str, den: str) -> float | None:
@@ -230,18 +252,21 @@ def _finish_explained_variance(m: dict) -> dict[str, float]:
     return {"critic/explained_variance": 1.0 - var_e / var_r if var_r > 0 else 0.0}
 
 
-def step_metrics(tr, rollout) -> dict[str, float]:
-    """Everything logged for one step, identical on every rank."""
+def step_metrics(rollout: Rollout, groups: ParallelGroups, metrics: dict[str, float], timer: PhaseTimer,
+                 start: float) -> dict[str, float]:
+    """Everything logged for one step, identical on every rank: ``rollout``'s local sums reduced over DP,
+    the step's same-on-every-rank ``metrics``, its phase times, and throughput since ``start``
+    (``time.perf_counter``)."""
     _add(rollout.metrics, _explained_variance(rollout))
     rollout.metrics.pop("mismatch/abs_max", None)
-    sums = tr.reduce(rollout.metrics)
+    sums = dp_sum(rollout.metrics, _dp(groups))
     out = finish_score_metrics({k: v for k, v in sums.items() if k.startswith(("score/", "reward/"))})
     out.update({name: v for name, num, den in _RATIOS if (v := _ratio(sums, num, den)) is not None})
     out.update(_finish_explained_variance(sums))
-    out.update(_maxima(tr, rollout))
-    out.update(tr.metrics)
-    out.update(tr.timer.metrics())
-    seconds = time.perf_counter() - tr.step_start
+    out.update(_maxima(rollout, groups))
+    out.update(metrics)
+    out.update(timer.metrics())
+    seconds = time.perf_counter() - start
     tokens = sums["response/length_sum"] + sums["prompt/length_sum"]
     world = dist.get_world_size()
     out.update({"perf/step_seconds": seconds, "perf/steps_per_min": 60.0 / seconds,
@@ -251,11 +276,11 @@ def step_metrics(tr, rollout) -> dict[str, float]:
     return out
 
 
-def _maxima(tr, rollout) -> dict[str, float]:
+def _maxima(rollout: Rollout, groups: ParallelGroups) -> dict[str, float]:
     b = rollout.batch
     mismatch = b.rollout_logprobs - (b.old_logprobs if b.old_logprobs is not None else b.rollout_logprobs)
     t = torch.tensor([float(b.response_mask.sum(-1).max()), float((mismatch.abs() * b.response_mask).max())],
                      dtype=torch.float64)
-    if tr.groups.dp_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tr.groups.dp)
+    if groups.dp_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.dp)
     return {"response/length_max": float(t[0]), "mismatch/abs_max": float(t[1])}

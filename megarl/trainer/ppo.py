@@ -17,9 +17,10 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megarl.algos import AdaptiveKLController, FixedKLController
 from megarl.config import Config
 from megarl.config_checks import uses_critic, uses_ref
-from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
+from megarl.data.build import build_eval_sets, build_held_out, build_train_data
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
+from megarl.errors import CheckpointError, UserInputError
 from megarl.models.exporter import export_hf
 from megarl.models.lora import merged_lora
 from megarl.monitor.curves import plot_curves
@@ -27,15 +28,19 @@ from megarl.monitor.progress import note, stage
 from megarl.monitor.resources import start_monitor
 from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
 from megarl.rollout.engine import SamplingParams
-from megarl.rollout.factory import build_engine
+from megarl.rollout.factory import build_engine, engine_title
 from megarl.trainer import phases
-from megarl.trainer.checkpoint import Checkpointer
+from megarl.trainer.checkpoint import Checkpointer, checkpoint_build_meta
+from megarl.trainer.correction import rollout_correction_metrics
 from megarl.trainer.resume import Layout, rewind_metrics
+from megarl.trainer.run_config import check_resume, save_run_config
 from megarl.trainer.evaluate import eval_count, held_out_accuracy
-from megarl.trainer.metrics import MetricsWriter, PhaseTimer, dp_sum
+from megarl.trainer.eval_sets import evaluate_named_sets
+from megarl.trainer.metrics import MetricsWriter, PhaseTimer
 from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
 from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
+from megarl.trainer.dapo import dynamic_sampling_rollout, mask_truncated, score_and_shape
 
 
 def _kl_controller(cfg: Config):
@@ -70,7 +75,8 @@ class PPOTrainer:
         self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir)
         self.kl_ctl = _kl_controller(cfg)
         self.checkpointer = Checkpointer(cfg.trainer.run_dir, cfg.trainer.keep_last,
-                                         Layout.of(g, cfg.parallel.distributed_optimizer), cfg.trainer.seed)
+                                         Layout.of(g, cfg.parallel.distributed_optimizer), cfg.trainer.seed,
+                                         build=checkpoint_build_meta(cfg))
         if self.rank0 and cfg.trainer.resume:  # rows a killed run logged after its last checkpoint
             rewind_metrics(cfg.trainer.run_dir, self.checkpointer.latest_step())
         self.writer = MetricsWriter(cfg.trainer.run_dir, self.rank0, cfg.trainer.tensorboard, cfg.trainer.wandb,
@@ -80,8 +86,10 @@ class PPOTrainer:
         self.timer = PhaseTimer()
         self.metrics: dict[str, float] = {}
         self.rollout_stats: dict[str, float] = {}
-        self.bad_updates: dict[str, int] = {}  # role -> optimizer updates skipped in a row (non-finite)
+        self.updater = phases.Updater(cfg, self.actor, self.critic, self.kl_ctl, g)  # critic and actor updates
         self._resume()
+        if self.rank0:
+            print(f"run directory {cfg.trainer.run_dir} (resolved config: {save_run_config(cfg)})", flush=True)
         if self.step == 0:  # rows read, malformed (skipped), too long (filtered), kept
             self.writer.write(0, {f"data/{k}": float(v) for k, v in self.train_set.counts.items()})
         self.writer.event("start", self.step, time=started, world_size=torch.distributed.get_world_size())
@@ -89,12 +97,9 @@ class PPOTrainer:
     # -- setup ---------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, g = self.cfg, self.groups
-        self.train_set = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.train_path), self.tokenizer)
-        self.eval_set = None
-        if cfg.data.eval_path:
-            self.eval_set = load_prompt_dataset(PromptDataConfig.from_section(cfg.data, cfg.data.eval_path), self.tokenizer)
-        self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size // g.dp_size, g.dp_rank, g.dp_size,
-                                     seed=cfg.data.seed)
+        self.train_set, self.sampler = build_train_data(cfg.data, self.tokenizer, g.dp_rank, g.dp_size)
+        self.eval_set = build_held_out(cfg.data, self.tokenizer)
+        self.eval_sets = build_eval_sets(cfg.data, self.tokenizer)
 
     def _build_roles(self) -> None:
         """Actor, reference, critic, reward model and rollout engine, each with a progress line."""
@@ -113,7 +118,7 @@ class PPOTrainer:
         if cfg.reward.model.path:
             with stage(f"loading the reward model from {cfg.reward.model.path}", say):
                 self.rm = build_reward_model(cfg, g)
-        with stage(f"starting the {cfg.rollout.engine} rollout engine", say):
+        with stage(f"starting {engine_title(cfg)}", say):
             self.engine = build_engine(cfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
 
     def _stop_ids(self) -> list[int]:
@@ -132,13 +137,23 @@ class PPOTrainer:
         step = self.checkpointer.latest_step() if self.cfg.trainer.resume else None
         if step is None:
             return
+        forced = check_resume(self.cfg)  # another run's config: refused unless trainer.resume=force
         with stage(f"loading the checkpoint of step {step} from {self.checkpointer.root}", self.rank0):
             state = self.checkpointer.load(step, self.trainable_roles(), expect=("sampler", "kl_controller"))
         self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except UserInputError:
+            raise
+        except ValueError as e:  # the data set changed under the same path
+            raise CheckpointError(f"{self.checkpointer.root}/step_{step:06d}: {e} (data.train_path="
+                                  f"{self.cfg.data.train_path}); pick a new trainer.run_dir for new data, or set "
+                                  f"trainer.resume=false to start over") from None
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.engine.update_weights()  # the engine started on other weights (SGLang: dummy ones); sample from these
         if self.rank0:
-            print(f"resumed from step {self.step}", flush=True)
+            print(f"resumed from step {self.step}" + (f" (trainer.resume=force: {'; '.join(forced)})" if forced
+                                                      else ""), flush=True)
 
     # -- the phases of a step ------------------------------------------------
     def sampling_params(self) -> SamplingParams:
@@ -160,46 +175,76 @@ class PPOTrainer:
             rollout = load_rollout(t.replay_rollouts, self.step + 1, self.groups.dp_rank, self.device)
             rollout.metrics.update(response_metrics(rollout))
             return rollout
-        with self.timer("rollout"):
-            prompts = self.sampler.next_batch(self.train_set)
-            self.engine.resume_memory()
-            r = self.cfg.rollout
-            rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer, self.pad_id,
-                                       self.device, n=r.n, seed=self.sampling_seed(), max_new_tokens=r.max_new_tokens)
-            rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
-            if self.cfg.algorithm.advantage == "remax":
-                phases.greedy_baseline(self, prompts, rollout)
-            self.engine.release_memory()
+        if self.cfg.algorithm.dapo.dynamic_sampling:  # generates and scores rounds until the batch is full
+            rollout = dynamic_sampling_rollout(self)
+        else:
+            rollout = self.generate_prompts(self.sampler.next_batch(self.train_set), self.sampling_seed())
         self.rollout_stats = dict(self.engine.stats)  # this rank's engine counters (not DP-summed)
         rollout.metrics.update(response_metrics(rollout))
         return rollout
 
+    def generate_prompts(self, prompts, seed: int) -> Rollout:
+        """This rank's prompts generated ``rollout.n`` times each from ``seed``."""
+        with self.timer("rollout"):
+            self.engine.resume_memory()
+            r = self.cfg.rollout
+            rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer, self.pad_id,
+                                       self.device, n=r.n, seed=seed, max_new_tokens=r.max_new_tokens)
+            rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
+            if self.cfg.algorithm.advantage == "remax":
+                self._greedy_baseline(prompts, rollout)
+            self.engine.release_memory()
+        return rollout
+
+    def _greedy_baseline(self, prompts, rollout: Rollout) -> None:
+        """ReMax: the score of each prompt's greedy response, per sample."""
+        r = self.cfg.rollout
+        params = SamplingParams(temperature=0.0, stop_token_ids=tuple(r.stop_token_ids))
+        greedy = generate_rollout(self.engine, prompts, params, self.tokenizer, self.pad_id, self.device,
+                                  n=1, seed=0, max_new_tokens=r.max_new_tokens)  # greedy: seed unused
+        score_rollout(self.reward, greedy)
+        rollout.batch.greedy_scores = greedy.scores.repeat_interleave(r.n)
+
     def score(self, rollout: Rollout) -> None:
-        """Rewards (kept as they are for replayed rollouts that carry scores); dumps if asked."""
+        """Rewards and DAPO's overlong shaping (kept as they are for replayed rollouts that carry
+        scores, and for dynamic sampling, which scored while generating); DAPO's truncated
+        responses masked; dumps if asked."""
         with self.timer("reward"):
-            if rollout.scores is None or not self.cfg.trainer.replay_rollouts:
-                rollout.metrics.update(score_rollout(self.reward, rollout))
-            else:
+            if rollout.scores is None:
+                dapo, limit = self.cfg.algorithm.dapo, self.cfg.rollout.max_new_tokens
+                rollout.metrics.update(score_and_shape(self.reward, rollout, dapo, limit))
+            elif self.cfg.trainer.replay_rollouts:
                 rollout.metrics.update(score_metrics(rollout.scores))
+        if self.cfg.algorithm.dapo.mask_truncated:
+            mask_truncated(rollout)
         if self.cfg.trainer.dump_rollouts:
             save_rollout(rollout, self.cfg.trainer.dump_rollouts, self.step + 1, self.groups)
 
     def prepare(self, rollout: Rollout) -> None:
         """Old and reference log-probs and values, with the weights that generated."""
-        phases.prepare(self, rollout)
+        phases.prepare(rollout, self.cfg, self.step, self.groups.dp_size, self.actor, self.ref, self.critic,
+                       self.timer)
 
     def advantages(self, rollout: Rollout) -> None:
         with self.timer("advantage"):
-            phases.advantages(self, rollout)
+            self.metrics.update(phases.advantages(rollout, self.cfg.algorithm, self.kl_ctl, self.groups))
 
     def update(self, rollout: Rollout) -> None:
-        phases.update(self, rollout)
+        self.updater.update(rollout, self.step, self.timer, self.metrics)
+        dp = self.groups.dp if self.groups.dp_size > 1 else None
+        self.metrics.update(rollout_correction_metrics(rollout.batch, self.actor.correction, dp))
 
     def sync_weights(self) -> None:
         with self.timer("weight_sync"):
             self.metrics.update(self.engine.update_weights())
 
     def evaluate(self) -> float | None:
+        """The named eval sets (written as eval/<name>/... at this step), then the held-out
+        accuracy, which is returned; None without data.eval_path. A rollout-only run evaluates
+        nothing (the model never changes)."""
+        if self.cfg.trainer.rollout_only:
+            return None
+        self.evaluate_sets()
         if self.eval_set is None:
             return None
         count, start = eval_count(len(self.eval_set), self.cfg.trainer.eval_samples), time.perf_counter()
@@ -209,9 +254,16 @@ class PPOTrainer:
         note(f"held-out accuracy {acc:.3f} on {count} prompts ({time.perf_counter() - start:.1f} s)", self.rank0)
         return acc
 
+    def evaluate_sets(self) -> dict[str, float]:
+        """data.eval_sets: n samples per prompt, pass@k and mean@n (megarl/trainer/eval_sets.py)."""
+        metrics = evaluate_named_sets(self.cfg, self.engine, self.eval_sets, self.tokenizer, self.groups, self.rank0)
+        if metrics:
+            self.writer.write(self.step, metrics)
+        return metrics
+
     def log_and_save(self, rollout: Rollout) -> dict[str, float]:
         self.step += 1
-        metrics = phases.step_metrics(self, rollout)
+        metrics = phases.step_metrics(rollout, self.groups, self.metrics, self.timer, self.step_start)
         metrics.update(self.rollout_stats)
         if self.monitor:  # rank 0's node only
             metrics.update(self.monitor.drain())
@@ -220,6 +272,8 @@ class PPOTrainer:
         last = self.step == t.steps and t.save_last
         if not t.rollout_only and (last or (t.save_every and self.step % t.save_every == 0)):
             self.save()
+        if not t.rollout_only and t.export_every and self.step % t.export_every == 0:
+            self.export(os.path.join(t.run_dir, "exports", f"step_{self.step:06d}"))
         return metrics
 
     def finish(self, accuracy_before: float | None) -> None:
@@ -230,19 +284,24 @@ class PPOTrainer:
             if self.rank0:
                 before = "n/a (resumed)" if accuracy_before is None else f"{accuracy_before:.3f}"
                 print(f"held-out accuracy: before {before}  after {after:.3f}", flush=True)
-        if self.cfg.trainer.export_hf:
+        if self.exports():
             self.export()
         self.close("end")
+
+    def exports(self) -> bool:
+        """Whether the run ends with an HF export (trainer.export_hf; a rollout-only run trains nothing)."""
+        return self.cfg.trainer.export_hf and not self.cfg.trainer.rollout_only
 
     def export_path(self) -> str:
         return os.path.join(self.cfg.trainer.run_dir, "hf")
 
-    def export(self) -> None:
-        """The actor as a Hugging Face directory ``RUN_DIR/hf``, with a progress line and an event.
+    def export(self, out: str | None = None) -> None:
+        """The actor as a Hugging Face directory (``out``, default ``RUN_DIR/hf``), with a progress
+        line and an event.
 
-        Written to ``hf.partial`` and renamed when complete, so a kill mid-export never leaves a
+        Written to ``<out>.partial`` and renamed when complete, so a kill mid-export never leaves a
         half-written ``hf`` (a restart of the finished run exports again)."""
-        out = self.export_path()
+        out = out or self.export_path()
         partial = out + ".partial"
         if self.rank0 and os.path.exists(partial):
             shutil.rmtree(partial)
@@ -285,6 +344,3 @@ class PPOTrainer:
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()}
         self.checkpointer.save(self.step, self.trainable_roles(), state)
-
-    def reduce(self, values: dict[str, float]) -> dict[str, float]:
-        return dp_sum(values, self.groups.dp if self.groups.dp_size > 1 else None)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.data import PromptBatch
-from megarl.roles.batch import SampleBatch
+from megarl.roles.batch import PER_SEQUENCE, PER_TOKEN, SampleBatch, cat_rows
 from megarl.rollout.engine import GenerationResult, RolloutEngine, SamplingParams, sample_requests
 
 
@@ -65,6 +65,36 @@ def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: Sampli
         group_ids=torch.tensor([it.index for it in items], device=device),
         finish_reasons=[r.finish_reason for r in results],
     )
+
+
+_TEXTS = ("prompts", "responses", "answers", "extras", "finish_reasons")
+
+
+def select_rollout(rollout: Rollout, rows: list[int]) -> Rollout:
+    """Rows ``rows`` of a rollout (batch, texts, group ids, scores); no metrics."""
+    index = torch.as_tensor(rows, dtype=torch.long, device=rollout.group_ids.device)
+    texts = {k: [getattr(rollout, k)[i] for i in rows] for k in _TEXTS}
+    scores = None if rollout.scores is None else rollout.scores[index]
+    return Rollout(batch=rollout.batch.select(index), group_ids=rollout.group_ids[index], scores=scores, **texts)
+
+
+def concat_rollouts(parts: list[Rollout]) -> Rollout:
+    """The rows of ``parts`` one after the other (token fields right-padded to the widest); no metrics.
+
+    Every part holds the same fields (all with scores or none, the same per-token fields set)."""
+    batches = [p.batch for p in parts]
+    width = max(b.width for b in batches)
+    fields = {"input_ids": cat_rows([b.input_ids for b in batches], width),
+              "response_mask": cat_rows([b.response_mask for b in batches], width),
+              "lengths": torch.cat([b.lengths for b in batches])}
+    for name in PER_TOKEN + PER_SEQUENCE:
+        if getattr(batches[0], name) is not None:
+            values = [getattr(b, name) for b in batches]
+            fields[name] = cat_rows(values, width) if name in PER_TOKEN else torch.cat(values)
+    batch = SampleBatch(**fields, policy_version=batches[0].policy_version)
+    scores = None if parts[0].scores is None else torch.cat([p.scores for p in parts])
+    texts = {k: [x for p in parts for x in getattr(p, k)] for k in _TEXTS}
+    return Rollout(batch=batch, group_ids=torch.cat([p.group_ids for p in parts]), scores=scores, **texts)
 
 
 def response_metrics(rollout: Rollout) -> dict[str, float]:

@@ -15,7 +15,7 @@ from megarl.trainer.rollout import Rollout
 def build_reward(cfg: RewardConfig, rm_scorer=None, run_dir: str = ".") -> CompositeReward:
     """``rm_scorer(rollout_batch) -> (B,)`` is the reward-model role, when configured."""
     terms = [
-        RewardTerm(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), fallback=cfg.fallback)
+        RewardTerm(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), fallback=cfg.fallback, cache=t.cache)
         for t in cfg.terms
     ]
     rm = None
