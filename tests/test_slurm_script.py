@@ -99,16 +99,30 @@ def test_bad_settings_exit_2_with_one_line(tmp_path, env, needle):
     assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_time_limit_signal_stops_the_step_and_requeues(tmp_path):
-    """USR1 (what --signal=B:USR1@900 sends) -> scancel --signal=TERM to the job's steps -> the step
-    exits 0 -> scontrol requeue; the script exits with the step's code."""
-    proc = subprocess.Popen(["bash", SCRIPT, *ENTRY_ARGS[1:]], env=dict(stand_ins(tmp_path), SRUN_SECONDS="600"),
+def signal_during_step(tmp_path, **env):
+    """Starts the script, sends USR1 once the step runs; (process, stdout, stderr)."""
+    proc = subprocess.Popen(["bash", SCRIPT, *ENTRY_ARGS[1:]], env=dict(stand_ins(tmp_path), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
     while recorded(tmp_path, "srun.pid") is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=30)
+    return proc, out, err
+
+
+def test_time_limit_shorter_than_the_margin_runs_on_without_requeue(tmp_path):
+    """--time=10 with a 900 s margin: SLURM signals at once; stopping and requeueing would loop."""
+    proc, out, err = signal_during_step(tmp_path, SRUN_SECONDS="20")  # the step ends by itself after 2 s
+    assert proc.returncode == 0, err
+    assert recorded(tmp_path, "scancel") is None and recorded(tmp_path, "scontrol") is None
+    assert "within the --signal margin; running on, no requeue" in out
+
+
+def test_time_limit_signal_stops_the_step_and_requeues(tmp_path):
+    """USR1 (what --signal=B:USR1@900 sends) -> scancel --signal=TERM to the job's steps -> the step
+    exits 0 -> scontrol requeue; the script exits with the step's code."""
+    proc, out, err = signal_during_step(tmp_path, MEGARL_MIN_RUN_S="0", SRUN_SECONDS="600")
     assert proc.returncode == 0, err
     assert recorded(tmp_path, "scancel") == ["--signal=TERM 4242"]
     assert recorded(tmp_path, "scontrol") == ["requeue 4242"]
