@@ -20,6 +20,7 @@ Storage: overlay where the kernel lets this process mount overlayfs, else vfs, w
 copies the whole root file system for every layer (13 here): about 3x slower and 27 GB
 of disk for one build; MEGARL_BUILDAH_DRIVER chooses.
 """
+import functools
 import json
 import os
 import re
@@ -48,8 +49,11 @@ def overlay_mounts() -> bool:
         return done.returncode == 0
 
 
-DRIVER = os.environ.get("MEGARL_BUILDAH_DRIVER") or ("overlay" if os.geteuid() == 0 and overlay_mounts() else "vfs")
-STORAGE = os.path.join(os.environ.get("MEGARL_BUILDAH_ROOT", "/var/tmp/megarl-buildah"), DRIVER)
+@functools.cache
+def storage() -> tuple[str, str]:
+    """(buildah's storage driver, its storage folder), chosen on first use, not at collection."""
+    driver = os.environ.get("MEGARL_BUILDAH_DRIVER") or ("overlay" if overlay_mounts() else "vfs")
+    return driver, os.path.join(os.environ.get("MEGARL_BUILDAH_ROOT", "/var/tmp/megarl-buildah"), driver)
 IMAGE = "localhost/megarl:container-test"
 USER = "4321:4321"  # a host user's uid:gid, as `docker run --user $(id -u):$(id -g)` passes it
 SMALL = ["data.batch_size=8", "rollout.n=2", "actor.mini_batch_size=8", "actor.micro_batch_size=4",
@@ -66,7 +70,8 @@ def _missing() -> str | None:
 
 
 def buildah(*args, timeout=600, check=True) -> subprocess.CompletedProcess:
-    cmd = ["buildah", "--storage-driver", DRIVER, "--root", STORAGE, "--runroot", f"{STORAGE}/run", *args]
+    driver, root = storage()
+    cmd = ["buildah", "--storage-driver", driver, "--root", root, "--runroot", f"{root}/run", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if check:
         assert done.returncode == 0, f"{' '.join(cmd[:8])} ...: exit {done.returncode}\n" + \
@@ -97,7 +102,8 @@ def base():
     reason = _missing()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, BUILDAH_ROOT=STORAGE, STORAGE_DRIVER=DRIVER)
+    driver, root = storage()
+    env = dict(os.environ, BUILDAH_ROOT=root, STORAGE_DRIVER=driver)
     done = subprocess.run(["bash", os.path.join(ROOT, "docker", "stand-in-base.sh")], env=env,
                           capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
