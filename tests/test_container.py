@@ -246,7 +246,7 @@ def test_source_change_reuses_the_dependency_layers(image, base, tmp_path):
 
 def test_oci_archive_for_apptainer_and_enroot(image, tmp_path, capsys):
     archive = tmp_path / "megarl.oci.tar"
-    # -D: uncompressed layers (quicker here); users keep the default gzip (launch/slurm/README.md)
+    # -D: no recompression (quicker here); users keep buildah's default (launch/slurm/README.md)
     buildah("push", "-D", image[0], f"oci-archive:{archive}:megarl:latest", timeout=900)
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
@@ -261,4 +261,4 @@ def test_oci_archive_for_apptainer_and_enroot(image, tmp_path, capsys):
     assert oci_config["config"]["Labels"]["org.opencontainers.image.version"]
     assert len(manifest["layers"]) == len(oci_config["rootfs"]["diff_ids"]) >= 4
     with capsys.disabled():
-        print(f"\nOCI archive: {archive.stat().st_size / 2**30:.2f} GiB uncompressed, {len(manifest['layers'])} layers")
+        print(f"\nOCI archive: {archive.stat().st_size / 2**30:.2f} GiB, {len(manifest['layers'])} layers")
