@@ -14,6 +14,8 @@ if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CP
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
     config.addinivalue_line("markers", "slow: long CPU test (a shortened training run)")
+    config.addinivalue_line("markers", "container: builds and runs the Docker image with buildah (root; .ci/run runs "
+                            "these on their own, tests/test_container.py)")
 
 
 def pytest_collection_modifyitems(config, items):
