@@ -196,7 +196,6 @@ def test_convert_ep2_to_ep1_is_bitwise_and_checks_experts(tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("parallel.ep=3", "parallel.ep=3 must divide the model's 8 experts"),
-    ("parallel.ep=1", "rollout.engine=native cannot generate with the mixture-of-experts model"),
 ])
 def test_ppo_entry_exits_2_with_one_line(tmp_path, override, needle):
     """launch/ppo.py on the shipped tiny MoE policy (one process): the config error, exit 2."""
