@@ -88,15 +88,16 @@ class PartialRollouts:
             k += 1
         return k
 
-    def generate(self, engine, params: SamplingParams, version: int) -> None:
-        """Advances the unfinished samples until ``quota`` groups are complete; new tokens get ``version``."""
+    def generate(self, engine, params: SamplingParams, version: int) -> bool:
+        """Advances the unfinished samples until ``quota`` groups are complete; new tokens get ``version``.
+        False when nothing had to run (enough groups were complete already)."""
         left = {gi: sum(s.finish is None for s in g.samples) for gi, g in enumerate(self.groups)}
         complete = [sum(count == 0 for count in left.values())]
         requests = [Request(gi * self.n + j, list(g.item.prompt_ids), s.seed, self.max_new_tokens,
                             prefix=tuple(s.tokens), prefix_logprobs=tuple(s.logprobs))
                     for gi, g in enumerate(self.groups) for j, s in enumerate(g.samples) if s.finish is None]
         if complete[0] >= self.quota or not requests:
-            return
+            return False
 
         def enough(keys: list[int]) -> bool:
             for key in keys:
@@ -110,6 +111,7 @@ class PartialRollouts:
             sample.versions += [version] * (len(r.response_ids) - len(sample.tokens))
             sample.tokens, sample.logprobs = list(r.response_ids), list(r.logprobs)
             sample.finish = None if r.finish_reason == "unfinished" else r.finish_reason
+        return True
 
     def take(self) -> list[Group]:
         """The ``quota`` oldest complete groups (fewer if fewer are), removed from flight."""
@@ -177,7 +179,8 @@ def partial_rollout(tr) -> Rollout:
     with tr.timer("rollout"):
         p.top_up(lambda: tr.sampler.next_batch(tr.train_set), tr.sampling_seed())
         tr.engine.resume_memory()
-        p.generate(tr.engine, tr.sampling_params(), version)
+        if not p.generate(tr.engine, tr.sampling_params(), version):
+            tr.engine.stats = {}  # no engine call this step: no counters (not the last call's)
         tr.engine.release_memory()
         taken = p.take()
     if len(taken) < p.quota:
