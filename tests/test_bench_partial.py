@@ -1,4 +1,5 @@
-"""benchmarks/bench_partial.py: the forced lengths both runs share, and the tiny run's JSON.
+"""benchmarks/bench_partial.py: the forced lengths both runs share, and the tiny run's JSON; bench_e2e.py's
+rollout-correction cost (the update's median seconds with correction over without).
 
 - ForcedLengths: a request's length is a function of its seed alone, inside [low, high], never
   above the request's own limit, spread log-uniformly (the median near sqrt(low * high)); a
@@ -66,3 +67,14 @@ def test_tiny_run_writes_the_json(tmp_path):
     assert result["workload"]["min_len"] == 2 and result["workload"]["max_len"] == 12
     assert result["partial"]["rollout_tokens_per_s_speedup_vs_sync"] > 0
     assert "stale_token_frac" in result["partial"] and "stale_token_frac" not in result["sync"]
+
+
+def test_e2e_rollout_correction_cost_is_the_update_time_ratio():
+    from bench_e2e import rc_cost
+
+    result = {"megarl": {"actor_update_s": 2.0}, "megarl_rc": {"actor_update_s": 2.03}}
+    rc_cost(result)
+    assert abs(result["rollout_correction_cost_pct"] - 1.5) < 1e-9
+    lone = {"megarl": {"actor_update_s": 2.0}, "trl": {}}
+    rc_cost(lone)
+    assert "rollout_correction_cost_pct" not in lone
