@@ -186,7 +186,9 @@ def _native_partial(rank, ckpt):
         heard.extend(keys)
         return len(heard) >= 3
 
+    held_after_generate = int((engine.cache.pool.refs > 0).sum())
     finished, unfinished = engine.generate_until(requests, params, enough)
+    held = (held_after_generate, int((engine.cache.pool.refs > 0).sum()))  # stopped sequences gave pages back
     same = engine.generate(_resume(requests, unfinished), params)  # the same weights
     logprobs = lambda results: actor.logprobs(to_sample_batch(results, 0, "cpu"), 4, TEMP)["logprobs"].tolist()  # noqa: E731
     old_forward = logprobs(unfinished) if unfinished else None
@@ -196,7 +198,7 @@ def _native_partial(rank, ckpt):
             p.add_(0.05 * torch.randn_like(p))
     engine.update_weights()
     moved = engine.generate(_resume(requests, unfinished), params)
-    return {"full": full, "finished": finished, "unfinished": unfinished, "heard": heard, "same": same,
+    return {"held": held, "full": full, "finished": finished, "unfinished": unfinished, "heard": heard, "same": same,
             "moved": moved, "old_forward": old_forward, "new_forward": logprobs(moved)}
 
 
@@ -213,6 +215,7 @@ def test_native_generation_stopped_and_resumed_across_a_weight_update(tmp_path):
     out = spawn(_native_partial, 1, str(tmp_path))[0]
     full, finished, unfinished = out["full"], out["finished"], out["unfinished"]
     out["old_forward"], out["new_forward"] = torch.tensor(out["old_forward"]), torch.tensor(out["new_forward"])
+    assert out["held"][0] == out["held"][1]
     assert len(finished) >= 3 and [r.key for r in finished][:3] == out["heard"][:3]
     assert len(finished) + len(unfinished) == len(PROMPTS) * 2
     assert any(u.response_ids for u in unfinished) and any(not u.response_ids for u in unfinished)

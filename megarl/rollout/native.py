@@ -142,6 +142,9 @@ class NativeEngine:
         sched = self._run(seqs, params, longest, None, stop=stop)
         finished = {s.rid: s for s in sched.done}
         unfinished = {s.rid: s for s in sched.unfinished()}
+        for seq in unfinished.values():  # their pages go back (a pool kept between calls would leak them)
+            sched.pool.release(seq.pages)
+            seq.pages = []
         return ([self._result(finished[r.key]) for r in requests if r.key in finished],
                 [replace(self._result(unfinished[r.key]), finish_reason="unfinished")
                  for r in requests if r.key in unfinished])
