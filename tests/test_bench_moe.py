@@ -7,8 +7,13 @@ GroupedMLP. Derived here from the shape:
   + final norm 64 + head 384x64 = 50,560 elements; an expert 2x32x64 + 64x32 = 6,144 elements; K/V
   B x (12 prompt + 6/2) tokens x 2 (K, V) x 2 layers x 2 groups x 16;
 - the HF twin built from GroupedMLP copies q/k/v only: 2 layers x (64 + 32 + 32) rows x 64 x 2 bytes.
-Not covered: CUDA graphs, the GPU's timings.
+benchmarks/bench_moe_e2e.py --tiny: GRPO on a qwen3-moe-tiny checkpoint, 2 prompts x 4 samples of 8
+tokens, 2 steps; both sides must count the same tokens per step (8 x (13-token templated prompt + 8)),
+TRL's side when ``trl`` imports, and the R3 run (fp32: replay or not, the training router picks the
+rollout's experts, agreement 1.0) when megarl has ``actor.router_replay``.
+Not covered: CUDA graphs, the GPU's timings and memory.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +26,7 @@ ITEM = {"float32": 4, "bfloat16": 2}
 
 
 def _run(script: str, out: str, *extra: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT}/kernels")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, f"{ROOT}/kernels", os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", out, *extra], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=300)
     with open(out) as f:
@@ -58,3 +63,39 @@ def test_moe_decode_json(tmp_path, dtype, experts):
         assert r["speedup_vs_generate"] == pytest.approx(r["generate_ms_per_step"] / r["decode_ms_per_step"])
         assert r["ms_per_step"] == pytest.approx(r["seconds"] / 6 * 1e3)
         assert r["engine_stats"]["rollout/decode_steps"] == 5  # 6 new tokens: 1 from the prefill
+
+
+def _has_router_replay() -> bool:
+    from megarl.config import ActorConfig
+
+    return "router_replay" in ActorConfig.__dataclass_fields__
+
+
+@pytest.mark.slow
+def test_moe_e2e_json(tmp_path):
+    trl = importlib.util.find_spec("trl") is not None
+    r3 = _has_router_replay()
+    extra = ["--sides", "megarl,trl" if trl else "megarl", "--work", str(tmp_path / "work")]
+    extra += ["--router-replay", "--r3-out", str(tmp_path / "r3.json")] if r3 else []
+    out = _run("bench_moe_e2e.py", str(tmp_path / "e.json"), *extra)
+    w = out["workload"]
+    assert (w["sequences_per_step"], w["response_tokens"], w["router_aux_loss_coef"]) == (8, 8, 0.0)
+    assert "rollout.kv_cache_gb=4" in w["megarl_overrides"]
+    m = out["megarl"]
+    assert m["returncode"] == 0 and m["steps_measured"] == 1
+    assert m["tokens_per_step"] == 8 * (13 + 8) and m["response_len_mean"] == 8
+    assert 0 < m["rollout_s"] < m["step_s"]
+    assert m["tokens_per_s"] == pytest.approx(m["tokens_per_step"] / m["step_s"])
+    assert m["mismatch"]["mismatch/abs_mean"] < 1e-4  # fp32: rollout and training log-probs agree
+    if trl:
+        t = out["trl"]
+        assert t["returncode"] == 0 and t["tokens_per_step"] == m["tokens_per_step"]
+        assert m["speedup_vs_trl"] == pytest.approx(m["tokens_per_s"] / t["tokens_per_s"])
+    if r3:
+        with open(tmp_path / "r3.json") as f:
+            res = json.load(f)
+        assert res["steps"] == 2 and res["run"]["returncode"] == 0
+        for setting in ("none", "r3"):
+            assert res[setting]["routing_agreement"] == 1.0
+            assert res[setting]["mismatch_mean"] < 1e-4 and res[setting]["mismatch_max"] < 1e-4
+        assert res["none_run"]["mismatch_mean"] == m["mismatch"]["mismatch/abs_mean"]
