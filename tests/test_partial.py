@@ -12,6 +12,8 @@
   versions and log-probs are those of the engine version that sampled each token; resumed
   tokens are kept exactly; what is carried over survives state_dict / load_state_dict and
   the steps after equal those of the uninterrupted run; the metrics count it.
+- A resume on another layout (no file of this rank's) starts with nothing in flight, rank 0
+  counting every saved DP rank's responses once (TP copies aside) as dropped.
 - Config mistakes: one line each. End-to-end runs (tiny task learns, resume with carried
   responses) are in test_partial_runs.py.
 Not covered: GPU graphs with an early stop (the GPU benchmark runs them), TP/PP > 1.
@@ -236,3 +238,35 @@ def test_native_generation_stopped_and_resumed_across_a_weight_update(tmp_path):
         assert torch.allclose(torch.tensor(m.logprobs[k:]), new, atol=1e-5)  # the new policy's tokens
         new_differs |= bool((out["new_forward"][i, p:p + k] - old).abs().max() > 1e-3) if k else False
     assert new_differs  # the update did move the policy under the kept tokens
+
+
+class _Checkpoints:
+    """read_rank_file / read_rank_files of a checkpoint saved by 2 DP ranks x 2 TP ranks."""
+
+    def __init__(self, states, same_layout: bool):
+        self.states, self.same = states, same_layout
+
+    def read_rank_file(self, step, name):
+        return self.states[0] if self.same else None
+
+    def read_rank_files(self, step, name):
+        return [s for s in self.states for _ in range(2)]  # each DP rank's file twice (its TP ranks)
+
+
+def test_resume_on_another_layout_drops_what_was_in_flight_and_counts_it():
+    engine, states = ScriptedEngine(), []
+    for dp_rank in range(2):
+        p = PartialRollouts(QUOTA, N, 2, 16, dp_rank=dp_rank)
+        _step(p, engine, _draw([100 * dp_rank]), 0)
+        states.append(p.state_dict())
+    in_flight = [sum(len(g["samples"]) for g in s["groups"]) for s in states]
+    assert min(in_flight) > 0
+    from megarl.trainer.partial import restore
+
+    same = PartialRollouts(QUOTA, N, 2, 16)
+    restore(same, _Checkpoints(states, True), 2, rank0=True)
+    assert same.dropped == 0 and sum(len(g.samples) for g in same.groups) == in_flight[0]
+    for rank0, dropped in ((True, sum(in_flight)), (False, 0)):
+        moved = PartialRollouts(QUOTA, N, 2, 16)
+        restore(moved, _Checkpoints(states, False), 2, rank0=rank0)
+        assert moved.groups == [] and moved.dropped == dropped

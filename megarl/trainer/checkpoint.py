@@ -222,6 +222,12 @@ class Checkpointer:
             return None
         return torch.load(path, weights_only=False)
 
+    def read_rank_files(self, step: int, name: str) -> list:
+        """Every rank's ``name`` state saved with ``step``, whatever the layout."""
+        folder = os.path.join(self._dir(step), name)
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".pt")) if os.path.isdir(folder) else []
+        return [torch.load(os.path.join(folder, f), weights_only=False) for f in files]
+
     def load(self, step: int, roles: dict, expect: tuple[str, ...] = ()) -> dict:
         """Restores ``roles`` and RNG in place; returns the saved trainer state (holding ``expect``)."""
         path = self._dir(step)

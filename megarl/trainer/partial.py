@@ -68,8 +68,9 @@ class Group:
 class PartialRollouts:
     """The groups one rank has in flight, and how a step generates and takes them."""
 
-    def __init__(self, quota: int, n: int, batches: int, max_new_tokens: int):
+    def __init__(self, quota: int, n: int, batches: int, max_new_tokens: int, dp_rank: int = 0):
         self.quota, self.n, self.batches, self.max_new_tokens = quota, n, batches, max_new_tokens
+        self.dp_rank = dp_rank
         self.groups: list[Group] = []
         self.drawn = 0  # groups drawn so far on this rank (Group.order)
         self.dropped = 0  # responses a resume could not restore (reported once)
@@ -122,7 +123,7 @@ class PartialRollouts:
 
     # -- checkpoints ------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"drawn": self.drawn, "shape": [self.quota, self.n, self.max_new_tokens],
+        return {"drawn": self.drawn, "shape": [self.quota, self.n, self.max_new_tokens], "dp_rank": self.dp_rank,
                 "groups": [{"item": asdict(g.item), "order": g.order, "samples": [asdict(s) for s in g.samples]}
                            for g in self.groups]}
 
@@ -135,6 +136,16 @@ class PartialRollouts:
         self.drawn = state["drawn"]
         self.groups = [Group(PromptItem(**g["item"]), g["order"], [Sample(**s) for s in g["samples"]])
                        for g in state["groups"]]
+
+
+def restore(p: PartialRollouts, checkpointer, step: int, rank0: bool) -> None:
+    """What was in flight at ``step``: this rank's own file; after a change of layout (no file of this
+    rank's) nothing, rank 0 counting the responses of every saved data-parallel rank as dropped."""
+    mine = checkpointer.read_rank_file(step, "partial")
+    p.load_state_dict(mine)
+    if mine is None and rank0:
+        saved = {s["dp_rank"]: s for s in checkpointer.read_rank_files(step, "partial")}  # TP / PP copies once
+        p.dropped = sum(len(g["samples"]) for s in saved.values() for g in s["groups"])
 
 
 def group_results(groups: list[Group]) -> list[GenerationResult]:

@@ -41,7 +41,7 @@ from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
 from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
 from megarl.trainer.dapo import dynamic_sampling_rollout, mask_truncated, score_and_shape
-from megarl.trainer.partial import PartialRollouts, partial_rollout
+from megarl.trainer.partial import PartialRollouts, partial_rollout, restore
 
 
 def _kl_controller(cfg: Config):
@@ -90,7 +90,7 @@ class PPOTrainer:
         self.updater = phases.Updater(cfg, self.actor, self.critic, self.kl_ctl, g)  # critic and actor updates
         r = cfg.rollout  # rollout.partial: the groups this rank has in flight between steps
         self.partial = PartialRollouts(cfg.data.batch_size // g.dp_size, r.n, r.partial_batches,
-                                       r.max_new_tokens) if r.partial else None
+                                       r.max_new_tokens, g.dp_rank) if r.partial else None
         self._resume()
         if self.rank0:
             print(f"run directory {cfg.trainer.run_dir} (resolved config: {save_run_config(cfg)})", flush=True)
@@ -155,7 +155,7 @@ class PPOTrainer:
                                   f"trainer.resume=false to start over") from None
         self.kl_ctl.load_state_dict(state["kl_controller"])
         if self.partial is not None:
-            self.partial.load_state_dict(self.checkpointer.read_rank_file(step, "partial"))
+            restore(self.partial, self.checkpointer, step, self.rank0)
         self.engine.update_weights()  # the engine started on other weights (SGLang: dummy ones); sample from these
         if self.rank0:
             print(f"resumed from step {self.step}" + (f" (trainer.resume=force: {'; '.join(forced)})" if forced
