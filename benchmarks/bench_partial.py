@@ -107,7 +107,8 @@ def workload(args) -> dict:
     if args.measure < 1 or args.measure >= args.steps:
         sys.exit(f"--measure {args.measure} must be in [1, --steps {args.steps}): the first step is warm-up")
     if args.tiny:
-        model, prompts_path, config, max_prompt = f"{TINY_DIR}/sft", f"{TINY_DIR}/train.jsonl", "yaml/tiny_grpo.yaml", 48
+        model, prompts_path, config = f"{TINY_DIR}/sft", f"{TINY_DIR}/train.jsonl", "yaml/tiny_grpo.yaml"
+        max_prompt = 48  # the tiny model has 64 positions
     else:
         model = os.path.join(args.work, f"{args.shape}-{args.layers or 'full'}-p{args.prompt_len}")
         make_checkpoint(args.shape, model, args.layers, False, args.prompt_len)
@@ -127,7 +128,8 @@ def overrides(w: dict, run_dir: str) -> list[str]:
             f"data.max_prompt_len={w['max_prompt_len']}", f"rollout.n={w['samples_per_prompt']}",
             f"rollout.max_new_tokens={w['max_len']}", "rollout.temperature=1.0", "rollout.ignore_eos=true",
             f"actor.mini_batch_size={w['sequences_per_step']}",
-            f"actor.micro_batch_size={min(16, w['sequences_per_step'])}", f"actor.max_tokens_per_micro={w['micro_tokens']}",
+            f"actor.micro_batch_size={min(16, w['sequences_per_step'])}",
+            f"actor.max_tokens_per_micro={w['micro_tokens']}",
             "actor.ppo_epochs=1", "actor.optim.lr=1e-6", "actor.optim.warmup_steps=0",
             "actor.optim.decay=constant", f"actor.kl_loss_coef={w['beta']}", "algorithm.advantage=grpo",
             "algorithm.kl_in_reward=false", "critic.enable=false", f"reward.terms={CONSTANT_REWARD}",
@@ -193,7 +195,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"])
     ap.add_argument("--modes", default="sync,partial", help="comma list of sync, partial")
     ap.add_argument("--merge", action="store_true", help="keep the other mode's entry of an existing --out")
-    ap.add_argument("--timeout", type=float, default=290, help="seconds per run (two fit in one 600 s call)")
+    ap.add_argument("--timeout", type=float, default=270,
+                    help="seconds per run (two fit in one 600 s call once the checkpoint exists)")
     ap.add_argument("--work", default="/tmp/megarl_partial")
     ap.add_argument("--out", default="partial_rollout.json")
     args, extra = ap.parse_known_args()

@@ -192,7 +192,10 @@ def _native_partial(rank, ckpt):
     finished, unfinished = engine.generate_until(requests, params, enough)
     held = (held_after_generate, int((engine.cache.pool.refs > 0).sum()))  # stopped sequences gave pages back
     same = engine.generate(_resume(requests, unfinished), params)  # the same weights
-    logprobs = lambda results: actor.logprobs(to_sample_batch(results, 0, "cpu"), 4, TEMP)["logprobs"].tolist()  # noqa: E731
+
+    def logprobs(results):  # the training forward under the actor's current weights, (B, L)
+        return actor.logprobs(to_sample_batch(results, 0, "cpu"), 4, TEMP)["logprobs"].tolist()
+
     old_forward = logprobs(unfinished) if unfinished else None
     torch.manual_seed(0)
     with torch.no_grad():  # a "weight update": the engine reads the actor's weights in place
