@@ -1,8 +1,8 @@
 """GRPO end to end on the Qwen3-30B-A3B shape cut to the layers one H200 trains: megarl vs TRL, and R3's metrics.
 
     python benchmarks/bench_moe_e2e.py --out benchmarks/results/moe_e2e.json            # one H200, ~7 min
-    python benchmarks/bench_moe_e2e.py --sides megarl --router-replay \\
-        --out benchmarks/results/moe_e2e_r3run.json --r3-out benchmarks/results/moe_r3.json
+    python benchmarks/bench_moe_e2e.py --sides '' --router-replay --out /tmp/moe_e2e_r3run.json \\
+        --r3-out benchmarks/results/moe_r3.json                                          # R3 run only, ~5 min
     python benchmarks/bench_moe_e2e.py --tiny --out /tmp/moe_e2e_tiny.json              # CPU smoke run
 
 The workload is bench_e2e.py's (16 prompts x 8 samples, ~64-token prompts, exactly 256 response
