@@ -95,7 +95,8 @@ def hf_tensors(module, info) -> dict[str, torch.Tensor]:
         elif rule.kind == VOCAB:
             out[rule.hf_names[0]] = p[:info.vocab_size]
         elif rule.kind == GROUPED_GATE_UP:  # weight1 (h, E*2F) is (E, h, 2F) -> (E, 2F, h)
-            out[f"{layer}.mlp.experts.gate_up_proj"] = p.view(info.moe.num_experts, info.hidden_size, -1).transpose(1, 2)
+            experts_h = p.view(info.moe.num_experts, info.hidden_size, -1)  # (E, h, 2F)
+            out[f"{layer}.mlp.experts.gate_up_proj"] = experts_h.transpose(1, 2)
         elif rule.kind == GROUPED_DOWN:  # weight2 (E*F, h) is (E, F, h) -> (E, h, F)
             out[f"{layer}.mlp.experts.down_proj"] = p.view(info.moe.num_experts, -1, info.hidden_size).transpose(1, 2)
         elif rule.kind in ("expert_gate_up", "expert_down"):

@@ -87,6 +87,7 @@ def test_moe_e2e_json(tmp_path):
     assert 0 < m["rollout_s"] < m["step_s"]
     assert m["tokens_per_s"] == pytest.approx(m["tokens_per_step"] / m["step_s"])
     assert m["mismatch"]["mismatch/abs_mean"] < 1e-4  # fp32: rollout and training log-probs agree
+    assert m["kv_released_before_training"] is True
     if trl:
         t = out["trl"]
         assert t["returncode"] == 0 and t["tokens_per_step"] == m["tokens_per_step"]
