@@ -131,7 +131,7 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--r3-steps", type=int, default=2)
     ap.add_argument("--r3-out", default="benchmarks/results/moe_r3.json")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="GRPOConfig's own default")
-    ap.add_argument("--timeout", type=float, default=230, help="seconds per side")
+    ap.add_argument("--timeout", type=float, default=220, help="seconds per side (and of the R3 run)")
     ap.add_argument("--work", default="/tmp/megarl_moe_e2e")
     ap.add_argument("--out", default="benchmarks/results/moe_e2e.json")
     args, overrides = ap.parse_known_args()

@@ -46,7 +46,7 @@ case "$mode" in
   moe)
     T=560 run moe_decode python3 benchmarks/bench_moe_decode.py --hf-experts grouped_mm,eager --out "$OUT/moe_decode.json" "$@" ;;
   moe_e2e)
-    T=585 run moe_e2e python3 benchmarks/bench_moe_e2e.py --out "$OUT/moe_e2e.json" --work /tmp/megarl_moe_e2e "$@" ;;
+    T=580 run moe_e2e python3 benchmarks/bench_moe_e2e.py --out "$OUT/moe_e2e.json" --work /tmp/megarl_moe_e2e "$@" ;;
   moe_r3)
     T=560 run moe_r3 python3 benchmarks/bench_moe_e2e.py --sides '' --router-replay --work /tmp/megarl_moe_e2e \
       --out "$OUT/moe_e2e_r3run.json" --r3-out "$OUT/moe_r3.json" "$@" ;;
