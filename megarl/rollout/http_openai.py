@@ -100,19 +100,28 @@ def _token_logprobs(state, r: GenerationResult) -> list[dict]:
     return out
 
 
+def assistant_message(text: str, parser, call_id: str) -> dict:
+    """A sampled turn's text (end-of-turn tokens removed) as an OpenAI assistant message: the text
+    before ``<tool_call>`` as its content and the calls ``parser`` finds as ``tool_calls`` (ids
+    ``call_<call_id>_<j>``), or the whole text as its content when there are none."""
+    calls, _problems = parser(text)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    head = text[:text.index("<tool_call>")] if "<tool_call>" in text else ""
+    tool_calls = [{"id": f"call_{call_id}_{j}", "type": "function",
+                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for j, c in enumerate(calls)]
+    return {"role": "assistant", "content": head or None, "tool_calls": tool_calls}
+
+
 def _message(state, r: GenerationResult) -> tuple[dict, str]:
     """The assistant message of one choice and its finish reason (tool calls parsed by megarl's parser)."""
     text = state.decode(r.response_ids)
     for eos in state.tokenizer.convert_ids_to_tokens(state.eos_ids):
         text = text.replace(eos, "")
-    calls, _problems = state.parser(text)
-    finish = "length" if r.finish_reason == "length" else "stop"
-    if not calls:
-        return {"role": "assistant", "content": text}, finish
-    head = text[:text.index("<tool_call>")] if "<tool_call>" in text else ""
-    tool_calls = [{"id": f"call_{r.key}_{j}", "type": "function",
-                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for j, c in enumerate(calls)]
-    return {"role": "assistant", "content": head or None, "tool_calls": tool_calls}, "tool_calls"
+    message = assistant_message(text, state.parser, str(r.key))
+    if "tool_calls" in message:
+        return message, "tool_calls"
+    return message, "length" if r.finish_reason == "length" else "stop"
 
 
 def chat_body(state, results: list[GenerationResult], prompt_len: int, logprobs: bool, rid: str,
