@@ -9,6 +9,8 @@ Per sample, a state machine over turns:
          or a ``module:function`` parser), run every active sample's calls at once
          in the tool executor's worker pool, append the tool messages
       -> EOS with an interaction (simulated user): its next message, or the end
+      -> with an environment (``environments.py``), every turn: its ``step`` on the
+         conversation gives observation messages, a reward and done (reset gave the prompt)
       -> append the context ids (``turns.py``: the template's close of the turn,
          the messages, the next assistant opening) with loss mask 0; continue
 
