@@ -92,12 +92,14 @@ def cut_at_stop(r: GenerationResult, stop: list[str], decode) -> GenerationResul
     return r
 
 
+def token_logprob(state, token_id: int, logprob: float) -> dict:
+    """One token's entry of a chat answer's ``logprobs.content``."""
+    token = state.decode([token_id])
+    return {"token": token, "logprob": float(logprob), "bytes": list(token.encode()), "top_logprobs": []}
+
+
 def _token_logprobs(state, r: GenerationResult) -> list[dict]:
-    out = []
-    for i, lp in zip(r.response_ids, r.logprobs):
-        token = state.decode([i])
-        out.append({"token": token, "logprob": float(lp), "bytes": list(token.encode()), "top_logprobs": []})
-    return out
+    return [token_logprob(state, i, lp) for i, lp in zip(r.response_ids, r.logprobs)]
 
 
 def assistant_message(text: str, parser, call_id: str) -> dict:
@@ -113,7 +115,7 @@ def assistant_message(text: str, parser, call_id: str) -> dict:
     return {"role": "assistant", "content": head or None, "tool_calls": tool_calls}
 
 
-def _message(state, r: GenerationResult) -> tuple[dict, str]:
+def choice_message(state, r: GenerationResult) -> tuple[dict, str]:
     """The assistant message of one choice and its finish reason (tool calls parsed by megarl's parser)."""
     text = state.decode(r.response_ids)
     for eos in state.tokenizer.convert_ids_to_tokens(state.eos_ids):
@@ -128,34 +130,13 @@ def chat_body(state, results: list[GenerationResult], prompt_len: int, logprobs:
               created: int) -> dict:
     choices = []
     for j, r in enumerate(results):
-        message, finish = _message(state, r)
+        message, finish = choice_message(state, r)
         choices.append({"index": j, "message": message, "finish_reason": finish, "token_ids": list(r.response_ids),
                         "logprobs": {"content": _token_logprobs(state, r)} if logprobs else None})
     sampled = sum(len(r.response_ids) for r in results)
     return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": choices, "prompt_token_ids": results[0].prompt_ids if results else [],
             "usage": {"prompt_tokens": prompt_len, "completion_tokens": sampled, "total_tokens": prompt_len + sampled}}
-
-
-def chat_chunks(payload: dict) -> list[dict]:
-    """A finished chat completion as ``chat.completion.chunk`` objects: per choice its role, its content
-    (with every token's log-prob when asked), its tool calls, its finish reason; then the usage."""
-    head = {k: payload[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    chunks = []
-    for c in payload["choices"]:
-        j, msg = c["index"], c["message"]
-        chunks.append(head | {"choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                           "finish_reason": None}]})
-        if msg.get("content"):
-            chunks.append(head | {"choices": [{"index": j, "delta": {"content": msg["content"]},
-                                               "logprobs": c["logprobs"], "finish_reason": None}]})
-        for k, call in enumerate(msg.get("tool_calls") or []):
-            chunks.append(head | {"choices": [{"index": j, "delta": {"tool_calls": [{"index": k, **call}]},
-                                               "finish_reason": None}]})
-        chunks.append(head | {"choices": [{"index": j, "delta": {}, "finish_reason": c["finish_reason"],
-                                           "token_ids": c["token_ids"]}]})
-    chunks.append(head | {"choices": [], "usage": payload["usage"]})
-    return chunks
 
 
 def completion_body(state, results: list[GenerationResult], prompt_len: int, logprobs: bool, rid: str,
