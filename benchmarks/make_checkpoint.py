@@ -28,6 +28,10 @@ SHAPES = {
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
                          rms_norm_eps=1e-6),
+    # a CPU smoke shape (benchmarks' --tiny runs)
+    "tiny-llama": dict(arch="llama", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + ' <|im_end|> ' }}"
