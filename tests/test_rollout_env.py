@@ -177,3 +177,37 @@ def test_environment_config_is_checked():
                          (["rollout.multi_turn.environment=nodots"], "must be module:function")]:
         with pytest.raises(ConfigError, match=match):
             check_multi_turn(load_config(base + extra, Config))
+
+
+class RankZeroOnly(GuessNumberEnv):
+    """Raises anywhere but on global rank 0 (the replica's first rank)."""
+
+    def reset(self, sample):
+        import torch.distributed as dist
+
+        assert dist.get_rank() == 0, "an environment ran on a rank other than the replica's first"
+        return super().reset(sample)
+
+
+def _tp_rank(rank, overlap):
+    from megarl.distributed import build_parallel_groups, init_distributed
+
+    init_distributed()
+    groups = build_parallel_groups(2, 1)
+    tok = make_tokenizer()
+    options = AgentOptions(tok.convert_tokens_to_ids("</tool_call>"), 4, 64, overlap_tools=overlap)
+    runner = EnvironmentRunner(RankZeroOnly, tok, parse_hermes, workers=2, timeout_s=5.0)
+    loop = AgentLoop(GuessEngine(tok), tok, None, parse_hermes, options, groups, environment=runner)
+    loop.bind_items({k: {"answer": str(5 + 2 * k)} for k in range(2)})  # secrets 5 and 7
+    results = loop.generate([Request(k, [0, 1], k, 90) for k in range(2)], SamplingParams())
+    return [(r.prompt_ids, r.response_ids, r.loss_mask, r.extra["agent_reward"], r.extra["turns"]) for r in results]
+
+
+def test_environments_run_on_tp_rank_zero_and_reach_every_rank():
+    """TP2, both schedules: rank 1's environments would raise; both ranks get the same samples (the
+    first guess is right for secret 5, the third for 7)."""
+    from dist_helpers import spawn
+
+    for overlap in (False, True):
+        a, b = spawn(_tp_rank, 2, overlap)
+        assert a == b and [s[3:] for s in a] == [(1.0, 1), (1.0, 3)]

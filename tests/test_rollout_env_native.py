@@ -6,7 +6,7 @@ reset/step: the calculator runs inside ``step``, the episode ends with the math 
 turn), 16 prompts x 2 samples at temperature 1, the rows bound as the trainer binds them. Checked:
 
 * the reset's messages (the row's) give the dataset prompt's ids under the chat template;
-* samples that called the calculator have two turns: sampled ids ending in ``</tool_call>`` (mask 1),
+* samples that called the calculator (counted as tool calls) have two turns: sampled ids ending in ``</tool_call>`` (mask 1),
   the template's tool context with the calculator's result (mask 0, log-prob 0), the answer turn
   (mask 1); the others one turn;
 * each sample's ``agent_reward`` is the math reward of its last turn when the episode ended there
@@ -87,8 +87,9 @@ def test_calculator_env_episodes_on_the_native_engine(run):
         want = math_answer_reward(final, run["answers"][key // 2]) if finish != "max_turns" else 0.0
         assert extra["agent_reward"] == want == agent_term("", final, None, extra)
         if extra["turns"] == 1:
-            assert mask == [1] * len(response)
+            assert mask == [1] * len(response) and extra["tool_calls"] == 0  # the answer ended the episode
             continue
+        assert extra["tool_calls"] >= 1  # the calls of turn 1 (as OpenAI tool_calls), counted in agent/tool_calls
         first = mask.index(0)
         context_end = first + mask[first:].index(1)
         assert response[first - 1] == end and all(mask[:first]) and all(mask[context_end:])

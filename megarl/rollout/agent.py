@@ -322,15 +322,15 @@ class AgentLoop:
     def env_reply(self, step: Future) -> Reply:
         """First rank: the reply of an environment's step (observations cut to max_tool_output_tokens)."""
         try:
-            observation, reward, done = step.result()
+            observation, reward, done, calls = step.result()
         except Exception as e:  # noqa: BLE001 - the sample's failure, not the rollout's
             return Reply(None, error=f"step: {one_line(e)}")
         if done:
-            return Reply(None, reward=reward)
+            return Reply(None, calls, reward=reward)
         limit = self.options.max_tool_output_tokens
         messages = [{**m, "content": self.renderer.truncate(m["content"], limit)} for m in observation]
         cut = sum(m["content"] != o["content"] for m, o in zip(messages, observation))
-        return Reply(messages, tool_truncations=cut, reward=reward)
+        return Reply(messages, calls, tool_truncations=cut, reward=reward)
 
     def user_reply(self, messages: list[dict]) -> Reply:
         user = self.interaction(messages)

@@ -111,14 +111,15 @@ class EnvironmentRunner:
     # -- step ----------------------------------------------------------------
     def submit_step(self, key: int, text: str) -> Future:
         """Starts the step of ``key``'s environment on its turn's sampled ``text``; the future holds
-        ``(observation messages, reward, done)`` or fails (the sample's failure)."""
+        ``(observation messages, reward, done, tool calls in the turn)`` or fails (the sample's failure)."""
         for eos in self.eos_texts:
             text = text.replace(eos, "")
         return self._bounded(lambda: self._step(key, text))
 
-    def _step(self, key: int, text: str) -> tuple[list[dict], float, bool]:
+    def _step(self, key: int, text: str) -> tuple[list[dict], float, bool, int]:
         conversation = self.conversations[key]
-        conversation.append(assistant_message(text, self.parser, f"{key}_{len(conversation)}"))
+        message = assistant_message(text, self.parser, f"{key}_{len(conversation)}")
+        conversation.append(message)
         got = self.envs[key].step(list(conversation))
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             raise EnvironmentFault(f"step must return (observation messages, reward, done), got {got!r:.80}")
@@ -128,7 +129,7 @@ class EnvironmentRunner:
         if not math.isfinite(reward):
             raise EnvironmentFault(f"step returned reward {reward}")
         conversation += observation
-        return observation, reward, bool(done)
+        return observation, reward, bool(done), len(message.get("tool_calls") or [])
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
