@@ -13,8 +13,8 @@ both schedules (turn by turn, and overlapped through a scripted ``serve``):
 * the reward is the environment's (``agent_reward``, read by the reward term ``agent``), the
   conversation ``step`` sees is OpenAI-shaped (assistant content without ``</s>``);
 * limits: ``max_turns`` ends the episode (reward 0 so far), a small budget ends it at "length";
-* errors: a reset or step that raises, returns the wrong shape or runs past its time limit fails
-  its sample only (loss mask 0 everywhere, ``agent_failed``, ``agent/env_failed_frac``).
+* errors: a reset or step that raises, returns the wrong shape or runs past its time limit, or an
+  opening past ``data.max_prompt_len``, fails its sample only (loss mask 0 everywhere, ``agent_failed``, ``agent/env_failed_frac``).
 The native engine and the factory are covered by ``test_rollout_env_native.py``.
 """
 import time
@@ -57,9 +57,10 @@ class GuessEngine:
             requests = feed.poll(idle=True)
 
 
-def _loop(tok, make_env=lambda: GuessNumberEnv(), overlap=False, max_turns=4, timeout_s=5.0):
+def _loop(tok, make_env=lambda: GuessNumberEnv(), overlap=False, max_turns=4, timeout_s=5.0, max_prompt_len=0):
     engine = GuessEngine(tok)
-    options = AgentOptions(tok.convert_tokens_to_ids("</tool_call>"), max_turns, 64, overlap_tools=overlap)
+    options = AgentOptions(tok.convert_tokens_to_ids("</tool_call>"), max_turns, 64, overlap_tools=overlap,
+                           max_prompt_len=max_prompt_len)
     runner = EnvironmentRunner(make_env, tok, parse_hermes, workers=4, timeout_s=timeout_s)
     return AgentLoop(engine, tok, None, parse_hermes, options, environment=runner), engine
 
@@ -161,6 +162,12 @@ def test_environment_errors_fail_their_samples_only(overlap):
     assert by_key[1].response_ids == [tok.pad_token_id] and by_key[1].prompt_ids == [0, 1]  # nothing sampled
     assert by_key[2].response_ids == engine.script[0]  # what it sampled is kept, masked
     assert loop.stats["agent/env_failed_frac"] == 4 / 5
+    loop, engine = _loop(tok, make_env=Broken, overlap=overlap)
+    (r,) = _generate(loop, [1])  # no reset succeeded: the engine is not called
+    assert r.finish_reason == "failed" and engine.prompts == [] and loop.stats["agent/env_failed_frac"] == 1.0
+    (r,) = _generate(_loop(tok, overlap=overlap, max_prompt_len=20)[0], [0])  # the opening is 73 tokens
+    assert r.extra["agent_error"] == "reset: the opening messages are 73 tokens; data.max_prompt_len is 20"
+    assert r.finish_reason == "failed" and not any(r.loss_mask)
 
 
 def test_environment_config_is_checked():

@@ -171,7 +171,9 @@ class AgentLoop:
             self._reset(requests, trajs)
         turn = replace(params, stop_token_ids=tuple(params.stop_token_ids) + (self.options.tool_call_end,))
         first = [self.next_request(i, t) for i, t in enumerate(trajs) if t.finish is None]
-        if self.options.overlap_tools:
+        if not first:  # every environment's reset failed
+            waited = 0.0
+        elif self.options.overlap_tools:
             from megarl.rollout.agent_overlap import OverlappedTurns
 
             feed = OverlappedTurns(self, trajs)
@@ -191,7 +193,7 @@ class AgentLoop:
 
     def _reset(self, requests: list[Request], trajs: list[Trajectory]) -> None:
         """Every sample's environment reset (first rank, broadcast): its opening messages are its prompt;
-        a reset that fails, or whose prompt leaves no room for a response, fails its sample."""
+        a reset that fails, or whose prompt is longer than ``max_prompt_len``, fails its sample."""
         samples = {r.key: {"key": r.key, "prompt_ids": list(r.prompt), **self.items.get(r.key, {}),
                            "prompt_text": self.tokenizer.decode(r.prompt, skip_special_tokens=False)}
                    for r in requests}
