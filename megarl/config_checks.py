@@ -493,7 +493,9 @@ def check_multi_turn(cfg: Config) -> None:
         return
     check_counts(m, "rollout.multi_turn", ["max_turns", "max_tool_output_tokens", "tool_workers"])
     check_numbers(m, "rollout.multi_turn", ["tool_timeout_s"], low=0, strict=True)
-    if not m.tools:
+    if m.environment:
+        check_environment(m)
+    elif not m.tools:
         raise ConfigError("rollout.multi_turn.tools=[]: a multi-turn rollout needs at least one tool")
     dup = next((t for i, t in enumerate(m.tools) if t in m.tools[:i]), None)
     if dup is not None:
@@ -505,6 +507,18 @@ def check_multi_turn(cfg: Config) -> None:
         raise ConfigError(f"rollout.multi_turn.overlap_tools=true needs rollout.engine=native (the "
                           f"{cfg.rollout.engine} adapter runs one batch per call); "
                           "set rollout.multi_turn.overlap_tools=false")
+
+
+def check_environment(m) -> None:
+    """rollout.multi_turn.environment answers every turn: tools and a simulated user would never run."""
+    if ":" not in m.environment:
+        raise ConfigError(f"rollout.multi_turn.environment={m.environment!r} must be module:function")
+    if m.interaction:
+        raise ConfigError("rollout.multi_turn.environment and rollout.multi_turn.interaction are both set: the "
+                          "environment answers every turn; keep one")
+    if m.tools not in ([], ["calculator"]):  # the default list stays harmless
+        raise ConfigError(f"rollout.multi_turn.tools={m.tools} with rollout.multi_turn.environment: the environment "
+                          "runs the tool calls it receives itself; leave rollout.multi_turn.tools unset")
 
 
 def check_server(cfg: Config) -> None:
