@@ -151,8 +151,8 @@ def ckpt(tmp_path_factory):
 def runs(ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_moe_runs")
     ep2_step1 = str(root / "ep2_True" / "checkpoints" / "step_000001" / "actor")
-    out = {key: spawn(_job, 2, ckpt, key[0], key[1], str(root / f"ep{key[0]}_{key[1]}"),
-                      ep2_step1=ep2_step1 if key[0] == 1 else None)[0]
+    out = {key: spawn(_job, 2, ckpt, key[0], key[1], str(root / f"ep{key[0]}_{key[1]}"), False,
+                      ep2_step1 if key[0] == 1 else None)[0]
            for key in ((2, True), (1, True), (2, False))}
     out["resumed"] = spawn(_job, 2, ckpt, 2, True, str(root / "ep2_True"), True)[0]
     out["dirs"] = root
