@@ -183,13 +183,10 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
 
 def check_moe_rollout(cfg: Config, hf: dict) -> None:
     """The native engine generates with a mixture of experts at parallel.tp=1 (experts over parallel.ep,
-    megarl/rollout/moe_step.py); SGLang's weight stream sends no expert weights."""
+    megarl/rollout/moe_step.py); SGLang's weight stream sends every expert (gathered over EP)."""
     if moe_experts(hf) is None:
         return
-    if cfg.rollout.engine != "native":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine} cannot generate with the mixture-of-experts model "
-                          f"{cfg.model.path} yet (its weight stream sends no expert weights); use rollout.engine=native")
-    if cfg.parallel.tp > 1:
+    if cfg.rollout.engine == "native" and cfg.parallel.tp > 1:
         raise ConfigError(f"rollout.engine=native generates with the mixture-of-experts model {cfg.model.path} at "
                           f"parallel.tp=1 only (parallel.tp={cfg.parallel.tp}); set parallel.tp=1 and spread the "
                           "experts with parallel.ep")
