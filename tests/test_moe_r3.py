@@ -1,0 +1,174 @@
+"""Rollout routing replay (actor.router_replay=r3): the training forward routes to the recorded experts.
+
+Two processes, tiny fp32 Qwen3-MoE (renormalized top-2 of 4 experts) and Qwen2-MoE (softmax over all
+experts, top-2 as they are, shared expert). At EP1 (DP2) the native engine samples (temperature 1)
+each rank's own prompts with expert recording on; the batch carries the ids per position. A forward
+hook on every router compares its routing map (tokens x experts) with the replayed ids on every
+recorded token of every layer, in the old-log-prob forward (padded rows and packed THD rows) and in
+the update's forward. Then the actor takes two updates at lr 0.05, and the earlier rollout is
+replayed again: the choices must still be the recorded ones, while the router left alone (no
+replay, the same forward) picks other experts for some of them (agreement < 1: the replay is what
+keeps them). The router's weights move in those updates (aux loss off: only the gate weights'
+gradient through the replayed experts can move them). At EP2 (2 experts per rank, tokens over
+alltoall) the same batch's replayed log-probs equal EP1's (1e-5), before and after the updates,
+and the choices equal the recorded ones there too.
+Not covered: PP (the ids are gathered over stages: all_stage_layers), full recompute with replay,
+bf16, TP (MoE rollout needs TP 1).
+"""
+import pytest
+import torch
+
+from dist_helpers import spawn
+
+ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
+PROMPTS = {0: [[7, 8, 9, 10, 11, 12], [50, 51, 52]], 1: [[40, 41, 42], list(range(20, 31))]}
+
+
+def _actor(ckpt, ep, packing=True):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups
+    from megarl.roles.build import build_actor
+
+    groups = build_parallel_groups(1, 1, 1, ep, 1)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path = ckpt
+    cfg.parallel.ep = ep
+    cfg.actor.router_replay = "r3"
+    cfg.actor.packing = packing
+    cfg.actor.optim.lr = 0.05
+    cfg.actor.micro_batch_size = 2
+    return build_actor(cfg, groups, optimizer_steps=4), groups, cfg
+
+
+class ChoiceCheck:
+    """Router forward hooks: recorded (token, layer) rows whose routing map is not the replayed ids."""
+
+    def __init__(self, actor):
+        self.wrong = self.checked = 0
+        for m in actor.module.modules():
+            if hasattr(m, "router") and hasattr(m, "token_dispatcher"):
+                m.router.register_forward_hook(self.hook)
+
+    def hook(self, router, _inputs, out):
+        replay = router.router_replay
+        if replay.owner.ids is None or not replay.owner.replace:
+            return
+        ids, valid = replay.owner.ids[:, replay.layer], replay.owner.valid
+        want = torch.zeros_like(out[1]).scatter(1, torch.where(valid[:, None], ids, 0), True)
+        self.wrong += int((want[valid] != out[1][valid]).any(-1).sum())
+        self.checked += int(valid.sum())
+
+
+def _rollout(actor, groups, rank):
+    from megarl.rollout.engine import SamplingParams, sample_requests
+    from megarl.rollout.native import EngineOptions, NativeEngine
+    from megarl.trainer.rollout import to_sample_batch
+
+    options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001,
+                            record_experts=True)
+    engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)
+    results = engine.generate(sample_requests(PROMPTS[rank], 2, 7 + rank, 6), SamplingParams(temperature=1.0))
+    return to_sample_batch(results, 0, "cpu")
+
+
+def _train(actor, batch, cfg):
+    """Two updates on the rollout (advantages from the sampled tokens' ids: fixed, nonzero)."""
+    b = batch.select(torch.arange(len(batch)))
+    b.old_logprobs = b.rollout_logprobs.clone()
+    b.advantages = (b.input_ids % 3 - 1).float() * b.response_mask
+    for _ in range(2):
+        (m,) = actor.update(b, cfg.actor, 1.0, [torch.arange(len(b))], norm_len=6)
+    return m
+
+
+def _router_weights(actor):
+    return torch.cat([m.router.weight.detach().flatten().clone() for m in actor.module.modules()
+                      if hasattr(m, "router") and hasattr(m, "token_dispatcher")])
+
+
+def _job(rank, ckpts):
+    from megarl.distributed import init_distributed
+
+    init_distributed()
+    out = {}
+    for arch, ckpt in ckpts.items():
+        batches = {}
+        for ep in (1, 2):
+            actor, groups, cfg = _actor(ckpt, ep)
+            check = ChoiceCheck(actor)
+            batch = batches.setdefault("rollout", _rollout(actor, groups, rank)) if ep == 1 else batches["rollout"]
+            r = {"before": actor.logprobs(batch, 2, 1.0)["logprobs"], "agree_before": actor.replay.read()}
+            actor.options = type(actor.options)(packing=False)
+            r["padded"] = actor.logprobs(batch, 2, 1.0)["logprobs"]
+            actor.options = type(actor.options)(packing=True)
+            routers = _router_weights(actor)
+            _train(actor, batch, cfg)
+            r["router_moved"] = float((_router_weights(actor) - routers).abs().max())
+            actor.replay.reset()
+            r["after"] = actor.logprobs(batch, 2, 1.0)["logprobs"]
+            r["agree_after"] = actor.replay.read()
+            with actor.replay.observing():
+                r["free_after"] = actor.logprobs(batch, 2, 1.0)["logprobs"]
+            r["own_after"] = actor.replay.read()
+            r["wrong"], r["checked"] = check.wrong, check.checked
+            r["mask"], r["rollout"] = batch.response_mask, batch.rollout_logprobs
+            out[(arch, ep)] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("moe_r3")
+    ckpts = {}
+    for i, arch in enumerate(ARCHS):
+        ckpts[arch] = str(root / arch)
+        make_tiny_checkpoint(ckpts[arch], arch, seed=60 + i)
+    return spawn(_job, 2, ckpts)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_routes_to_recorded_experts(runs, arch, ep):
+    """Every recorded token of every layer, in every replayed forward (old log-probs packed and padded,
+    the updates' forwards, the replay after training)."""
+    for rank in runs:
+        r = rank[(arch, ep)]
+        assert r["checked"] > 100 and r["wrong"] == 0
+        assert r["agree_before"]["r3/agreement"] == 1.0  # same weights as the rollout: the router agrees
+        assert set(r["agree_before"]) == {"r3/agreement", "r3/agreement/layer_0", "r3/agreement/layer_1"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replay_holds_after_the_router_changed(runs, arch):
+    for rank in runs:
+        r = rank[(arch, 1)]
+        assert r["router_moved"] > 1e-3  # the gate weights' gradient reached the router
+        assert r["own_after"]["r3/agreement"] < 1.0  # the router would choose others
+        assert r["agree_after"]["r3/agreement"] < 1.0  # counted in the replayed forward too
+        mask = r["mask"] != 0
+        assert (r["after"] - r["free_after"]).abs()[mask].max() > 1e-4  # replay changes the log-probs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rollout_logprobs_equal_replayed_training(runs, arch):
+    """Same weights: replayed training log-probs == the engine's (1e-5), packed and padded."""
+    for rank in runs:
+        r = rank[(arch, 1)]
+        mask = r["mask"] != 0
+        for key in ("before", "padded"):
+            assert (r[key] - r["rollout"]).abs()[mask].max() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ep2_matches_ep1(runs, arch):
+    for rank in runs:
+        one, two = rank[(arch, 1)], rank[(arch, 2)]
+        mask = one["mask"] != 0
+        for key in ("before", "after"):
+            assert (one[key] - two[key]).abs()[mask].max() <= 1e-5, key
+        assert two["agree_after"]["r3/agreement"] == pytest.approx(one["agree_after"]["r3/agreement"], abs=1e-12)
