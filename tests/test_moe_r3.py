@@ -14,9 +14,14 @@ alltoall) the choices equal the recorded ones in every forward too, and the same
 log-probs and agreement equal EP1's (1e-5) with the checkpoint's weights and with EP1's trained
 weights (exported, loaded at EP2: the replay compared alone; EP2's own two Adam steps at lr 0.05
 land within ~1e-4 of EP1's, as Adam's first steps amplify fp32 differences of small gradients).
-Not covered: PP (the ids are gathered over stages: all_stage_layers), full recompute with replay,
-bf16, TP (MoE rollout needs TP 1).
+PP2 (one replica over both ranks): each stage records its own layer, the batch gathers both
+(equal to PP1's ids for the same prompts and seeds), and each stage's routers replay their layer.
+The PPO step's prepare phase returns the r3 metrics, equal to the ones read directly.
+Not covered: full recompute with replay (unit-tested in test_moe_r3_plumbing), bf16, TP (MoE
+rollout needs TP 1), the on-policy update path's agreement read.
 """
+import pickle
+
 import pytest
 import torch
 
@@ -26,18 +31,18 @@ ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
 PROMPTS = {0: [[7, 8, 9, 10, 11, 12], [50, 51, 52]], 1: [[40, 41, 42], list(range(20, 31))]}
 
 
-def _actor(ckpt, ep, packing=True):
+def _actor(ckpt, ep, packing=True, pp=1):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups
     from megarl.roles.build import build_actor
 
-    groups = build_parallel_groups(1, 1, 1, ep, 1)
+    groups = build_parallel_groups(1, pp, 1, ep, 1)
     model_parallel_cuda_manual_seed(0)
     cfg = Config()
     cfg.model.path = ckpt
-    cfg.parallel.ep = ep
+    cfg.parallel.ep, cfg.parallel.pp = ep, pp
     cfg.actor.router_replay = "r3"
     cfg.actor.packing = packing
     cfg.actor.optim.lr = 0.05
@@ -91,6 +96,20 @@ def _router_weights(actor):
                       if hasattr(m, "router") and hasattr(m, "token_dispatcher")])
 
 
+def _prepare(actor, groups, cfg, batch):
+    """The PPO step's prepare phase on the rollout (old-log-prob forward on): its r3 metrics, old log-probs."""
+    from megarl.trainer import phases
+    from megarl.trainer.metrics import PhaseTimer
+    from megarl.trainer.rollout import Rollout
+
+    n = len(batch)
+    rollout = Rollout(batch=batch.select(torch.arange(n)), prompts=[""] * n, responses=[""] * n, answers=[None] * n,
+                      extras=[{}] * n, group_ids=torch.arange(n), finish_reasons=["stop"] * n)
+    cfg.actor.ppo_epochs = 2  # not an on-policy update: the old-log-prob forward runs
+    metrics = phases.prepare(rollout, cfg, 0, groups.dp_size, actor, None, None, PhaseTimer())
+    return metrics, rollout.batch.old_logprobs
+
+
 def _job(rank, ckpts, root):
     from megarl.distributed import init_distributed
     from megarl.models import export_hf
@@ -118,19 +137,37 @@ def _job(rank, ckpts, root):
                 r["free_after"] = actor.logprobs(batch, 2, 1.0)["logprobs"]
             r["own_after"] = actor.replay.read()
             r["wrong"], r["checked"] = check.wrong, check.checked
-            r["mask"], r["rollout"] = batch.response_mask, batch.rollout_logprobs
+            r["mask"], r["rollout"], r["experts"] = batch.response_mask, batch.rollout_logprobs, batch.expert_ids
             if ep == 1:
+                r["prepare"], r["old"] = _prepare(actor, groups, cfg, batch)
                 export_hf(actor.module, actor.info, groups, trained)
             else:  # EP1's trained weights at EP2: the same replayed forward
                 actor, groups, cfg = _actor(trained, ep)
                 r["after_ep1_weights"] = actor.logprobs(batch, 2, 1.0)["logprobs"]
                 r["agree_ep1_weights"] = actor.replay.read()
             out[(arch, ep)] = r
-    return out
+    return pickle.dumps(out)  # plain bytes: tensors sent through the queue's shared memory can vanish
+
+
+def _pp_job(rank, ckpt):
+    """PP2 (one replica: both ranks generate rank 0's prompts from its seed): each stage records its own
+    layer; the batch gathers both; each stage's routers replay their layer."""
+    from megarl.distributed import init_distributed
+    from megarl.models.router_replay import all_stage_layers
+
+    init_distributed()
+    actor, groups, cfg = _actor(ckpt, 1, pp=2)
+    check = ChoiceCheck(actor)
+    batch = _rollout(actor, groups, 0)
+    local = batch.expert_ids.shape
+    batch.expert_ids = all_stage_layers(batch.expert_ids, groups)
+    lp = actor.logprobs(batch, 2, 1.0)["logprobs"]
+    return pickle.dumps({"local": local, "experts": batch.expert_ids, "logprobs": lp, "rollout": batch.rollout_logprobs,
+                         "mask": batch.response_mask, "wrong": check.wrong, "checked": check.checked})
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def setup(tmp_path_factory):
     from megarl.models.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("moe_r3")
@@ -138,7 +175,12 @@ def runs(tmp_path_factory):
     for i, arch in enumerate(ARCHS):
         ckpts[arch] = str(root / arch)
         make_tiny_checkpoint(ckpts[arch], arch, seed=60 + i)
-    return spawn(_job, 2, ckpts, str(root))
+    return {"ckpts": ckpts, "root": root, "runs": [pickle.loads(r) for r in spawn(_job, 2, ckpts, str(root))]}
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    return setup["runs"]
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -182,3 +224,31 @@ def test_ep2_matches_ep1(runs, arch):
         assert (one["before"] - two["before"]).abs()[mask].max() <= 1e-5
         assert (one["after"] - two["after_ep1_weights"]).abs()[mask].max() <= 1e-5
         assert two["agree_ep1_weights"] == pytest.approx(one["agree_after"], abs=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prepare_phase_metrics(runs, arch):
+    """The step's prepare phase (after the updates): old log-probs replayed, agreement of that forward,
+    and the probe without replay (its agreement and its log-prob mismatch over both DP ranks)."""
+    free_max = max(float((r[(arch, 1)]["free_after"] - r[(arch, 1)]["rollout"]).abs()[r[(arch, 1)]["mask"] != 0].max())
+                   for r in runs)
+    for rank in runs:
+        r = rank[(arch, 1)]
+        m = r["prepare"]
+        assert torch.equal(r["old"], r["after"])
+        assert m["r3/agreement"] == pytest.approx(r["agree_after"]["r3/agreement"], abs=1e-12)
+        assert m["r3/no_replay/agreement"] == pytest.approx(r["own_after"]["r3/agreement"], abs=1e-12)
+        assert m["r3/no_replay/agreement/layer_1"] == pytest.approx(r["own_after"]["r3/agreement/layer_1"], abs=1e-12)
+        assert m["mismatch/no_replay/abs_max"] == pytest.approx(free_max, abs=1e-6)
+        assert 0 < m["mismatch/no_replay/abs_mean"] <= m["mismatch/no_replay/abs_max"]
+
+
+def test_pipeline_stages_replay_their_layers(setup, runs):
+    arch = ARCHS[0]
+    pp = [pickle.loads(r) for r in spawn(_pp_job, 2, setup["ckpts"][arch])]
+    for stage in pp:
+        assert stage["local"][2] == 1  # each stage recorded its one layer
+        assert torch.equal(stage["experts"], runs[0][(arch, 1)]["experts"])  # == PP1's, both layers
+        assert stage["checked"] > 20 and stage["wrong"] == 0
+        mask = stage["mask"] != 0
+        assert (stage["logprobs"] - stage["rollout"]).abs()[mask].max() <= 1e-5
