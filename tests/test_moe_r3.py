@@ -17,7 +17,8 @@ land within ~1e-4 of EP1's, as Adam's first steps amplify fp32 differences of sm
 PP2 (one replica over both ranks): each stage records its own layer, the batch gathers both
 (equal to PP1's ids for the same prompts and seeds), and each stage's routers replay their layer.
 The PPO step's prepare phase returns the r3 metrics, equal to the ones read directly.
-Not covered: full recompute with replay (unit-tested in test_moe_r3_plumbing), bf16, TP (MoE
+Full recompute at EP2: the recomputed layers route as their first pass did (same updates as
+without recompute). Not covered: bf16, TP (MoE
 rollout needs TP 1), the on-policy update path's agreement read.
 """
 import pickle
@@ -31,7 +32,7 @@ ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
 PROMPTS = {0: [[7, 8, 9, 10, 11, 12], [50, 51, 52]], 1: [[40, 41, 42], list(range(20, 31))]}
 
 
-def _actor(ckpt, ep, packing=True, pp=1):
+def _actor(ckpt, ep, packing=True, pp=1, recompute="none"):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.config import Config
@@ -47,6 +48,7 @@ def _actor(ckpt, ep, packing=True, pp=1):
     cfg.actor.packing = packing
     cfg.actor.optim.lr = 0.05
     cfg.actor.micro_batch_size = 2
+    cfg.actor.recompute = recompute
     return build_actor(cfg, groups, optimizer_steps=4), groups, cfg
 
 
@@ -147,6 +149,22 @@ def _job(rank, ckpts, root):
                 r["agree_ep1_weights"] = actor.replay.read()
             out[(arch, ep)] = r
     return pickle.dumps(out)  # plain bytes: tensors sent through the queue's shared memory can vanish
+
+
+def _recompute_job(rank, ckpt):
+    """EP2 with full recompute: the backward pass's second forward of each layer replays the same ids."""
+    from megarl.distributed import init_distributed
+
+    init_distributed()
+    out = {}
+    for recompute in ("none", "full"):
+        actor, groups, cfg = _actor(ckpt, 2, recompute=recompute)
+        check = ChoiceCheck(actor)
+        batch = _rollout(actor, groups, rank)
+        m = _train(actor, batch, cfg)
+        out[recompute] = {"grad_norm": m["grad_norm"], "wrong": check.wrong, "checked": check.checked,
+                          "after": actor.logprobs(batch, 2, 1.0)["logprobs"].numpy()}
+    return out
 
 
 def _pp_job(rank, ckpt):
@@ -252,3 +270,15 @@ def test_pipeline_stages_replay_their_layers(setup, runs):
         assert stage["checked"] > 20 and stage["wrong"] == 0
         mask = stage["mask"] != 0
         assert (stage["logprobs"] - stage["rollout"]).abs()[mask].max() <= 1e-5
+
+
+def test_full_recompute_replays(setup):
+    """Two updates with full recompute at EP2 equal the ones without (grad norm 1e-6, log-probs after 1e-5),
+    every recomputed router forward replaying too. Without PP a micro-batch's backward follows its forward,
+    so the loaded ids are still its own; the queue that keeps them under 1F1B is unit-tested
+    (test_moe_r3_plumbing.test_full_recompute_gets_its_first_pass_ids)."""
+    for rank in spawn(_recompute_job, 2, setup["ckpts"][ARCHS[0]]):
+        plain, full = rank["none"], rank["full"]
+        assert full["wrong"] == 0 and full["checked"] > plain["checked"]  # the recomputes were checked too
+        assert full["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+        assert abs(full["after"] - plain["after"]).max() <= 1e-5
