@@ -77,7 +77,8 @@ def batch_expert_ids(results, width: int) -> Optional[torch.Tensor]:
 
 def all_stage_layers(ids: Optional[torch.Tensor], groups) -> Optional[torch.Tensor]:
     """(B, L, stage layers, k) this pipeline stage's recorded layers -> (B, L, all layers, k), stage
-    order, on every stage (collective over the PP group); as is at pp = 1."""
+    order, on every stage (collective over the PP group; parallel.pp divides the layers, so every
+    stage holds as many); as is at pp = 1."""
     if groups.pp_size == 1 or ids is None:
         return ids
     parts = [torch.empty_like(ids) for _ in range(groups.pp_size)]
