@@ -7,7 +7,8 @@ yaml/tiny_moe.yaml (4 MoE layers, 8 experts, top-2, EP2 on 2 ranks, fp32), one s
 2. ``trainer.replay_rollouts=DIR actor.router_replay=r3`` trains on it: with the weights that
    generated (the shipped ones) in fp32 the training router agrees with the rollout on every
    recorded choice with and without replay (r3/agreement = r3/no_replay/agreement = 1, per layer
-   too) and both log-prob mismatches are at fp32 rounding (<= 1e-4).
+   too) and both log-prob mismatches are at fp32 rounding (<= 1e-4). Again with one mini-batch
+   (an on-policy update: no old-log-prob forward; the update's replayed forward is measured).
 3. The same dump with its ids removed, replayed under r3: exit 2, one line naming the key and the fix.
 """
 from __future__ import annotations
@@ -44,6 +45,14 @@ def test_r3_dump_and_replay(tmp_path):
     for prefix in ("r3", "r3/no_replay"):
         assert m[f"{prefix}/agreement"] == 1.0 and m[f"{prefix}/agreement/layer_3"] == 1.0
     assert m["mismatch/abs_max"] <= 1e-4 and m["mismatch/no_replay/abs_max"] <= 1e-4
+
+    # one mini-batch: the update is on-policy, its own forward (replayed) stands in for the old one
+    on_policy = tmp_path / "on_policy"
+    ppo("yaml/tiny_moe.yaml", on_policy, *FAST, "actor.mini_batch_size=32", f"trainer.replay_rollouts={dumps}",
+        "actor.router_replay=r3", steps=1)
+    m = metrics(on_policy)[1]
+    assert m["perf/old_logprob_forward_skipped"] == 1.0
+    assert m["r3/agreement"] == 1.0 and m["r3/no_replay/agreement"] == 1.0 and m["mismatch/abs_max"] <= 1e-4
 
     bare = tmp_path / "bare"
     bare.mkdir()
