@@ -11,7 +11,8 @@
 - The batch: engine results -> positions P - 1 .. P + R - 2 (uint8, int16 from 256 experts); rows
   selected, rollouts concatenated (widths differ), dumps written and read back, rows re-dealt over
   2 DP ranks: every row keeps its own ids.
-- Config: r3 on a dense model, with multi-turn, a negative probe interval: one-line errors; r3 turns
+- Config: r3 on a dense model, with multi-turn, the agent server, partial rollouts, a negative probe
+  interval: one-line errors; r3 turns
   the engine's recording on.
 """
 from types import SimpleNamespace
@@ -191,6 +192,7 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
     ({}, {"architectures": ["Qwen3ForCausalLM"]}, "actor.router_replay=r3 needs a mixture-of-experts model"),
     ({"multi_turn": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.multi_turn.enable=true"),
     ({"server": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.server.enable=true"),
+    ({"partial": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.partial=true"),
     ({"probe": -1}, QWEN3_MOE, "actor.router_replay_probe_every"),
 ])
 def test_config_errors(change, hf, message):
@@ -200,6 +202,7 @@ def test_config_errors(change, hf, message):
     cfg = _cfg(router_replay="r3", router_replay_probe_every=change.get("probe", 1))
     cfg.rollout.multi_turn.enable = change.get("multi_turn", False)
     cfg.rollout.server.enable = change.get("server", False)
+    cfg.rollout.partial = change.get("partial", False)
     with pytest.raises(ConfigError) as e:
         check_router_replay(cfg, hf)
     assert message in str(e.value) and "\n" not in str(e.value)

@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from megarl.roles.inputs import ModelInputs
 
-PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns", "token_versions")
 PER_SEQUENCE = ("greedy_scores",)
 PER_POSITION = ("expert_ids",)  # (B, L, ...) beside the token fields, kept in their compact dtype
 
@@ -44,7 +44,10 @@ class SampleBatch:
     # MoE, recorded by the engine: (B, L, layers, k) uint8 | int16 expert ids that routed input token t at
     # every MoE layer in the rollout; unrecorded positions marked (megarl/models/router_replay.py)
     expert_ids: Optional[torch.Tensor] = None
-    policy_version: int = 0  # trainer steps of the weights that sampled (how stale a replayed batch is)
+    token_versions: Optional[torch.Tensor] = None  # (B, L) long policy version that sampled each response token
+    #                                                (rollout.partial; 0 off the response), None: all policy_version
+    policy_version: int = 0  # trainer steps of the weights that sampled (how stale a replayed batch is);
+    #                          with partial rollouts the oldest token's
     model_inputs: Optional["ModelInputs"] = None  # a micro-batch's model view, set by ModelRole.run
 
     def __len__(self) -> int:
