@@ -2,11 +2,13 @@
 
 The loss is the mean negative log-likelihood of response tokens (the prompt is
 context only), summed over micro-batches and DP ranks and divided once by the
-global token count.
+global token count. The export gets ``megarl_sft.json``: the recipe and the weights' hashes
+(megarl/trainer/sft_record.py).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megarl.config import Config
@@ -21,6 +23,7 @@ from megarl.roles.batch import SampleBatch
 from megarl.roles.build import model_options
 from megarl.roles.optim import build_trainable
 from megarl.roles.policy import Policy, token_logprobs
+from megarl.trainer.sft_record import sft_recipe, write_sft_record
 
 
 def sft_batch(rows: list[SFTRow], pad_id: int, dev) -> SampleBatch:
@@ -64,10 +67,15 @@ def run_sft(cfg: Config, log) -> Policy:
     log(0, 0, data.counts)
     policy = build_policy(cfg, groups, data.steps)
     head, pad = nll_head(policy), tokenizer.pad_token_id or 0
+    m = {"nll": 0.0, "tokens": 0}
     for step in range(data.steps):
         batch = sft_batch([data.rows[i] for i in next(data.sampler)], pad, device())
         micro = [batch.select(i) for i in batch.micro_batch_index(s.micro_batch_size)]
         m = policy.train_step(micro, head)
         log(step + 1, data.steps, m)
     export_hf(policy.module, policy.info, groups, s.out_dir, copy_from=tokenizer_dir)
+    dist.barrier()  # every stage's files are written before rank 0 hashes them
+    if dist.get_rank() == 0:
+        recipe = sft_recipe(cfg, dist.get_world_size())
+        write_sft_record(s.out_dir, recipe, data.steps, float(m["nll"]) / max(float(m["tokens"]), 1.0))
     return policy
