@@ -54,20 +54,22 @@ class SFTPart:
     weight: float = 1.0
 
 
+def _pick(entry: Any, section: Any, key: str) -> str:
+    """The entry's own value of ``key``, else the ``sft`` section's."""
+    own = getattr(entry, key, None)
+    return own if own is not None else getattr(section, key)
+
+
 def sft_parts(cfg: Any) -> list[SFTPart]:
     """``sft.train_mix`` entries (own columns over ``sft.*``'s), or ``sft.train_path`` alone."""
     s = cfg.sft
-    entries = s.train_mix or [None]
     parts = []
-    for e in entries:
-        def pick(key: str) -> str:
-            own = getattr(e, key, None)
-            return own if own is not None else getattr(s, key)
-
+    for e in s.train_mix or [None]:
         path, split, subset = (s.train_path, s.train_split, s.subset) if e is None else (e.path, e.split, e.subset)
         base = PromptDataConfig.from_section(cfg.data, path, split, subset)
-        prompts = dataclasses.replace(base, columns=Columns(pick("prompt_key"), "answer", pick("row_map")))
-        parts.append(SFTPart(prompts, pick("response_key"), 1.0 if e is None else e.weight))
+        columns = Columns(_pick(e, s, "prompt_key"), "answer", _pick(e, s, "row_map"))
+        parts.append(SFTPart(dataclasses.replace(base, columns=columns), _pick(e, s, "response_key"),
+                             1.0 if e is None else e.weight))
     return parts
 
 
