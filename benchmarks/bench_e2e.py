@@ -295,7 +295,9 @@ def trl_config(w: dict):
         beta=w["beta"], learning_rate=w["lr"], lr_scheduler_type="constant", warmup_steps=0,
         max_grad_norm=w["clip_grad"], weight_decay=0.0, use_vllm=False,
         gradient_checkpointing=w["trl_gradient_checkpointing"], dataloader_num_workers=0,
-        model_init_kwargs={"dtype": w["trl_param_dtype"], "attn_implementation": "sdpa"})
+        model_init_kwargs={"dtype": w["trl_param_dtype"], "attn_implementation": "sdpa"},
+        # MoE (bench_moe_e2e.py): the load-balancing loss as megarl's actor.moe_aux_loss_coef
+        **({"router_aux_loss_coef": w["router_aux_loss_coef"]} if "router_aux_loss_coef" in w else {}))
 
 
 def trl_worker(spec_path: str) -> None:
