@@ -154,3 +154,13 @@ def test_config_errors_are_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         check_sft_data(cfg_of(override).sft)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_mix_paths_are_read_beside_the_yaml(tmp_path, monkeypatch):
+    """A relative sft.train_mix path not found from the working directory is the yaml's neighbour."""
+    write_jsonl(tmp_path / "rows_beside.jsonl", [{"prompt": "reverse 12", "response": "#### 21"}])
+    (tmp_path / "run.yaml").write_text("sft:\n  train_mix:\n    - {path: rows_beside.jsonl, weight: 2}\n")
+    monkeypatch.chdir(ROOT)
+    cfg = load_config([str(tmp_path / "run.yaml")], Config)
+    assert cfg.sft.train_mix[0].path == str(tmp_path / "rows_beside.jsonl")
+    check_sft_data(cfg.sft)
