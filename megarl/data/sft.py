@@ -79,7 +79,8 @@ def response_text(item: PromptItem, key: str) -> str:
     if value is None:
         columns = ", ".join(map(str, item.extra)) or "none"
         raise DataError(f"{item.source}: SFT row has no {key!r} column (sft.response_key; its columns besides "
-                        f"the prompt: {columns}); set sft.response_key to the response column or map rows with sft.row_map")
+                        f"the prompt: {columns}); set sft.response_key to the response column or map rows "
+                        "with sft.row_map")
     if not isinstance(value, str):
         raise DataError(f"{item.source}: SFT response {key!r} is a {type(value).__name__}; it must be a string")
     return value

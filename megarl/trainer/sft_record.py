@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 RECORD = "megarl_sft.json"
-_DATA_KEYS = ("max_prompt_len", "apply_chat_template", "skip_malformed", "seed")
+_DATA_KEYS = ("max_prompt_len", "apply_chat_template", "skip_malformed", "seed", "system_prompt")
 
 
 def file_sha256(path: str | Path) -> str:
@@ -48,7 +48,7 @@ def sft_recipe(cfg: Any, world_size: int) -> dict[str, Any]:
     return {
         "sft": sft,
         "model": {"path": cfg.model.path, "tokenizer": cfg.model.tokenizer, "dtype": cfg.model.dtype},
-        "data": {k: getattr(cfg.data, k) for k in _DATA_KEYS} | {"system_prompt": getattr(cfg.data, "system_prompt", None)},
+        "data": {k: getattr(cfg.data, k, None) for k in _DATA_KEYS},  # system_prompt: None where data has none
         "parallel": dataclasses.asdict(cfg.parallel),
         "trainer_seed": cfg.trainer.seed,
         "world_size": world_size,
