@@ -22,7 +22,7 @@ from megarl.config import Config
 from megarl.trainer.sft_record import read_sft_record, recipe_differences, sft_recipe, weights_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = [("yaml/tiny_sft.yaml", "megarl/assets/tiny/sft")]
+SHIPPED = [("yaml/tiny_sft.yaml", "megarl/assets/tiny/sft"), ("yaml/tiny_tools_sft.yaml", "megarl/assets/tiny_tools/sft")]
 
 
 @pytest.mark.parametrize("yaml_path, asset", SHIPPED)
