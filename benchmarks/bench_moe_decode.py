@@ -33,6 +33,7 @@ and the live K/V (B x (prompt + new/2) tokens). ``pct_of_floor`` = floor / ms_pe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -94,7 +95,8 @@ def hf_tensors(module, info) -> dict[str, torch.Tensor]:
         elif rule.kind == VOCAB:
             out[rule.hf_names[0]] = p[:info.vocab_size]
         elif rule.kind == GROUPED_GATE_UP:  # weight1 (h, E*2F) is (E, h, 2F) -> (E, 2F, h)
-            out[f"{layer}.mlp.experts.gate_up_proj"] = p.view(info.moe.num_experts, info.hidden_size, -1).transpose(1, 2)
+            experts_h = p.view(info.moe.num_experts, info.hidden_size, -1)  # (E, h, 2F)
+            out[f"{layer}.mlp.experts.gate_up_proj"] = experts_h.transpose(1, 2)
         elif rule.kind == GROUPED_DOWN:  # weight2 (E*F, h) is (E, F, h) -> (E, h, F)
             out[f"{layer}.mlp.experts.down_proj"] = p.view(info.moe.num_experts, -1, info.hidden_size).transpose(1, 2)
         elif rule.kind in ("expert_gate_up", "expert_down"):
@@ -237,6 +239,7 @@ def engine_rows(module, info, groups, args, peaks: Peaks) -> list[dict]:
     rows = [engine_row(engine, info, b, args) for b in args.batches]
     engine.release_memory()
     del engine
+    gc.collect()  # the graphs' memory pools go with the engine
     peaks.mark("engine_decode")
     recorder = make_engine(module, info, groups, args, max(args.batches), record=True)
     for row in rows:
@@ -248,6 +251,7 @@ def engine_rows(module, info, groups, args, peaks: Peaks) -> list[dict]:
         row["decode_pct_of_floor"] = row["floor_ms"] / row["decode_ms_per_step"]
     recorder.release_memory()
     del recorder
+    gc.collect()
     peaks.mark("expert_count")
     return rows
 

@@ -79,6 +79,7 @@ class MultiTurnConfig:
     tool_timeout_s: float = opt(10.0, "wall seconds per tool call")
     tool_workers: int = opt(8, "tool calls running at once (threads; the python tool runs in a subprocess)")
     interaction: str = opt("", "simulated user: module:function(messages) -> next user message or None; empty: none")
+    environment: str = opt("", "gym-style environment factory module:function (a class works), one per sample: reset(sample) -> opening messages, step(messages) -> (observation messages, reward, done); it answers every turn (tool calls reach it as OpenAI tool_calls; tools and interaction unused), the rewards' sum is the reward term 'agent'; tool_workers / tool_timeout_s bound its calls")
     overlap_tools: bool = opt(True, "a sample's tool calls start when its turn ends and its next turn joins the running batch when they return (rollout.engine=native); false: turn by turn, every sample waits for the slowest (same tokens)")
 
 
@@ -138,6 +139,8 @@ class RolloutConfig:
     record_experts: bool = opt(False, "native engine, MoE model: keep each response token's top-k expert ids per MoE layer in the result (steps run eagerly)")
     prefix_cache: bool = opt(False, "reuse full K/V pages of equal token prefixes (a request prefilled after another that starts the same way; a conversation's earlier turns) until the weights change; off: every call starts cold, so results never depend on earlier calls")
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
+    partial: bool = opt(False, "partial rollouts: a step stops generating once enough whole groups (a prompt's n samples) have finished to fill the batch; unfinished responses keep their tokens and resume in the next step under the new weights (each token records the policy version that sampled it; native engine; pair with algorithm.rollout_correction.preset=async)")
+    partial_batches: int = opt(2, "rollout.partial: batches of data.batch_size prompts in flight per step (each step tops up with new batches to this many); >= 2, since a step trains one batch's worth")
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from megarl.errors import ConfigError
-from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutCorrectionConfig
+from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutConfig, RolloutCorrectionConfig
 from megarl.algos.advantages import get_advantage
 from megarl.algos.rollout_correction import from_section as correction_from_section, keys_read
 from megarl.algos.losses import get_policy_loss
@@ -447,6 +447,31 @@ def check_dapo(cfg: Config) -> None:
                           f"batches as they are: set {key}.dynamic_sampling=false to replay")
 
 
+def check_partial(cfg: Config) -> None:
+    """rollout.partial: the native engine's early stop, one single-turn generation per step."""
+    r = cfg.rollout
+    if not r.partial:
+        if r.partial_batches != RolloutConfig().partial_batches:
+            raise ConfigError("rollout.partial_batches is read only with rollout.partial=true; set it or drop "
+                              "partial_batches")
+        return
+    if r.partial_batches < 2:
+        raise ConfigError(f"rollout.partial_batches={r.partial_batches} must be >= 2: a step trains one batch, so "
+                          "with one in flight nothing is left to carry over (rollout.partial=false does that)")
+    clash = [(r.engine == "sglang", "rollout.engine=sglang (only the native engine stops a generation and resumes "
+                                    "its requests)"),
+             (r.multi_turn.enable, "rollout.multi_turn.enable=true (a conversation cannot be resumed mid-turn)"),
+             (r.server.enable, "rollout.server.enable=true (agents drive their own requests)"),
+             (cfg.algorithm.dapo.dynamic_sampling, "algorithm.dapo.dynamic_sampling=true (both decide which "
+                                                   "groups fill the batch)"),
+             (cfg.algorithm.advantage == "remax", "algorithm.advantage=remax (its greedy baseline is generated "
+                                                  "per step)"),
+             (bool(cfg.trainer.replay_rollouts), "trainer.replay_rollouts (replayed batches are not generated)")]
+    why = next((text for bad, text in clash if bad), None)
+    if why:
+        raise ConfigError(f"rollout.partial=true does not work with {why}; or set rollout.partial=false")
+
+
 def check_sglang(cfg: Config) -> None:
     s = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang":
@@ -468,7 +493,9 @@ def check_multi_turn(cfg: Config) -> None:
         return
     check_counts(m, "rollout.multi_turn", ["max_turns", "max_tool_output_tokens", "tool_workers"])
     check_numbers(m, "rollout.multi_turn", ["tool_timeout_s"], low=0, strict=True)
-    if not m.tools:
+    if m.environment:
+        check_environment(m)
+    elif not m.tools:
         raise ConfigError("rollout.multi_turn.tools=[]: a multi-turn rollout needs at least one tool")
     dup = next((t for i, t in enumerate(m.tools) if t in m.tools[:i]), None)
     if dup is not None:
@@ -480,6 +507,18 @@ def check_multi_turn(cfg: Config) -> None:
         raise ConfigError(f"rollout.multi_turn.overlap_tools=true needs rollout.engine=native (the "
                           f"{cfg.rollout.engine} adapter runs one batch per call); "
                           "set rollout.multi_turn.overlap_tools=false")
+
+
+def check_environment(m) -> None:
+    """rollout.multi_turn.environment answers every turn: tools and a simulated user would never run."""
+    if ":" not in m.environment:
+        raise ConfigError(f"rollout.multi_turn.environment={m.environment!r} must be module:function")
+    if m.interaction:
+        raise ConfigError("rollout.multi_turn.environment and rollout.multi_turn.interaction are both set: the "
+                          "environment answers every turn; keep one")
+    if m.tools not in ([], ["calculator"]):  # the default list stays harmless
+        raise ConfigError(f"rollout.multi_turn.tools={m.tools} with rollout.multi_turn.environment: the environment "
+                          "runs the tool calls it receives itself; leave rollout.multi_turn.tools unset")
 
 
 def check_server(cfg: Config) -> None:
@@ -677,6 +716,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_algorithm(cfg)
     check_rollout_correction(cfg)
     check_dapo(cfg)
+    check_partial(cfg)
     check_reward(cfg)
     check_trainer(cfg)
     check_paths(cfg)
