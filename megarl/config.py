@@ -153,6 +153,7 @@ class LoraConfig:
     rank: int = opt(0, "adapter rank r; 0 disables LoRA")
     alpha: float = opt(16.0, "scale alpha: the adapter adds (alpha / r) * x A^T B^T")
     targets: list[str] = opt(list(LORA_TARGETS), "megatron linears to adapt")
+    experts: bool = opt(False, "mixture of experts: also adapt every routed expert's fc1 / fc2 (an A / B pair per expert; the experts then run as SequentialMLP, a loop over local experts); false: attention, dense and shared-expert MLPs only")
 
 
 @dataclass

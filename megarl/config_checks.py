@@ -158,6 +158,9 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
         if p.ep > 1 or p.etp not in (None, p.tp):
             raise ConfigError(f"parallel.ep={p.ep} / parallel.etp={p.etp} need a mixture-of-experts model; "
                               f"{cfg.model.path} is dense: set parallel.ep=1 and leave parallel.etp unset")
+        if cfg.actor.lora.rank > 0 and cfg.actor.lora.experts:
+            raise ConfigError(f"actor.lora.experts=true needs a mixture-of-experts model; {cfg.model.path} is dense: "
+                              "set actor.lora.experts=false")
         return
     if experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the model's {experts} experts; use a divisor of {experts}")
@@ -165,8 +168,10 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
     if stage % (p.ep * etp):
         raise ConfigError(f"parallel.ep={p.ep} x parallel.etp={etp} must divide the {stage} ranks of a pipeline stage "
                           f"(world size {world_size} / parallel.pp={p.pp}); change them or the number of processes")
-    if cfg.actor.lora.rank > 0:
-        raise ConfigError("actor.lora.rank > 0 with a mixture-of-experts model is not supported yet; set actor.lora.rank=0")
+    lo = cfg.actor.lora
+    if lo.rank > 0 and lo.experts and not {"linear_fc1", "linear_fc2"} & set(lo.targets):
+        raise ConfigError(f"actor.lora.experts=true adapts the experts' linear_fc1 / linear_fc2, which "
+                          f"actor.lora.targets={lo.targets} leaves out; add them or set actor.lora.experts=false")
     if cfg.parallel.cp > 1:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp} with a mixture-of-experts model is not supported yet; "
                           "set parallel.cp=1")
@@ -178,13 +183,10 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
 
 def check_moe_rollout(cfg: Config, hf: dict) -> None:
     """The native engine generates with a mixture of experts at parallel.tp=1 (experts over parallel.ep,
-    megarl/rollout/moe_step.py); SGLang's weight stream sends no expert weights."""
+    megarl/rollout/moe_step.py); SGLang's weight stream sends every expert (gathered over EP)."""
     if moe_experts(hf) is None:
         return
-    if cfg.rollout.engine != "native":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine} cannot generate with the mixture-of-experts model "
-                          f"{cfg.model.path} yet (its weight stream sends no expert weights); use rollout.engine=native")
-    if cfg.parallel.tp > 1:
+    if cfg.rollout.engine == "native" and cfg.parallel.tp > 1:
         raise ConfigError(f"rollout.engine=native generates with the mixture-of-experts model {cfg.model.path} at "
                           f"parallel.tp=1 only (parallel.tp={cfg.parallel.tp}); set parallel.tp=1 and spread the "
                           "experts with parallel.ep")
