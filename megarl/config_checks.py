@@ -690,9 +690,29 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
         raise ConfigError(
             f"sft.batch_size={s.batch_size} must split evenly into {dp} DP ranks of sft.micro_batch_size={s.micro_batch_size}"
         )
-    if not Path(s.train_path).is_file():
-        raise ConfigError(f"sft.train_path: '{s.train_path}' not found")
+    check_sft_data(s)
     return hf
+
+
+def check_sft_data(s) -> None:
+    """sft.train_path or sft.train_mix: sources found, weights > 0, columns named, row maps importable."""
+    if not s.train_mix and not data_source_found(s.train_path):
+        raise ConfigError(f"sft.train_path: '{s.train_path}' not found; name a .jsonl / .json / .parquet file, "
+                          "a datasets save_to_disk directory or a hub dataset")
+    for i, e in enumerate(s.train_mix):
+        if not data_source_found(e.path):
+            raise ConfigError(f"sft.train_mix[{i}].path: '{e.path}' not found")
+        check_numbers(e, f"sft.train_mix[{i}]", ["weight"], low=0, strict=True)
+    sources = [("sft", s)] + [(f"sft.train_mix[{i}]", e) for i, e in enumerate(s.train_mix)]
+    for key, src in sources:
+        for name in ("prompt_key", "response_key"):
+            if getattr(src, name) == "":
+                raise ConfigError(f"{key}.{name} is empty; name the column (e.g. {key}.{name}=question)")
+        if src.row_map:
+            try:
+                load_dotted(src.row_map)  # imports module:function the way the loader will
+            except ValueError as e:
+                raise ConfigError(f"{key}.row_map={src.row_map!r}: {_one_line(e)}") from None
 
 
 def validate(cfg: Config, world_size: int) -> dict:
