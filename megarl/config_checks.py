@@ -696,6 +696,10 @@ def check_async(cfg: Config, world_size: int, hf: dict) -> None:
     if not 1 <= pl.rollout_ranks < world_size:
         raise ConfigError(f"placement.rollout_ranks={pl.rollout_ranks} does not cover the world of {world_size} "
                           f"ranks with both roles; use 1 .. {world_size - 1} (the rest train)")
+    for is_set, key, why in _ASYNC_UNSUPPORTED:
+        if is_set(cfg):
+            raise ConfigError(f"{key} is not supported with trainer.mode=async ({why}); unset it or use "
+                              f"trainer.mode=sync")
     if pl.rollout_tp < 1 or pl.rollout_tp > pl.rollout_ranks or pl.rollout_ranks % pl.rollout_tp:
         raise ConfigError(f"placement.rollout_tp={pl.rollout_tp} must divide placement.rollout_ranks="
                           f"{pl.rollout_ranks} (a rollout TP group lives inside the rollout ranks)")
@@ -711,10 +715,6 @@ def check_async(cfg: Config, world_size: int, hf: dict) -> None:
     if a.max_staleness < 0 or a.queue_size < 1 or a.bucket_mb <= 0:
         raise ConfigError(f"async.max_staleness={a.max_staleness} must be >= 0, async.queue_size={a.queue_size} "
                           f">= 1 and async.bucket_mb={a.bucket_mb} > 0")
-    for is_set, key, why in _ASYNC_UNSUPPORTED:
-        if is_set(cfg):
-            raise ConfigError(f"{key} is not supported with trainer.mode=async ({why}); unset it or use "
-                              f"trainer.mode=sync")
 
 
 def uses_critic(cfg: Config) -> bool:

@@ -84,9 +84,9 @@ class RolloutWorker:
         start = recv_object(self.placement.world, self.starter, START_TAG)
         step = start["step"]
         self.sampler.load_state_dict(start["sampler"])
-        version, waits = self._receive(), 0
+        version = self._receive()
         while version is not None and step < self.cfg.trainer.steps:
-            need = step - lag_bound(self.cfg)
+            need, waits = step - lag_bound(self.cfg), 0
             while version is not None and version < need:
                 version, waits = self._receive(), waits + 1
             if version is None:
