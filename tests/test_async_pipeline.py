@@ -16,7 +16,9 @@ Not covered here: TP > 1 on the training side of a whole run (the weight push at
 tested in test_async_weights.py), GPUs, several rollout replicas.
 """
 import pytest
+import torch
 
+from megarl.trainer.dump import dump_path
 from test_trainer_runs import SMALL, metrics, ppo
 
 ASYNC = ["trainer.save_every=0", "trainer.export_hf=false", "algorithm.rollout_correction.preset=none"]
@@ -38,3 +40,27 @@ def test_staleness_zero_equals_sync(tmp_path):
         assert b[step]["async/staleness"] == 0.0 and b[step]["async/policy_version"] == step - 1
     assert a[0]["eval/accuracy"] == b[0]["eval/accuracy"] and a[3]["eval/accuracy"] == b[3]["eval/accuracy"]
     assert b[1]["weight_sync/bytes"] > 0
+
+
+def test_resume_keeps_the_staleness_bound(tmp_path):
+    """A run that ends at step 2 with batches in flight (the rollout rank had already sampled batch 3
+    with the weights after 1 update) resumes to step 4: the lost batch is generated again from the
+    checkpoint's weights. Every step of both sessions has 0 <= async/staleness <= 1; step 3 after the
+    resume is sampled by version 2 (the checkpoint's), step 4 by version 2 (lag 1); the prompts are the
+    uninterrupted run's (the trainer's sampler moved with the queue: the dumped batches' prompts are
+    equal), while the responses of steps 3-4 may differ from it (other weights sampled them)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = [*SMALL, "trainer.save_every=2", "trainer.export_hf=false"]
+    ppo("yaml/tiny_async.yaml", straight, *args, f"trainer.dump_rollouts={tmp_path / 'd1'}", steps=4)
+    ppo("yaml/tiny_async.yaml", resumed, *args, steps=2)
+    out = ppo("yaml/tiny_async.yaml", resumed, *args, f"trainer.dump_rollouts={tmp_path / 'd2'}", steps=4)
+    assert "resumed from step 2" in out
+    a, b = metrics(straight), metrics(resumed)
+    assert [a[s]["async/policy_version"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert [b[s]["async/policy_version"] for s in (1, 2, 3, 4)] == [0, 0, 2, 2]
+    assert all(0 <= r["async/staleness"] <= 1 for r in (*a.values(), *b.values()) if "async/staleness" in r)
+    for step in (3, 4):
+        d1, d2 = (torch.load(dump_path(str(tmp_path / d), step, 0), weights_only=False) for d in ("d1", "d2"))
+        assert d1["prompts"] == d2["prompts"], step
+    for step in (1, 2):  # before the interruption: the same run
+        assert _comparable(a[step]) == _comparable(b[step]), step

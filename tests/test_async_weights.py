@@ -54,19 +54,19 @@ def _worker(rank, path, train_tp):
     result = None
     if placement.is_rollout:
         before = gather_hf_tensors(module, info, groups)
-        version = WeightReceiver(module, info, groups, placement.world, source).receive()
-        mine, theirs = gather_hf_tensors(module, info, groups), recv_object(placement.world, source, CHECK_TAG)
+        version = WeightReceiver(module, info, groups, placement, source).receive()
+        mine, theirs = gather_hf_tensors(module, info, groups), recv_object(placement.objects, source, CHECK_TAG)
         result = {"version": version, "names": sorted(mine) == sorted(theirs),
                   "equal": all(torch.equal(mine[k], theirs[k]) for k in theirs),
                   "differed_before": all(not torch.equal(before[k], theirs[k]) for k in theirs)}
     else:
         _perturb(module)
-        pusher = WeightPusher(module, info, groups, placement.world, placement.rollout_ranks, bucket_bytes=20_000)
+        pusher = WeightPusher(module, info, groups, placement, placement.rollout_ranks, bucket_bytes=20_000)
         metrics = pusher.push(7)
         full = gather_hf_tensors(module, info, groups)
         if groups.tp_rank == 0:
             outbox = Outbox()
-            send_object(placement.world, full, placement.rollout_ranks[0], CHECK_TAG, outbox)
+            send_object(placement.objects, full, placement.rollout_ranks[0], CHECK_TAG, outbox)
             outbox.wait()
             result = {"bytes": metrics["weight_sync/bytes"]}
         pusher.outbox.wait()

@@ -6,8 +6,9 @@ train). :meth:`Placement.enter` makes this rank's role group the default group: 
 ``dist.get_rank()`` / ``get_world_size()``, megatron-core's ``initialize_model_parallel`` and
 every collective without an explicit group see only the ranks of this role, so the training
 ranks build their TP / DP groups among themselves and the rollout ranks theirs (a sub-world).
-The two sets talk only point to point over the world group's handle (:attr:`Placement.world`),
-whose ranks are the global ranks; nothing asks whether a rank is rank 0: a rank's role is the
+The two sets talk only point to point, over handles of world-wide groups whose ranks are the
+global ranks (:attr:`Placement.objects`, gloo, for pickled batches and headers on the host;
+:attr:`Placement.world`, the launch's backend, for weight buckets on the device); nothing asks whether a rank is rank 0: a rank's role is the
 group it belongs to.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Placement:
     role: str  # ROLLOUT | TRAIN
     rollout_ranks: list[int]
     train_ranks: list[int]
-    world: dist.ProcessGroup  # the whole launch; p2p between the roles, ranks = global ranks
+    world: dist.ProcessGroup  # the whole launch (nccl on GPUs): weight buckets; ranks = global ranks
+    objects: dist.ProcessGroup  # the whole launch over gloo: pickled objects (batches, headers) on the host
     own: dist.ProcessGroup  # this role's ranks: the default group after enter()
     global_rank: int
 
@@ -50,13 +52,13 @@ class Placement:
         mine = dict(coords, role=self.role, rank=self.global_rank)
         data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world.size())]
-        self.world.allgather([sizes], [size]).wait()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.objects.size())]
+        self.objects.allgather([sizes], [size]).wait()
         width = int(max(s.item() for s in sizes))
         padded = torch.zeros(width, dtype=torch.uint8)
         padded[: data.numel()] = data
         outs = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
-        self.world.allgather([outs], [padded]).wait()
+        self.objects.allgather([outs], [padded]).wait()
         return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
 
 
@@ -68,5 +70,6 @@ def build_placement(rollout_ranks: int) -> Placement:
     train = [r for r in range(world_size) if r not in rollout]
     world = c10d._get_default_group()
     groups = {TRAIN: dist.new_group(train), ROLLOUT: dist.new_group(rollout)}
+    objects = dist.new_group(list(range(world_size)), backend="gloo")
     role = ROLLOUT if rank in rollout else TRAIN
-    return Placement(role, rollout, train, world, groups[role], rank)
+    return Placement(role, rollout, train, world, objects, groups[role], rank)

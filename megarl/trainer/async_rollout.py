@@ -70,7 +70,7 @@ class RolloutWorker:
         ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
         self.targets = [r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank]
         source = next(r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == 0 and r["tp_rank"] == 0)
-        self.weights = WeightReceiver(module, info, g, placement.world, source)
+        self.weights = WeightReceiver(module, info, g, placement, source)
         self.starter = next(r for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank
                             and r["tp_rank"] == 0)["rank"]  # sends this replica its first step and sampler
         self.sends = g.tp_rank == 0  # one rank of a rollout replica sends its batches
@@ -81,7 +81,7 @@ class RolloutWorker:
         ranks decide when the run stops and say so)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        start = recv_object(self.placement.world, self.starter, START_TAG)
+        start = recv_object(self.placement.objects, self.starter, START_TAG)
         step = start["step"]
         self.sampler.load_state_dict(start["sampler"])
         version = self._receive()
@@ -125,5 +125,5 @@ class RolloutWorker:
         if self.sends:
             outbox = Outbox()
             for dst in self.targets:
-                send_object(self.placement.world, batch, dst, BATCH_TAG, outbox)
+                send_object(self.placement.objects, batch, dst, BATCH_TAG, outbox)
             self.in_flight.append((batch.step, outbox))

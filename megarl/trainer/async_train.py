@@ -25,7 +25,7 @@ class TrainingEnd:
         replica = [r for r in ranks if r["role"] == "rollout" and r["dp_rank"] == groups.dp_rank]
         self.replica = [r["rank"] for r in replica]  # the rollout ranks that generate this rank's prompts
         self.source = next(r["rank"] for r in replica if r["tp_rank"] == 0)  # the one that sends batches
-        self.pusher = WeightPusher(actor.module, actor.info, groups, placement.world, placement.rollout_ranks,
+        self.pusher = WeightPusher(actor.module, actor.info, groups, placement, placement.rollout_ranks,
                                    int(cfg.async_.bucket_mb * 2**20))
         self.outbox = Outbox()
 
@@ -33,14 +33,14 @@ class TrainingEnd:
         """Where the rollout replica begins, then the weights of version ``step``."""
         if self.groups.tp_rank == 0:
             for dst in self.replica:
-                send_object(self.placement.world, {"step": step, "sampler": sampler_state}, dst, START_TAG,
+                send_object(self.placement.objects, {"step": step, "sampler": sampler_state}, dst, START_TAG,
                             self.outbox)
         self.pusher.push(step)
         self.outbox.wait()
 
     def next_batch(self, step: int) -> QueuedBatch:
         """The batch of training step ``step`` (0-based); an error if its version breaks the bound."""
-        batch = recv_object(self.placement.world, self.source, BATCH_TAG)
+        batch = recv_object(self.placement.objects, self.source, BATCH_TAG)
         lag = step - batch.version
         if batch.step != step or not 0 <= lag <= lag_bound(self.cfg):
             raise RuntimeError(f"the rollout queue gave the batch of step {batch.step} sampled by version "

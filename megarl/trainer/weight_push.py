@@ -41,8 +41,9 @@ class TensorDict:
 class WeightPusher:
     """Training side: one push per policy version (collective over the first replica's TP group)."""
 
-    def __init__(self, model, info, groups, world, targets: list[int], bucket_bytes: int):
-        self.model, self.info, self.groups, self.world = model, info, groups, world
+    def __init__(self, model, info, groups, placement, targets: list[int], bucket_bytes: int):
+        self.model, self.info, self.groups = model, info, groups
+        self.world, self.objects = placement.world, placement.objects  # buckets; headers
         self.targets = targets  # global ranks of the rollout ranks
         self.bucket_bytes = bucket_bytes
         self.gathers = groups.dp_rank == 0 and groups.cp_rank == 0  # the replica whose weights go out
@@ -78,7 +79,7 @@ class WeightPusher:
     def _header(self, header: dict) -> None:
         if self.sends:
             for dst in self.targets:
-                send_object(self.world, header, dst, HEADER_TAG, self.outbox)
+                send_object(self.objects, header, dst, HEADER_TAG, self.outbox)
 
     def _send_bucket(self, tensors: dict[str, torch.Tensor], last: bool) -> int:
         """One flat bucket per dtype among ``tensors``; returns bytes sent per target."""
@@ -91,7 +92,7 @@ class WeightPusher:
             spec = {"names": list(group), "shapes": [tuple(t.shape) for t in group.values()], "dtype": dtype,
                     "last": last and j == len(by_dtype) - 1}
             for dst in self.targets:
-                send_object(self.world, spec, dst, BUCKET_TAG, self.outbox)
+                send_object(self.objects, spec, dst, BUCKET_TAG, self.outbox)
                 send_tensor(self.world, flat, dst, BUCKET_TAG, self.outbox)
             sent += flat.numel() * flat.element_size()
         return sent
@@ -104,21 +105,23 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 class WeightReceiver:
     """Rollout side: receives pushes from global rank ``source`` into ``model`` (this rank's TP shard)."""
 
-    def __init__(self, model, info, groups, world, source: int):
-        self.model, self.info, self.groups, self.world, self.source = model, info, groups, world, source
+    def __init__(self, model, info, groups, placement, source: int):
+        self.model, self.info, self.groups, self.source = model, info, groups, source
+        self.world, self.objects = placement.world, placement.objects  # buckets; headers
         self.rules = model_rules(model, info)
         self.params = model.state_dict(keep_vars=True)
+        self.device = next(iter(self.params.values())).device
 
     def receive(self) -> int | None:
         """Blocks for the next push and copies it into the model; its version, or None for a stop."""
-        header = recv_object(self.world, self.source, HEADER_TAG)
+        header = recv_object(self.objects, self.source, HEADER_TAG)
         if header["stop"]:
             return None
         done = set()
         while True:
-            spec = recv_object(self.world, self.source, BUCKET_TAG)
+            spec = recv_object(self.objects, self.source, BUCKET_TAG)
             layout = bucket_layout(spec["shapes"], dtype=spec["dtype"])
-            flat = torch.empty(layout.numel, dtype=spec["dtype"])
+            flat = torch.empty(layout.numel, dtype=spec["dtype"], device=self.device)
             recv_tensor(self.world, flat, self.source, BUCKET_TAG)
             done |= self._apply(TensorDict(dict(zip(spec["names"], unpack(flat, layout)))))
             if spec["last"]:
