@@ -18,29 +18,21 @@ from megarl.monitor.progress import StepProgress
 from megarl.trainer.metrics import console_line
 
 
-def start_async(cfg, trainer):
-    """trainer.mode=async, training ranks: the queue and weight push; the rollout ranks begin."""
-    from megarl.trainer.async_train import TrainingEnd
+def enter_placement(cfg):
+    """trainer.mode=async: this rank's role (rollout or training), its role's ranks made the default group."""
+    from megarl.distributed.placement import build_placement
 
-    trainer.pipeline = TrainingEnd(cfg, placement_of(cfg), trainer.actor, trainer.groups)
-    trainer.pipeline.start(trainer.step, trainer.sampler.state_dict())
-
-
-def placement_of(cfg, _held={}):
-    """This rank's role under trainer.mode=async (built once, its role's group made the default one)."""
-    if "placement" not in _held:
-        from megarl.distributed.placement import build_placement
-
-        _held["placement"] = build_placement(cfg.placement.rollout_ranks)
-        _held["placement"].enter()
-    return _held["placement"]
+    placement = build_placement(cfg.placement.rollout_ranks)
+    placement.enter()
+    return placement
 
 
-def end(trainer=None) -> None:
+def end(trainer=None, placement=None) -> None:
     """Stops the rollout ranks (async) and leaves the process group."""
     if trainer is not None and trainer.pipeline is not None:
         trainer.pipeline.stop()
-        placement_of(None).leave()
+    if placement is not None:
+        placement.leave()
     dist.destroy_process_group()
 
 
@@ -49,15 +41,18 @@ def main(argv):
     from megarl.trainer.ppo import PPOTrainer
     from megarl.trainer.signals import StopSignal
 
-    if cfg.trainer.mode == "async" and placement_of(cfg).is_rollout:  # this rank only generates
+    placement = enter_placement(cfg) if cfg.trainer.mode == "async" else None
+    if placement is not None and placement.is_rollout:  # this rank only generates
         from megarl.trainer.async_rollout import RolloutWorker
 
-        RolloutWorker(cfg, placement_of(cfg)).run()
-        placement_of(cfg).leave()
-        return dist.destroy_process_group()
+        RolloutWorker(cfg, placement).run()
+        return end(placement=placement)
     trainer = PPOTrainer(cfg)
-    if cfg.trainer.mode == "async":
-        start_async(cfg, trainer)
+    if placement is not None:  # the queue from the rollout ranks, the weight push to them
+        from megarl.trainer.async_train import TrainingEnd
+
+        trainer.pipeline = TrainingEnd(cfg, placement, trainer.actor, trainer.groups)
+        trainer.pipeline.start(trainer.step, trainer.sampler.state_dict())
     if trainer.step >= cfg.trainer.steps:  # resumed a finished run: no second eval row, no re-export
         if rank == 0:
             print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="
@@ -65,7 +60,7 @@ def main(argv):
         if trainer.exports() and not os.path.isdir(trainer.export_path()):  # killed before its export ended
             trainer.export()
         trainer.close("already_finished")
-        return end(trainer)
+        return end(trainer, placement)
     stop = StopSignal(trainer.device)
     before = trainer.evaluate() if trainer.step == 0 else None
     if before is not None:
@@ -89,11 +84,11 @@ def main(argv):
         if trainer.step < cfg.trainer.steps and stop.agreed():
             bar.close()
             trainer.stop_early(stop.received)
-            return end(trainer)
+            return end(trainer, placement)
     bar.close()
     stop.restore()
     trainer.finish(before)
-    end(trainer)
+    end(trainer, placement)
 
 
 if __name__ == "__main__":
