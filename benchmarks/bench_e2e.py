@@ -9,6 +9,11 @@ CPU smoke test (tiny model, 2 prompts x 4 samples, 8 tokens, fp32, 2 steps)::
 
     python benchmarks/bench_e2e.py --tiny --out /tmp/e2e_tiny.json
 
+The cost of rollout correction: ``--sides megarl,megarl_rc`` runs megarl twice, the second with
+``RC_OVERRIDES`` (icepop, the mode with the most terms: ratio, band mask and weights), and writes
+``rollout_correction_cost_pct`` = 100 * (rc - plain) / plain of the median ``timing/actor_update``
+(the update phase, where the correction is computed) into the JSON.
+
 Workload (defaults): a random-weight Qwen2.5-1.5B-shape checkpoint from
 benchmarks/make_checkpoint.py (tokenizer with a chat template, prompts of
 ``--prompt-len`` words), 16 prompts x 8 samples = 128 sequences per step, every
@@ -52,6 +57,7 @@ from bench_ppo import ROOT, make_checkpoint, summarize  # noqa: E402
 TINY_DIR = os.path.join(ROOT, "megarl", "assets", "tiny")
 DEFAULTS = dict(prompts=16, samples=8, response_len=256, micro=16, steps=4, dtype="bfloat16")
 TINY = dict(prompts=2, samples=4, response_len=8, micro=4, steps=2, dtype="float32")  # with --tiny
+RC_OVERRIDES = ["algorithm.rollout_correction.preset=async"]  # the megarl_rc side: icepop in [0.5, 2]
 CONSTANT_REWARD = "[{name: format, weight: 1.0, kwargs: {pattern: '^'}}]"  # re.search('^', s) always matches
 TOKENS_COUNTED = ("prompt + response tokens of every sequence of the step (templated prompt counted once per "
                   "sample, no padding) divided by the step's wall seconds")
@@ -157,8 +163,8 @@ def finish(out: dict, code: int, wall: float, log_path: str, timeout: float) -> 
     return out
 
 
-def run_megarl(w: dict, args, overrides: list[str], log_path: str) -> dict:
-    run_dir = os.path.join(args.work, "megarl_run")
+def run_megarl(w: dict, args, overrides: list[str], log_path: str, name: str = "megarl") -> dict:
+    run_dir = os.path.join(args.work, f"{name}_run")
     subprocess.run(["rm", "-rf", run_dir])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "launch/ppo.py",
            w["megarl_config"], *megarl_overrides(w, run_dir), *overrides]
@@ -181,6 +187,7 @@ def megarl_numbers(steps: list[dict], m: dict, sequences: int) -> dict:
     return dict(step_s=m["perf/step_seconds"], tokens_per_s=statistics.median(tok_s[1:]),
                 rollout_s=m["timing/rollout"], rollout_frac=m["timing/rollout"] / m["perf/step_seconds"],
                 tokens_per_step=tokens, response_len_mean=response, prompt_len_mean=tokens / sequences - response,
+                actor_update_s=m.get("timing/actor_update"),
                 step_s_all=step_s, tokens_per_s_all=tok_s, rollout_s_all=rollout_s, median=m,
                 steps_measured=m["steps_measured"])
 
@@ -295,7 +302,9 @@ def trl_config(w: dict):
         beta=w["beta"], learning_rate=w["lr"], lr_scheduler_type="constant", warmup_steps=0,
         max_grad_norm=w["clip_grad"], weight_decay=0.0, use_vllm=False,
         gradient_checkpointing=w["trl_gradient_checkpointing"], dataloader_num_workers=0,
-        model_init_kwargs={"dtype": w["trl_param_dtype"], "attn_implementation": "sdpa"})
+        model_init_kwargs={"dtype": w["trl_param_dtype"], "attn_implementation": "sdpa"},
+        # MoE (bench_moe_e2e.py): the load-balancing loss as megarl's actor.moe_aux_loss_coef
+        **({"router_aux_loss_coef": w["router_aux_loss_coef"]} if "router_aux_loss_coef" in w else {}))
 
 
 def trl_worker(spec_path: str) -> None:
@@ -327,6 +336,13 @@ def trl_worker(spec_path: str) -> None:
 
 
 # ---- report ---------------------------------------------------------------------------------
+
+def rc_cost(result: dict) -> None:
+    """``rollout_correction_cost_pct``: the update's median seconds with rollout correction over without."""
+    plain, rc = (result.get(side, {}).get("actor_update_s") for side in ("megarl", "megarl_rc"))
+    if plain and rc:
+        result["rollout_correction_cost_pct"] = 100.0 * (rc - plain) / plain
+
 
 def table(result: dict) -> str:
     def cell(v, width: int, prec: int) -> str:
@@ -371,8 +387,8 @@ def main() -> None:
     if args.trl_worker:
         return trl_worker(args.trl_worker)
     sides = args.sides.split(",")
-    if not sides or set(sides) - {"megarl", "trl"}:
-        ap.error(f"--sides {args.sides}: expected a comma list of megarl, trl")
+    if not sides or set(sides) - {"megarl", "megarl_rc", "trl"}:
+        ap.error(f"--sides {args.sides}: expected a comma list of megarl, megarl_rc, trl")
     for key, value in (TINY if args.tiny else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -380,17 +396,22 @@ def main() -> None:
     w = workload(args)
     stem = os.path.splitext(os.path.abspath(args.out))[0]
     runners = {"megarl": lambda: run_megarl(w, args, overrides, stem + ".megarl.log"),
+               "megarl_rc": lambda: run_megarl(w, args, overrides + RC_OVERRIDES, stem + ".megarl_rc.log", "megarl_rc"),
                "trl": lambda: run_trl(w, args, stem + ".trl.log")}
     result = {"megarl": {"skipped": True}, "trl": {"skipped": True}, "workload": dict(w, megarl_overrides=overrides)}
     for side in sides:  # the JSON is rewritten after each side, so a run cut short keeps what finished
         result[side] = runners[side]()
+        rc_cost(result)
         if result["megarl"].get("tokens_per_s") and result["trl"].get("tokens_per_s"):
             result["megarl"]["speedup_vs_trl"] = result["megarl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(json.dumps({k: {i: v for i, v in r.items() if not i.endswith(("_all", "tail", "median", "cmd"))}
-                      for k, r in result.items()}, indent=1))
+                      if isinstance(r, dict) else r for k, r in result.items()}, indent=1))
     print(f"\nwrote {args.out}\n" + table(result))
+    if "rollout_correction_cost_pct" in result:
+        print(f"rollout correction ({' '.join(RC_OVERRIDES)}): the update takes "
+              f"{result['rollout_correction_cost_pct']:+.2f}% longer")
     sys.exit(0 if all(result[s].get("returncode") == 0 for s in sides) else 1)
 
 

@@ -9,6 +9,10 @@
 #   bash benchmarks/gpu_suite.sh models    # bf16 parity with transformers (TP1, and TP2 on 2 GPUs), 7B fwd + bwd
 #   bash benchmarks/gpu_suite.sh ppo       # PPO steps on a random-weight 1.5B checkpoint, time per phase
 #   bash benchmarks/gpu_suite.sh long      # 2 GPUs: a 32k-token sequence at CP1 and CP2
+#   bash benchmarks/gpu_suite.sh moe       # MoE decode, Qwen3-30B-A3B (48 layers, built on the GPU) vs generate and the floor
+#   bash benchmarks/gpu_suite.sh moe_e2e   # GRPO step on Qwen3-30B-A3B cut to 8 layers, megarl vs TRL
+#   bash benchmarks/gpu_suite.sh moe_r3    # the same shape, megarl with router_replay=r3: agreement and mismatch
+#   bash benchmarks/gpu_suite.sh partial   # GRPO with and without partial rollouts, long-tailed lengths
 # T=seconds bounds each command (default 300); extra arguments after the mode go to the benchmark.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
@@ -38,8 +42,17 @@ case "$mode" in
     fi ;;
   ppo)
     T=330 run ppo_1p5b python3 benchmarks/bench_ppo.py --config yaml/qwen2.5-1.5b.yaml --shape qwen2.5-1.5b --nproc 1 --steps 4 --out "$OUT/ppo_1p5b.json" "$@" ;;
+  partial)
+    T=590 run partial python3 benchmarks/bench_partial.py --out "$OUT/partial_rollout.json" "$@" ;;
   long)
     T=560 run long python3 benchmarks/bench_long_context.py --out "$OUT/long_context.json" "$@" ;;
+  moe)
+    T=560 run moe_decode python3 benchmarks/bench_moe_decode.py --hf-experts grouped_mm,eager --out "$OUT/moe_decode.json" "$@" ;;
+  moe_e2e)
+    T=580 run moe_e2e python3 benchmarks/bench_moe_e2e.py --out "$OUT/moe_e2e.json" --work /tmp/megarl_moe_e2e "$@" ;;
+  moe_r3)
+    T=560 run moe_r3 python3 benchmarks/bench_moe_e2e.py --sides '' --router-replay --work /tmp/megarl_moe_e2e \
+      --out "$OUT/moe_e2e_r3run.json" --r3-out "$OUT/moe_r3.json" "$@" ;;
   *)
-    echo "unknown mode '$mode': rollout | e2e | train | kernels | models | ppo | long" >&2; exit 2 ;;
+    echo "unknown mode '$mode': rollout | e2e | train | kernels | models | ppo | long | moe | moe_e2e | moe_r3 | partial" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 
     python benchmarks/make_checkpoint.py --shape qwen2.5-1.5b --out /tmp/q15
     python benchmarks/make_checkpoint.py --shape llama2-7b --out /tmp/l7 --layers 8 --prompts 512
+    python benchmarks/make_checkpoint.py --shape qwen3-30b-a3b --out /tmp/q3moe --layers 8
 
 Writes config.json + safetensors (bf16), a synthetic word-level tokenizer with
 the model's vocabulary size and a ChatML-like chat template, and
@@ -28,7 +29,22 @@ SHAPES = {
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
                          rms_norm_eps=1e-6),
+    # the full model is ~61 GB in bf16 (~1.2 GB a layer, 1.2 GB embedding + head): write it with --layers
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
+                          rms_norm_eps=1e-6),
+    # a CPU-sized Qwen3-MoE (the benchmarks' --tiny runs): vocab 300 pads to 384 in megarl
+    "qwen3-moe-tiny": dict(arch="qwen3_moe", vocab_size=300, hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                           decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=1024, rope_theta=1000000.0, tie_word_embeddings=False,
+                           rms_norm_eps=1e-6, initializer_range=0.2),
 }
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe"}  # arch -> transformers class prefix
 SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + ' <|im_end|> ' }}"
             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}")
@@ -66,7 +82,7 @@ def write_model(out: str, shape: dict, classifier: bool, seed: int) -> None:
     import transformers
 
     arch = shape.pop("arch")
-    family = {"llama": "Llama", "qwen2": "Qwen2"}[arch]
+    family = FAMILIES[arch]
     config = getattr(transformers, f"{family}Config")(**shape, pad_token_id=0, eos_token_id=3, bos_token_id=None,
                                                        num_labels=1, torch_dtype="bfloat16")
     head = "ForSequenceClassification" if classifier else "ForCausalLM"

@@ -138,6 +138,8 @@ class RolloutConfig:
     record_experts: bool = opt(False, "native engine, MoE model: keep each response token's top-k expert ids per MoE layer in the result (steps run eagerly)")
     prefix_cache: bool = opt(False, "reuse full K/V pages of equal token prefixes (a request prefilled after another that starts the same way; a conversation's earlier turns) until the weights change; off: every call starts cold, so results never depend on earlier calls")
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
+    partial: bool = opt(False, "partial rollouts: a step stops generating once enough whole groups (a prompt's n samples) have finished to fill the batch; unfinished responses keep their tokens and resume in the next step under the new weights (each token records the policy version that sampled it; native engine; pair with algorithm.rollout_correction.preset=async)")
+    partial_batches: int = opt(2, "rollout.partial: batches of data.batch_size prompts in flight per step (each step tops up with new batches to this many); >= 2, since a step trains one batch's worth")
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

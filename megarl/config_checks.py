@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from megarl.errors import ConfigError
-from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutCorrectionConfig
+from megarl.config import LORA_TARGETS, REDIS_URL, Config, DapoConfig, RolloutConfig, RolloutCorrectionConfig
 from megarl.algos.advantages import get_advantage
 from megarl.algos.rollout_correction import from_section as correction_from_section, keys_read
 from megarl.algos.losses import get_policy_loss
@@ -447,6 +447,31 @@ def check_dapo(cfg: Config) -> None:
                           f"batches as they are: set {key}.dynamic_sampling=false to replay")
 
 
+def check_partial(cfg: Config) -> None:
+    """rollout.partial: the native engine's early stop, one single-turn generation per step."""
+    r = cfg.rollout
+    if not r.partial:
+        if r.partial_batches != RolloutConfig().partial_batches:
+            raise ConfigError("rollout.partial_batches is read only with rollout.partial=true; set it or drop "
+                              "partial_batches")
+        return
+    if r.partial_batches < 2:
+        raise ConfigError(f"rollout.partial_batches={r.partial_batches} must be >= 2: a step trains one batch, so "
+                          "with one in flight nothing is left to carry over (rollout.partial=false does that)")
+    clash = [(r.engine == "sglang", "rollout.engine=sglang (only the native engine stops a generation and resumes "
+                                    "its requests)"),
+             (r.multi_turn.enable, "rollout.multi_turn.enable=true (a conversation cannot be resumed mid-turn)"),
+             (r.server.enable, "rollout.server.enable=true (agents drive their own requests)"),
+             (cfg.algorithm.dapo.dynamic_sampling, "algorithm.dapo.dynamic_sampling=true (both decide which "
+                                                   "groups fill the batch)"),
+             (cfg.algorithm.advantage == "remax", "algorithm.advantage=remax (its greedy baseline is generated "
+                                                  "per step)"),
+             (bool(cfg.trainer.replay_rollouts), "trainer.replay_rollouts (replayed batches are not generated)")]
+    why = next((text for bad, text in clash if bad), None)
+    if why:
+        raise ConfigError(f"rollout.partial=true does not work with {why}; or set rollout.partial=false")
+
+
 def check_sglang(cfg: Config) -> None:
     s = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang":
@@ -659,6 +684,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_algorithm(cfg)
     check_rollout_correction(cfg)
     check_dapo(cfg)
+    check_partial(cfg)
     check_reward(cfg)
     check_trainer(cfg)
     check_paths(cfg)
@@ -679,6 +705,7 @@ _ASYNC_UNSUPPORTED = (  # (is set, key, why) for trainer.mode=async
     (lambda c: bool(c.reward.model.path), "reward.model.path", "rollout ranks score with rule rewards"),
     (lambda c: c.algorithm.dapo.dynamic_sampling, "algorithm.dapo.dynamic_sampling", "one batch per step"),
     (lambda c: c.algorithm.advantage == "remax", "algorithm.advantage=remax", "no greedy baseline pass"),
+    (lambda c: c.rollout.partial, "rollout.partial", "the rollout ranks generate whole batches"),
     (lambda c: bool(c.trainer.replay_rollouts) or c.trainer.rollout_only, "trainer.replay_rollouts / rollout_only",
      "each half already runs alone"),
 )

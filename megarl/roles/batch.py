@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from megarl.roles.inputs import ModelInputs
 
-PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns", "token_versions")
 PER_SEQUENCE = ("greedy_scores",)
 
 
@@ -40,7 +40,10 @@ class SampleBatch:
     advantages: Optional[torch.Tensor] = None  # (B, L)
     returns: Optional[torch.Tensor] = None  # (B, L) value targets
     greedy_scores: Optional[torch.Tensor] = None  # (B,) score of the prompt's greedy response (remax)
-    policy_version: int = 0  # trainer steps of the weights that sampled (how stale a replayed batch is)
+    token_versions: Optional[torch.Tensor] = None  # (B, L) long policy version that sampled each response token
+    #                                                (rollout.partial; 0 off the response), None: all policy_version
+    policy_version: int = 0  # trainer steps of the weights that sampled (how stale a replayed batch is);
+    #                          with partial rollouts the oldest token's
     model_inputs: Optional["ModelInputs"] = None  # a micro-batch's model view, set by ModelRole.run
 
     def __len__(self) -> int:

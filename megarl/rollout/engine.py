@@ -60,7 +60,12 @@ class Request:
     key: int  # the caller's name for it, unique within a call: its result carries it (GenerationResult.key)
     prompt: list[int]
     seed: int  # the sampler's seed, used as is: the tokens depend on it, the prompt and the weights only
-    max_new_tokens: int  # response length limit
+    max_new_tokens: int  # response length limit (the prefix counts against it)
+    # a response resumed (partial rollouts): tokens already sampled, prefilled after the prompt, with their
+    # log-probs; sampling continues at token index len(prefix) from the same seed, and the result's
+    # response_ids / logprobs start with them
+    prefix: tuple[int, ...] = ()
+    prefix_logprobs: tuple[float, ...] = ()
 
 
 def sample_requests(prompts: list[list[int]], n: int, seed: int, max_new_tokens: int | list[int]) -> list[Request]:
@@ -84,7 +89,7 @@ class GenerationResult:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # per response token, under temperature (1.0 when greedy)
-    finish_reason: str  # "stop" | "length" | "max_turns"
+    finish_reason: str  # "stop" | "length" | "max_turns" | "unfinished" (generate_until stopped it)
     key: int  # the key of the request it answers
     extra: dict = field(default_factory=dict)
     loss_mask: list[int] | None = None  # per response token: 1 sampled by the model, 0 appended context
@@ -92,6 +97,7 @@ class GenerationResult:
     # MoE with EngineOptions.record_experts: (R, layers of this stage, k) expert ids (uint8, or int16 past 256
     # experts) that routed the row sampling each response token (its previous token), largest weight first
     expert_ids: "np.ndarray | None" = None
+    versions: list[int] | None = None  # per response token: the policy version that sampled it (partial rollouts)
 
 
 class FollowUps(Protocol):

@@ -14,12 +14,16 @@ never runs eagerly); a larger one runs once the pending step is recorded.
 With a feed (``NativeEngine.serve``) each turn starts by handing out the
 finished requests and taking follow-ups, before the plan-ahead check: a new
 request waits in the queue and is admitted like any refill.
+
+With ``stop`` (``NativeEngine.generate_until``) each turn first asks it whether
+enough has finished; if so the loop records the pending step and ends, leaving
+the unfinished sequences in the scheduler with every token they sampled.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from megarl.rollout.runners import StepOutput, StepRunner
 from megarl.rollout.scheduler import Scheduler, StepPlan
@@ -98,8 +102,9 @@ class StepCounters:
 class StepLoop:
     """Runs one generate call's steps: ``sched`` plans them, ``runner`` runs them."""
 
-    def __init__(self, sched: Scheduler, runner: StepRunner, feed: Feed | None = None):
-        self.sched, self.runner, self.feed = sched, runner, feed
+    def __init__(self, sched: Scheduler, runner: StepRunner, feed: Feed | None = None,
+                 stop: Callable[[Scheduler], bool] | None = None):
+        self.sched, self.runner, self.feed, self.stop = sched, runner, feed, stop
         self.counters = StepCounters()
         self.pending: tuple[StepPlan, StepOutput] | None = None  # launched ahead, not yet recorded
 
@@ -116,6 +121,8 @@ class StepLoop:
     def _turn(self) -> bool:
         """Plans and runs (or launches) the next step; False when nothing is left."""
         sched = self.sched
+        if self.stop is not None and self.stop(sched):
+            return False
         if self.feed is not None:
             self.feed.exchange(sched, idle=self.pending is None and not sched.has_work())
         if self.pending is not None and not sched.can_plan_ahead():

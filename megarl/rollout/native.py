@@ -21,6 +21,15 @@ Per ``generate`` call, as a loop of schedule -> run -> record (:mod:`megarl.roll
 ones while the rest decode (the agent loop's tool calls): between steps it
 hands out what finished and queues what the caller sends back.
 
+``generate_until`` is ``generate`` that stops once the caller's predicate over
+the finished requests says enough (partial rollouts, ``rollout.partial``): the
+unfinished ones come back with the tokens they sampled so far, and a later call
+resumes each from its ``Request.prefix``. Their K/V is not kept: the resumed
+request is prefilled again (prompt + prefix) under the weights of that call —
+K/V computed by older weights would make the new tokens condition on a state
+no single policy computed — while the prefix's tokens and log-probs stay those
+of the policy that sampled them.
+
 With TP every rank of the group runs the same scheduler and gathers the
 logits; with PP hidden states go stage to stage and the last stage broadcasts
 the sampled tokens to its pipeline group. The engine itself holds what every
@@ -29,7 +38,8 @@ runner shares: the KV cache, the graphs and the stage's forward pieces
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -114,6 +124,31 @@ class NativeEngine:
         by_key = {s.rid: s for s in sched.done}
         return [self._result(by_key[r.key]) for r in requests]
 
+    def generate_until(self, requests: list[Request], params: SamplingParams,
+                       enough: Callable[[list[int]], bool]) -> tuple[list[GenerationResult], list[GenerationResult]]:
+        """``generate`` that stops early: before each step ``enough(keys)`` is told the keys of the requests
+        finished since its last call (in the order they ended) and returns True to stop. Returns (finished,
+        unfinished) results; an unfinished one (finish_reason "unfinished") holds every token its request
+        sampled, prefix included — a request built from it (``prefix`` = its tokens) continues it, the
+        same tokens as if it had never stopped when the weights have not changed. Every TP / PP peer calls
+        ``enough`` with the same keys at the same steps, so they stop together."""
+        seqs, longest = self._sequences(requests)
+        seen = [0]
+
+        def stop(sched: Scheduler) -> bool:
+            new, seen[0] = sched.done[seen[0]:], len(sched.done)
+            return enough([s.rid for s in new])
+
+        sched = self._run(seqs, params, longest, None, stop=stop)
+        finished = {s.rid: s for s in sched.done}
+        unfinished = {s.rid: s for s in sched.unfinished()}
+        for seq in unfinished.values():  # their pages go back (a pool kept between calls would leak them)
+            sched.pool.release(seq.pages)
+            seq.pages = []
+        return ([self._result(finished[r.key]) for r in requests if r.key in finished],
+                [replace(self._result(unfinished[r.key]), finish_reason="unfinished")
+                 for r in requests if r.key in unfinished])
+
     def serve(self, requests: list[Request], params: SamplingParams, feed: FollowUps,
               reserve: tuple[int, int] = (0, 0)) -> None:
         """``generate``'s requests (grouped the same way), each result handed to ``feed.finished`` as soon
@@ -130,12 +165,18 @@ class NativeEngine:
 
     def _sequences(self, requests: list[Request], at_least: int = 0) -> tuple[list[Sequence], int]:
         """A sequence per request (``rid`` = its key, ``prompt_index`` = its prompt's group: the order in
-        which distinct prompts first appear) and the longest prompt + limit."""
+        which distinct prompts + prefixes first appear) and the longest prompt + limit."""
         if len({r.key for r in requests}) != len(requests):
             raise ValueError("rollout requests: every request of a call needs its own key")
-        groups: dict[tuple[int, ...], int] = {}
-        seqs = [Sequence(r.key, groups.setdefault(tuple(r.prompt), len(groups)), list(r.prompt), r.seed,
-                         r.max_new_tokens) for r in requests]
+        for r in requests:
+            if len(r.prefix) != len(r.prefix_logprobs) or len(r.prefix) >= r.max_new_tokens:
+                raise ValueError(f"request {r.key}: a prefix of {len(r.prefix)} tokens with {len(r.prefix_logprobs)} "
+                                 f"log-probs under max_new_tokens {r.max_new_tokens}: one log-prob per token, and "
+                                 "fewer tokens than the limit")
+        groups: dict[tuple, int] = {}
+        seqs = [Sequence(r.key, groups.setdefault((tuple(r.prompt), tuple(r.prefix)), len(groups)), list(r.prompt),
+                         r.seed, r.max_new_tokens, generated=list(r.prefix), logprobs=list(r.prefix_logprobs))
+                for r in requests]
         longest = max([len(r.prompt) + r.max_new_tokens for r in requests] + [at_least])
         if longest > self.module.max_sequence_length:
             raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's "
@@ -143,16 +184,16 @@ class NativeEngine:
         return seqs, longest
 
     def _run(self, seqs: list[Sequence], params: SamplingParams, longest: int, feed: "_Feed | None",
-             reserve: int = 0) -> Scheduler:
-        """Schedule -> run -> record until every sequence is done; the scheduler holds them (``done``).
-        ``reserve``: tokens of follow-ups to size the KV cache for besides ``seqs``."""
+             reserve: int = 0, stop: Callable[[Scheduler], bool] | None = None) -> Scheduler:
+        """Schedule -> run -> record until every sequence is done (or ``stop`` says enough); the scheduler
+        holds them (``done``). ``reserve``: tokens of follow-ups to size the KV cache for besides ``seqs``."""
         sched = self._scheduler(seqs, params, longest, every_prompt=feed is not None, reserve=reserve)
         runner = self._runner(SamplingRows(params, self.device), longest)
         # no module.eval(): the engine reads the weights, never calls a module (a train/eval walk over
         # every module would cost host time per call)
         with torch.no_grad(), cpu_compat.paused():
             self.stage.refresh_experts()
-            counters = StepLoop(sched, runner, feed).run()
+            counters = StepLoop(sched, runner, feed, stop).run()
             self.stage.idle_until_done()  # EP > 1: serve the group's other ranks until they are done too
         self._record(sched, counters)
         return sched

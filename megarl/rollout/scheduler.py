@@ -403,6 +403,12 @@ class Scheduler:
             if seq.finish == "stop" or (seq.finish == "length" and len(seq.generated) == seq.max_new):
                 self.finished.append(seq)  # its last token: later rows of it are skipped above
 
+    def unfinished(self) -> list[Sequence]:
+        """Sequences not done (running, waiting, and the forks of waiting leaders), each with the tokens
+        it recorded; only meaningful once no step is pending."""
+        waiting = [m for seq in self.waiting for m in [seq] + seq.forks]
+        return [s for s in self.running + waiting if s.finish is None]
+
     def take_finished(self) -> list[Sequence]:
         """Sequences finished since the last call, in the order their last tokens were recorded."""
         out, self.finished = self.finished, []

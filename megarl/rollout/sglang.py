@@ -219,6 +219,8 @@ class SGLangEngine:
         """One result per request, in request order, under its key (same on every TP rank)."""
         if any(len(r.prompt) == 0 for r in requests):
             raise ValueError("SGLang rollout: every prompt needs at least one token")
+        if any(r.prefix for r in requests):
+            raise ValueError("SGLang rollout: requests resumed from a prefix (rollout.partial) need the native engine")
         if not requests:
             self.stats = {"rollout/requests": 0.0}
             return []

@@ -7,6 +7,7 @@ Layout under ``<run_dir>/checkpoints/``::
     step_000004/<role>/megarl_model.json  the model, how it was built, its LoRA (launch/convert.py reads it)
     step_000004/state.json  step, data position, KL controller, layout, model signatures (rank 0)
     step_000004/rng/rank_N.pt  this rank's RNG states (torch's and megatron's tracker's)
+    step_000004/<name>/rank_N.pt  this rank's own trainer state, if any (partial rollouts in flight)
     latest                  the newest complete step (written last)
 
 A save is atomic: everything goes to ``step_N.partial/``, which is renamed to
@@ -163,7 +164,9 @@ class Checkpointer:
                               f"from step_* by hand, or set trainer.resume=false to start over")
         return int(text)
 
-    def save(self, step: int, roles: dict, state: dict) -> str:
+    def save(self, step: int, roles: dict, state: dict, rank_files: dict | None = None) -> str:
+        """``rank_files``: name -> this rank's own state, written to ``<name>/rank_N.pt`` (read back with
+        :meth:`read_rank_file`)."""
         final = self._dir(step)
         path = final + ".partial"
         if self.rank == 0:
@@ -185,6 +188,9 @@ class Checkpointer:
         if self.layout is not None:
             state["layout"] = asdict(self.layout)
         _save_rng(os.path.join(path, "rng", f"rank_{self.rank}.pt"))
+        for name, obj in (rank_files or {}).items():
+            os.makedirs(os.path.join(path, name), exist_ok=True)
+            torch.save(obj, os.path.join(path, name, f"rank_{self.rank}.pt"))
         if self.rank == 0:
             with open(os.path.join(path, "state.json"), "w") as f:
                 json.dump(state, f)
@@ -205,6 +211,22 @@ class Checkpointer:
         for old in steps[: -self.keep_last]:
             if old != newest:
                 shutil.rmtree(self._dir(old), ignore_errors=True)
+
+    def read_rank_file(self, step: int, name: str):
+        """This rank's ``name`` state saved with ``step``; None when the step has none for it or was saved
+        with another layout (the rank numbers then mean other ranks)."""
+        path = os.path.join(self._dir(step), name, f"rank_{self.rank}.pt")
+        state = json.load(open(os.path.join(self._dir(step), "state.json")))
+        saved = state.get("layout")
+        if not os.path.isfile(path) or self.layout is None or saved != asdict(self.layout):
+            return None
+        return torch.load(path, weights_only=False)
+
+    def read_rank_files(self, step: int, name: str) -> list:
+        """Every rank's ``name`` state saved with ``step``, whatever the layout."""
+        folder = os.path.join(self._dir(step), name)
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".pt")) if os.path.isdir(folder) else []
+        return [torch.load(os.path.join(folder, f), weights_only=False) for f in files]
 
     def load(self, step: int, roles: dict, expect: tuple[str, ...] = ()) -> dict:
         """Restores ``roles`` and RNG in place; returns the saved trainer state (holding ``expect``)."""

@@ -42,6 +42,7 @@ from megarl.trainer.rollout import Rollout, generate_rollout, response_metrics
 from megarl.trainer.dump import load_rollout, save_rollout
 from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
 from megarl.trainer.dapo import dynamic_sampling_rollout, mask_truncated, score_and_shape
+from megarl.trainer.partial import PartialRollouts, partial_rollout, restore
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -101,6 +102,9 @@ class PPOTrainer:
         self.rollout_stats: dict[str, float] = {}
         self.pipeline = None  # trainer.mode=async: the TrainingEnd (megarl/trainer/async_train.py)
         self.updater = phases.Updater(cfg, self.actor, self.critic, self.kl_ctl, g)  # critic and actor updates
+        r = cfg.rollout  # rollout.partial: the groups this rank has in flight between steps
+        self.partial = PartialRollouts(cfg.data.batch_size // g.dp_size, r.n, r.partial_batches,
+                                       r.max_new_tokens, g.dp_rank) if r.partial else None
         self._resume()
         if self.rank0:
             print(f"run directory {cfg.trainer.run_dir} (resolved config: {save_run_config(cfg)})", flush=True)
@@ -164,6 +168,8 @@ class PPOTrainer:
                                   f"{self.cfg.data.train_path}); pick a new trainer.run_dir for new data, or set "
                                   f"trainer.resume=false to start over") from None
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        if self.partial is not None:
+            restore(self.partial, self.checkpointer, step, self.rank0)
         self.engine.update_weights()  # the engine started on other weights (SGLang: dummy ones); sample from these
         if self.rank0:
             print(f"resumed from step {self.step}" + (f" (trainer.resume=force: {'; '.join(forced)})" if forced
@@ -190,6 +196,8 @@ class PPOTrainer:
             return self._queued_rollout()
         if self.cfg.algorithm.dapo.dynamic_sampling:  # generates and scores rounds until the batch is full
             rollout = dynamic_sampling_rollout(self)
+        elif self.partial is not None:  # the first whole groups to finish; the rest carry over
+            rollout = partial_rollout(self)
         else:
             rollout = self.generate_prompts(self.sampler.next_batch(self.train_set), self.sampling_seed())
         self.rollout_stats = dict(self.engine.stats)  # this rank's engine counters (not DP-summed)
@@ -368,4 +376,5 @@ class PPOTrainer:
 
     def save(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict()}
-        self.checkpointer.save(self.step, self.trainable_roles(), state)
+        rank_files = {"partial": self.partial.state_dict()} if self.partial is not None else {}
+        self.checkpointer.save(self.step, self.trainable_roles(), state, rank_files)

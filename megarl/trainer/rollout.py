@@ -26,7 +26,8 @@ class Rollout:
 
 
 def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> SampleBatch:
-    """Right-padded prompt+response ids, response mask and rollout log-probs, (B, L).
+    """Right-padded prompt+response ids, response mask and rollout log-probs, (B, L); the policy version
+    of each response token when the results carry them (partial rollouts).
 
     The response mask is each result's loss mask: 1 at tokens the model sampled, 0 at
     appended context (tool results, user turns) inside a multi-turn response, which
@@ -43,7 +44,14 @@ def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> Sam
         mask[i, p : p + n] = 1.0 if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=mask.dtype)
         rollout_lp[i, p : p + n] = torch.tensor(r.logprobs)
     lengths = torch.tensor([len(s) for s in seqs])
-    return SampleBatch(ids.to(device), mask.to(device), lengths.to(device), rollout_logprobs=rollout_lp.to(device))
+    batch = SampleBatch(ids.to(device), mask.to(device), lengths.to(device), rollout_logprobs=rollout_lp.to(device))
+    if any(r.versions is not None for r in results):  # partial rollouts: who sampled each token
+        versions = torch.zeros(len(results), width, dtype=torch.long)
+        for i, r in enumerate(results):
+            p = len(r.prompt_ids)
+            versions[i, p : p + len(r.versions)] = torch.tensor(r.versions, dtype=torch.long)
+        batch.token_versions = versions.to(device)
+    return batch
 
 
 def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: SamplingParams, tokenizer,
@@ -54,7 +62,12 @@ def generate_rollout(engine: RolloutEngine, prompts: PromptBatch, params: Sampli
     rewards its last assistant turn as the response and the whole conversation as ``extra["trajectory"]``."""
     bind_items(engine, {k: prompts.items[k // n] for k in range(len(prompts.items) * n)})
     results = engine.generate(sample_requests(prompts.prompt_ids, n, seed, max_new_tokens), params)
-    items = [prompts.items[r.key // n] for r in results]
+    return pack_rollout(results, [prompts.items[r.key // n] for r in results], tokenizer, pad_id, device)
+
+
+def pack_rollout(results: list[GenerationResult], items: list, tokenizer, pad_id: int, device) -> Rollout:
+    """A :class:`Rollout` of ``results``, row i answering dataset row ``items[i]`` (its texts, answer,
+    extra fields and group id)."""
     return Rollout(
         batch=to_sample_batch(results, pad_id, device),
         prompts=[it.prompt_text for it in items],
