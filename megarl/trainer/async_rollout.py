@@ -32,6 +32,7 @@ from megarl.rollout.factory import build_engine
 from megarl.trainer.async_channel import BATCH_TAG, START_TAG, Outbox, QueuedBatch, recv_object, rollout_to, \
     send_object
 from megarl.trainer.dapo import score_and_shape
+from megarl.trainer.ppo import rollout_seed, sampling_params
 from megarl.trainer.rollout import generate_rollout
 from megarl.trainer.scoring import build_reward
 from megarl.trainer.weight_push import WeightReceiver
@@ -107,8 +108,6 @@ class RolloutWorker:
 
     def _generate(self, step: int, version: int, waits: int) -> QueuedBatch:
         cfg, r = self.cfg, self.cfg.rollout
-        from megarl.trainer.ppo import rollout_seed, sampling_params
-
         prompts = self.sampler.next_batch(self.train_set)
         self.engine.resume_memory()
         rollout = generate_rollout(self.engine, prompts, sampling_params(cfg), self.tokenizer, self.pad_id,

@@ -13,8 +13,8 @@ Every copy is exact (cat, split, slice, copy): the rollout's weights equal the t
 """
 from __future__ import annotations
 
-from megarl_kernels.bucket import bucket_layout, pack, unpack
 import torch
+from megarl_kernels.bucket import bucket_layout, pack, unpack
 
 from megarl.models.exporter import _gather, merge_shards
 from megarl.models.loader import read_shard
