@@ -49,7 +49,8 @@ setup(
         # rollout.server: the OpenAI endpoint (aiohttp) and the openai client the shipped agents use
         "server": ["aiohttp>=3.9", "openai>=1.40"],
         # benchmarks/bench_e2e.py's other side: TRL's GRPOTrainer at the release it was measured with
-        "bench": ["trl==1.16.0", "datasets>=4.8,<5", "accelerate>=1.10.1"],
+        # (+ aiohttp and openai: benchmarks/bench_server.py, the endpoint against the engine)
+        "bench": ["trl==1.16.0", "datasets>=4.8,<5", "accelerate>=1.10.1", "aiohttp>=3.9", "openai>=1.40"],
         # wandb: the offline-mode logging test; pytest-xdist: the suite on 2 workers (half the time on 2 cores);
         # aiohttp + openai: the rollout.server tests (tests/test_rollout_http.py)
         "dev": ["pytest", "pytest-xdist", "triton", "wandb", "aiohttp>=3.9", "openai>=1.40"],

@@ -43,6 +43,10 @@ SHAPES = {
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            max_position_embeddings=1024, rope_theta=1000000.0, tie_word_embeddings=False,
                            rms_norm_eps=1e-6, initializer_range=0.2),
+    # a CPU smoke shape (benchmarks' --tiny runs)
+    "tiny-llama": dict(arch="llama", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe"}  # arch -> transformers class prefix
 SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -96,12 +96,14 @@ def build_training_model(info, groups, meta: dict):
     from megarl.models import ModelOptions, build_gpt_model
     from megarl.models.lora import LoraOptions, apply_lora
 
+    lora = meta.get("lora") or {}
     opts = ModelOptions(params_dtype=meta.get("params_dtype", "fp32"), layer_spec=meta.get("layer_spec", "auto"),
-                        make_vocab_size_divisible_by=meta.get("vocab_divisible_by", 128))
+                        make_vocab_size_divisible_by=meta.get("vocab_divisible_by", 128),
+                        moe_experts="sequential" if lora.get("experts") else "auto")
     model = build_gpt_model(info, groups, opts)
-    lora = meta.get("lora")
     if lora:
-        apply_lora(model, LoraOptions(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"])))
+        apply_lora(model, LoraOptions(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                                      experts=lora.get("experts", False)))
     return model
 
 

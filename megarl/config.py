@@ -79,6 +79,7 @@ class MultiTurnConfig:
     tool_timeout_s: float = opt(10.0, "wall seconds per tool call")
     tool_workers: int = opt(8, "tool calls running at once (threads; the python tool runs in a subprocess)")
     interaction: str = opt("", "simulated user: module:function(messages) -> next user message or None; empty: none")
+    environment: str = opt("", "gym-style environment factory module:function (a class works), one per sample: reset(sample) -> opening messages, step(messages) -> (observation messages, reward, done); it answers every turn (tool calls reach it as OpenAI tool_calls; tools and interaction unused), the rewards' sum is the reward term 'agent'; tool_workers / tool_timeout_s bound its calls")
     overlap_tools: bool = opt(True, "a sample's tool calls start when its turn ends and its next turn joins the running batch when they return (rollout.engine=native); false: turn by turn, every sample waits for the slowest (same tokens)")
 
 
@@ -152,6 +153,7 @@ class LoraConfig:
     rank: int = opt(0, "adapter rank r; 0 disables LoRA")
     alpha: float = opt(16.0, "scale alpha: the adapter adds (alpha / r) * x A^T B^T")
     targets: list[str] = opt(list(LORA_TARGETS), "megatron linears to adapt")
+    experts: bool = opt(False, "mixture of experts: also adapt every routed expert's fc1 / fc2 (an A / B pair per expert; the experts then run as SequentialMLP, a loop over local experts); false: attention, dense and shared-expert MLPs only")
 
 
 @dataclass

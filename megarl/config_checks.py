@@ -158,6 +158,9 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
         if p.ep > 1 or p.etp not in (None, p.tp):
             raise ConfigError(f"parallel.ep={p.ep} / parallel.etp={p.etp} need a mixture-of-experts model; "
                               f"{cfg.model.path} is dense: set parallel.ep=1 and leave parallel.etp unset")
+        if cfg.actor.lora.rank > 0 and cfg.actor.lora.experts:
+            raise ConfigError(f"actor.lora.experts=true needs a mixture-of-experts model; {cfg.model.path} is dense: "
+                              "set actor.lora.experts=false")
         return
     if experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the model's {experts} experts; use a divisor of {experts}")
@@ -165,8 +168,10 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
     if stage % (p.ep * etp):
         raise ConfigError(f"parallel.ep={p.ep} x parallel.etp={etp} must divide the {stage} ranks of a pipeline stage "
                           f"(world size {world_size} / parallel.pp={p.pp}); change them or the number of processes")
-    if cfg.actor.lora.rank > 0:
-        raise ConfigError("actor.lora.rank > 0 with a mixture-of-experts model is not supported yet; set actor.lora.rank=0")
+    lo = cfg.actor.lora
+    if lo.rank > 0 and lo.experts and not {"linear_fc1", "linear_fc2"} & set(lo.targets):
+        raise ConfigError(f"actor.lora.experts=true adapts the experts' linear_fc1 / linear_fc2, which "
+                          f"actor.lora.targets={lo.targets} leaves out; add them or set actor.lora.experts=false")
     if cfg.parallel.cp > 1:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp} with a mixture-of-experts model is not supported yet; "
                           "set parallel.cp=1")
@@ -178,13 +183,10 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
 
 def check_moe_rollout(cfg: Config, hf: dict) -> None:
     """The native engine generates with a mixture of experts at parallel.tp=1 (experts over parallel.ep,
-    megarl/rollout/moe_step.py); SGLang's weight stream sends no expert weights."""
+    megarl/rollout/moe_step.py); SGLang's weight stream sends every expert (gathered over EP)."""
     if moe_experts(hf) is None:
         return
-    if cfg.rollout.engine != "native":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine} cannot generate with the mixture-of-experts model "
-                          f"{cfg.model.path} yet (its weight stream sends no expert weights); use rollout.engine=native")
-    if cfg.parallel.tp > 1:
+    if cfg.rollout.engine == "native" and cfg.parallel.tp > 1:
         raise ConfigError(f"rollout.engine=native generates with the mixture-of-experts model {cfg.model.path} at "
                           f"parallel.tp=1 only (parallel.tp={cfg.parallel.tp}); set parallel.tp=1 and spread the "
                           "experts with parallel.ep")
@@ -493,7 +495,9 @@ def check_multi_turn(cfg: Config) -> None:
         return
     check_counts(m, "rollout.multi_turn", ["max_turns", "max_tool_output_tokens", "tool_workers"])
     check_numbers(m, "rollout.multi_turn", ["tool_timeout_s"], low=0, strict=True)
-    if not m.tools:
+    if m.environment:
+        check_environment(m)
+    elif not m.tools:
         raise ConfigError("rollout.multi_turn.tools=[]: a multi-turn rollout needs at least one tool")
     dup = next((t for i, t in enumerate(m.tools) if t in m.tools[:i]), None)
     if dup is not None:
@@ -505,6 +509,18 @@ def check_multi_turn(cfg: Config) -> None:
         raise ConfigError(f"rollout.multi_turn.overlap_tools=true needs rollout.engine=native (the "
                           f"{cfg.rollout.engine} adapter runs one batch per call); "
                           "set rollout.multi_turn.overlap_tools=false")
+
+
+def check_environment(m) -> None:
+    """rollout.multi_turn.environment answers every turn: tools and a simulated user would never run."""
+    if ":" not in m.environment:
+        raise ConfigError(f"rollout.multi_turn.environment={m.environment!r} must be module:function")
+    if m.interaction:
+        raise ConfigError("rollout.multi_turn.environment and rollout.multi_turn.interaction are both set: the "
+                          "environment answers every turn; keep one")
+    if m.tools not in ([], ["calculator"]):  # the default list stays harmless
+        raise ConfigError(f"rollout.multi_turn.tools={m.tools} with rollout.multi_turn.environment: the environment "
+                          "runs the tool calls it receives itself; leave rollout.multi_turn.tools unset")
 
 
 def check_server(cfg: Config) -> None:

@@ -91,7 +91,7 @@ def test_parallel_errors(world, parallel, needle):
     assert needle in one_line(e)
 
 
-def test_ep_on_dense_model_lora_and_rollout_errors():
+def test_ep_on_dense_model_lora_and_rollout_rules():
     from megarl.config_checks import check_experts, check_moe_rollout
     from megarl.errors import ConfigError
 
@@ -101,21 +101,28 @@ def test_ep_on_dense_model_lora_and_rollout_errors():
         check_experts(_cfg(ep=2), 2, dense)
     assert "need a mixture-of-experts model" in one_line(e)
     cfg = _cfg(ep=2)
-    cfg.actor.lora.rank = 8
+    cfg.actor.lora.rank, cfg.actor.lora.experts = 8, True
+    check_experts(cfg, 2, QWEN3_MOE)  # LoRA on the experts too (tests/test_lora_moe.py)
+    dense_lora = _cfg()
+    dense_lora.actor.lora.rank, dense_lora.actor.lora.experts = 8, True
+    with pytest.raises(ConfigError) as e:
+        check_experts(dense_lora, 2, dense)
+    assert "actor.lora.experts=true needs a mixture-of-experts model" in one_line(e)
+    cfg.actor.lora.targets = ["linear_qkv", "linear_proj"]
     with pytest.raises(ConfigError) as e:
         check_experts(cfg, 2, QWEN3_MOE)
-    assert "actor.lora.rank" in one_line(e)
+    assert "actor.lora.experts=true adapts the experts' linear_fc1 / linear_fc2" in one_line(e)
+    cfg.actor.lora.experts = False
+    check_experts(cfg, 2, QWEN3_MOE)  # attention-only adapters
     check_experts(_cfg(ep=2), 2, QWEN3_MOE)  # fine: 2 experts per rank
     check_moe_rollout(_cfg(), dense)  # a dense model generates
     check_moe_rollout(_cfg(ep=2), QWEN3_MOE)  # the native engine generates at TP1, any EP
     with pytest.raises(ConfigError) as e:
         check_moe_rollout(_cfg(tp=2, sequence_parallel=True), QWEN3_MOE)
     assert "at parallel.tp=1 only" in one_line(e)
-    cfg = _cfg()
+    cfg = _cfg(ep=2)
     cfg.rollout.engine = "sglang"
-    with pytest.raises(ConfigError) as e:
-        check_moe_rollout(cfg, QWEN3_MOE)
-    assert "rollout.engine=sglang cannot generate" in one_line(e)
+    check_moe_rollout(cfg, QWEN3_MOE)  # its weight stream sends every expert (tests/test_rollout_sglang_moe.py)
 
 
 def test_checkpoint_experts_must_match_config():

@@ -10,7 +10,9 @@ of this module) call ``http://127.0.0.1:<free port>/samples/<id>/v1``. Checked:
 * tool calls: the agent of ``megarl/agents/calculator_http.py`` gets OpenAI ``tool_calls`` (the SFT
   model calls the calculator on some samples), runs them and sends the results back; a two-turn sample's trained sequence is turn 1's prompt + sampled ids + the template's tool context +
   turn 2's sampled ids, loss mask 1 exactly at sampled ids;
-* streaming: the SSE chunks rebuild the non-streamed message; logprobs per token;
+* streaming: the SSE chunks rebuild the non-streamed message (with ``n`` and ``stop`` too); logprobs
+  per token; chunks go out while the engine decodes (a request cannot finish before its client has
+  received tokens), over several steps;
 * bad requests (malformed JSON, unknown model, too many tokens, a changed temperature) get
   OpenAI-shaped 4xx errors and the rollout goes on; an agent that raises is a failed sample
   (loss mask 0, ``agent_http/failed_frac``), and so is one past ``rollout.server.timeout_s``.
@@ -19,6 +21,7 @@ Not covered: TP/PP (refused at config time), a GPU, the throughput of the endpoi
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -61,6 +64,36 @@ def stream_agent(sample, base_url):
     want_calls = [(t.function.name, t.function.arguments) for t in m.tool_calls or []]
     return {"stream": [text, calls, finish], "plain": [m.content or "", want_calls, choice.finish_reason],
             "logprobs": [logprobs, [t.logprob for t in choice.logprobs.content]] if not m.tool_calls else None}
+
+
+def stop_stream_agent(sample, base_url):
+    """n=2 with a stop string, streamed and not (greedy: the same tokens): the same texts per choice."""
+    client = _client(base_url)
+    kwargs = dict(model=MODEL, messages=sample["messages"], n=2, stop=["*"])
+    plain = client.chat.completions.create(**kwargs)
+    texts, ids = ["", ""], [None, None]
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            ids[c.index] = (c.model_extra or {}).get("token_ids") or ids[c.index]
+    return {"stream": [texts, ids], "plain": [[c.message.content or "" for c in plain.choices],
+                                              [c.model_extra["token_ids"] for c in plain.choices]]}
+
+
+FIRST_TOKENS = threading.Event()  # set by live_agent when a chunk with tokens arrives
+
+
+def live_agent(sample, base_url):
+    """A streamed call with log-probs: per chunk the number of tokens it carries (its log-prob entries)."""
+    chunks = []
+    for chunk in _client(base_url).chat.completions.create(model=MODEL, messages=sample["messages"], logprobs=True,
+                                                           stream=True):
+        for c in chunk.choices:
+            tokens = len((c.logprobs.content if c.logprobs else None) or [])
+            if tokens:
+                FIRST_TOKENS.set()
+            chunks.append({"tokens": tokens, "finish": c.finish_reason, "token_ids": (c.model_extra or {}).get("token_ids")})
+    return {"chunks": chunks}
 
 
 def _post(url, data: bytes):
@@ -136,6 +169,16 @@ def _run(rank):
     from megarl.agents.environment import run_episode
     out["env"] = rollout(partial(run_episode, CalculatorEnv, max_turns=2, model=MODEL), 16, n=2, temperature=1.0)
     out["stream"] = rollout(stream_agent, 4)
+    out["stop_stream"] = rollout(stop_stream_agent, 4)
+    queue, plain_finished, gate = engine.state.queue, engine.state.queue.finished, []
+
+    def gated(key, result):  # the request cannot finish before its client holds a chunk with tokens
+        gate.append(FIRST_TOKENS.wait(timeout=30))
+        plain_finished(key, result)
+
+    queue.finished = gated
+    out["live"], out["gate"] = rollout(live_agent, 1), gate
+    queue.finished = plain_finished
     engine.timeout_s = TIMEOUT_S
     out["bad"] = rollout(bad_agent, 4)
     engine.close()
@@ -200,6 +243,27 @@ def test_streaming_rebuilds_the_message(run):
             # two calls of one prompt: the same tokens; log-probs to float32 rounding (the second call
             # reads the first's K/V pages from the prefix cache)
             assert got["logprobs"][0] == pytest.approx(got["logprobs"][1], abs=1e-4) and got["logprobs"][0]
+
+
+def test_streamed_stop_strings_cut_as_the_plain_call(run):
+    results, stats = run["stop_stream"]
+    assert stats["agent_http/failed_frac"] == 0.0
+    for r in results:
+        got = r[6]["agent_result"]
+        assert got["stream"] == got["plain"] and all(got["plain"][1])
+
+
+def test_streaming_is_live_chunks_arrive_while_the_engine_decodes(run):
+    """The request's ``finished`` is held until its client has received a chunk with tokens (30 s at
+    most): a stream that only sent the finished turn would time out there. Tokens come over several
+    chunks (engine steps), and add up to the trained response."""
+    results, stats = run["live"]
+    (key, prompt, response, logprobs, mask, finish, extra) = results[0]
+    chunks = extra["agent_result"]["chunks"]
+    assert run["gate"] == [True]
+    assert sum(c["tokens"] > 0 for c in chunks) >= 2 and len(response) >= 2
+    assert sum(c["tokens"] for c in chunks) == len(response)
+    assert chunks[-1]["finish"] in ("stop", "length", "tool_calls") and chunks[-1]["token_ids"] == response
 
 
 def test_bad_requests_get_openai_errors_and_failing_agents_are_failed_samples(run):

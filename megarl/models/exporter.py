@@ -75,6 +75,16 @@ def merge_expert_shards(kind: str, names: tuple[str, ...], shards: list[torch.Te
     return dict(zip(names, layouts.split_gate_up(shards)))
 
 
+def expert_hf_tensors(rule: Rule, param: torch.Tensor, groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """Collective over EP and expert-TP: the HF tensors of one expert parameter on every EP rank
+    (this rank's local experts and the same local slot of the others'), on every rank."""
+    out = {}
+    for ep_rank, shard in enumerate(_gather(param, groups, groups.ep, groups.ep_size)):
+        shards = _gather(shard, groups, groups.etp, groups.etp_size)
+        out.update(merge_expert_shards(rule.kind, rule.ep_hf_names[ep_rank], shards))
+    return out
+
+
 def gather_expert_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
                           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """Collective over every rank of this stage: the HF tensors of all experts (every EP rank's) on
@@ -85,11 +95,9 @@ def gather_expert_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGro
     for name, rule in model_rules(model, info).items():
         if rule.kind not in EXPERT_KINDS:
             continue
-        for ep_rank, param in enumerate(_gather(params[name], groups, groups.ep, groups.ep_size)):
-            shards = _gather(param, groups, groups.etp, groups.etp_size)
-            if writer:
-                for hf_name, t in merge_expert_shards(rule.kind, rule.ep_hf_names[ep_rank], shards).items():
-                    out[hf_name] = t.to("cpu", dtype or t.dtype).clone()
+        tensors = expert_hf_tensors(rule, params[name], groups)
+        if writer:
+            out.update({hf_name: t.to("cpu", dtype or t.dtype).clone() for hf_name, t in tensors.items()})
     return out
 
 

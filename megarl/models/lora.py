@@ -20,6 +20,16 @@ The full A is drawn from a seeded generator on the CPU and each rank keeps its
 slice, so the adapters (and the whole run) do not depend on the TP layout.
 Checkpoints shard B (column) / A (row) over TP like the base weight.
 
+Mixtures of experts. Attention, dense MLPs and a shared expert are adapted as above. With
+``experts`` the routed experts' fc1 / fc2 get adapters too, one A / B pair per expert, on
+megatron-core's ``SequentialMLP`` (one ``MLP`` per local expert: the hook works unchanged;
+``GroupedMLP`` keeps its experts in two weight tensors with no linear to hook, a ValueError).
+Under expert parallelism each rank holds its own experts' adapters: each expert's A comes
+from a stream of its (layer, global expert, fc1 | fc2), not of the rank's enumeration, so
+EP1 and EP2 draw the same adapters; the adapters inherit the expert weights' ``allreduce =
+False``, so megatron-core's DDP and optimizer reduce them over the expert-data-parallel
+group, and SequentialMLP's checkpoint maps them to global experts like the weights.
+
 Not supported (config errors): sequence parallelism, the TE layer spec (its
 fused LayerNorm-linear hides the normed input from the hook).
 """
@@ -51,6 +61,7 @@ class LoraOptions:
     alpha: float
     targets: tuple[str, ...] = TARGETS
     seed: int = 0
+    experts: bool = False  # also the routed experts' fc1 / fc2 (SequentialMLP)
 
 
 @dataclass
@@ -69,8 +80,34 @@ class Adapter:
         return self.scale * (self.lora_b.float() @ self.lora_a.float())
 
 
+EXPERT_STREAMS = 1 << 30  # routed experts' A streams start here (dense linears count from 0)
+
+
 def _targets(module, targets) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, m) for name, m in module.named_modules() if name.rsplit(".", 1)[-1] in targets]
+    """The targeted linears outside routed experts, in module order."""
+    return [(name, m) for name, m in module.named_modules()
+            if name.rsplit(".", 1)[-1] in targets and ".experts." not in name]
+
+
+def _expert_targets(module, targets) -> list[tuple[str, torch.nn.Module, int]]:
+    """(name, linear, A stream) of every local routed expert's targeted fc1 / fc2; the stream is a
+    function of (global layer, global expert, linear), the same at every EP layout."""
+    out = []
+    for name, moe in module.named_modules():
+        experts = getattr(moe, "experts", None)
+        if getattr(moe, "router", None) is None or experts is None:
+            continue
+        if not hasattr(experts, "local_experts"):
+            raise ValueError(f"LoRA on the routed experts of {name}: {type(experts).__name__} has no per-expert "
+                             "linear to adapt; build the model with moe_experts='sequential'")
+        total = experts.ep_group.size() * experts.num_local_experts
+        first = experts.ep_group.rank() * experts.num_local_experts
+        for i, expert in enumerate(experts.local_experts):
+            for j, kind in enumerate(("linear_fc1", "linear_fc2")):
+                if kind in targets:
+                    stream = EXPERT_STREAMS + ((moe.router.layer_number * total) + first + i) * 2 + j
+                    out.append((f"{name}.experts.local_experts.{i}.{kind}", getattr(expert, kind), stream))
+    return out
 
 
 def _full_a(rank: int, fan_in: int, seed: int, index: int) -> torch.Tensor:
@@ -92,8 +129,11 @@ def apply_lora(module: torch.nn.Module, opts: LoraOptions) -> list[Adapter]:
     if opts.rank < 1 or opts.alpha <= 0:
         raise ValueError(f"LoRA rank={opts.rank} must be >= 1 and alpha={opts.alpha} > 0")
     module.requires_grad_(False)
+    targets = [(name, linear, index) for index, (name, linear) in enumerate(_targets(module, opts.targets))]
+    if opts.experts:
+        targets += _expert_targets(module, opts.targets)
     adapters = []
-    for index, (name, linear) in enumerate(_targets(module, opts.targets)):
+    for name, linear, index in targets:
         _check(linear, name)
         adapters.append(_attach(name, linear, index, opts))
     if not adapters:
@@ -116,6 +156,8 @@ def _attach(name: str, linear, index: int, opts: LoraOptions) -> Adapter:
     linear.lora_b = torch.nn.Parameter(b.to(**like))
     sharded = linear.lora_b if column else linear.lora_a
     sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = True, 0 if column else 1, 1
+    for p in (linear.lora_a, linear.lora_b):  # an expert's: reduced over expert-DP, as its weight
+        p.allreduce = getattr(linear.weight, "allreduce", True)
     adapter = Adapter(name, column, linear.lora_a, linear.lora_b, opts.alpha / opts.rank, group)
     linear.lora_scale, linear.lora_enabled = adapter.scale, True
     region = copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region

@@ -83,14 +83,16 @@ def load_mcore(model: "nn.Module", groups: "ParallelGroups", ckpt_dir: str) -> N
 # -- training checkpoints (megarl/trainer/checkpoint.py: step_N/<role>/) ----------------------------
 
 def lora_of(module: "nn.Module") -> Optional[dict]:
-    """The LoRA adapters of ``module`` as {rank, alpha, targets}, or None without adapters."""
+    """The LoRA adapters of ``module`` as {rank, alpha, targets, experts}, or None without adapters
+    (experts: the routed experts are adapted too)."""
     linears = [(name, m) for name, m in module.named_modules() if hasattr(m, "lora_enabled")]
     if not linears:
         return None
     first = linears[0][1]
     rank = int(first.lora_a.shape[0])
     return {"rank": rank, "alpha": float(first.lora_scale * rank),
-            "targets": sorted({name.rsplit(".", 1)[-1] for name, _ in linears})}
+            "targets": sorted({name.rsplit(".", 1)[-1] for name, _ in linears}),
+            "experts": any(".experts.local_experts." in name for name, _ in linears)}
 
 
 def write_role_meta(role_dir: str, module: "nn.Module", info: ModelInfo, build: dict) -> None:

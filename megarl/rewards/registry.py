@@ -49,7 +49,9 @@ def math_term(
 
 @register_reward("agent")
 def agent_term(prompt: str, response: str, ground_truth: str | None, extra: dict[str, Any]) -> float:
-    """What the sample's agent or environment returned (rollout.server); 0 for a failed or silent one."""
+    """What the sample's agent or environment returned (rollout.server, rollout.multi_turn.environment);
+    0 for a failed or silent one."""
     if "agent_failed" not in extra:
-        raise ValueError("reward 'agent' reads what rollout.server's agents return; enable rollout.server")
+        raise ValueError("reward 'agent' reads what rollout.server's agents or rollout.multi_turn.environment's "
+                         "environments return; enable one of them")
     return float(extra.get("agent_reward") or 0.0)

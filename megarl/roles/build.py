@@ -33,6 +33,8 @@ def model_options(cfg: Config, recompute: str = "none", moe_losses: bool = False
         recompute=recompute,
         moe_aux_loss_coef=cfg.actor.moe_aux_loss_coef if moe_losses else 0.0,
         moe_z_loss_coef=cfg.actor.moe_z_loss_coef if moe_losses else 0.0,
+        # adapters on routed experts hook each expert's linears: SequentialMLP (megarl/models/lora.py)
+        moe_experts="sequential" if cfg.actor.lora.rank and cfg.actor.lora.experts else "auto",
     )
 
 
@@ -88,7 +90,8 @@ def build_actor(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Po
                                 moe_losses=True)
     if cfg.actor.lora.rank:  # base frozen before DDP: only the adapters get grad buffers and Adam state
         lo = cfg.actor.lora
-        apply_lora(module, LoraOptions(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), seed=cfg.trainer.seed))
+        apply_lora(module, LoraOptions(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), seed=cfg.trainer.seed,
+                                       experts=lo.experts))
         if cfg.actor.recompute == "full":
             keep_layer_inputs_differentiable(module)
     return Policy("actor", module, groups, info, _trainable(module, cfg, groups, cfg.actor.optim, optimizer_steps),

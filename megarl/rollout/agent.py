@@ -9,6 +9,8 @@ Per sample, a state machine over turns:
          or a ``module:function`` parser), run every active sample's calls at once
          in the tool executor's worker pool, append the tool messages
       -> EOS with an interaction (simulated user): its next message, or the end
+      -> with an environment (``environments.py``), every turn: its ``step`` on the
+         conversation gives observation messages, a reward and done (reset gave the prompt)
       -> append the context ids (``turns.py``: the template's close of the turn,
          the messages, the next assistant opening) with loss mask 0; continue
 
@@ -55,6 +57,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from megarl.rollout.engine import GenerationResult, Request, RolloutEngine, SamplingParams, mix_seed
+from megarl.rollout.environments import EnvironmentRunner, one_line
 from megarl.rollout.turns import TurnRenderer
 
 
@@ -71,6 +74,7 @@ class AgentOptions:
     max_turns: int = 4  # assistant turns per sample
     max_tool_output_tokens: int = 256  # per tool message
     overlap_tools: bool = False  # calls overlap decoding (engine.serve); False: turn by turn (the reference)
+    max_prompt_len: int = 0  # environment: longest opening prompt its reset may give (0: any)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class Reply:
     tool_calls: int = 0  # calls the turn made
     tool_errors: int = 0  # of them failed (unknown tool, bad arguments, exception, timeout), plus unparsable calls
     tool_truncations: int = 0  # tool outputs cut (max_tool_output_tokens, or the executor's character limit)
+    reward: float = 0.0  # environment: the step's reward
+    error: str = ""  # environment: why the sample failed (its step raised, broke the interface, timed out)
 
 
 @dataclass
@@ -101,6 +107,8 @@ class Trajectory:
     tool_truncations: int = 0
     finish: str | None = None
     last_turn: list[int] = field(default_factory=list)  # the last sampled turn: the answer rewards read
+    reward: float = 0.0  # environment: the sum of its steps' rewards
+    error: str = ""  # environment: set when the sample failed (it then trains nothing)
 
     def add_sampled(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.last_turn = list(ids)
@@ -116,23 +124,38 @@ class Trajectory:
         self.loss_mask += [0] * len(ids)
         self.messages += messages
 
-    def result(self) -> GenerationResult:
-        return GenerationResult(self.prompt_ids, self.ids, self.logprobs, self.finish or "length", self.key,
-                                {"trajectory": self.messages, "turns": self.turns, "tool_calls": self.tool_calls,
-                                 "final_turn_ids": self.last_turn},
-                                loss_mask=self.loss_mask)
+    def fail(self, error: str) -> None:
+        self.error, self.finish = error, "failed"
+
+    def result(self, environment: bool = False, pad_id: int = 0) -> GenerationResult:
+        """The sample for the trainer; with an ``environment`` its reward (``agent_reward``, the reward
+        term ``agent``) and whether it failed: a failed sample keeps its ids with loss mask 0 (one pad
+        id if it sampled nothing), so it trains nothing."""
+        extra = {"trajectory": self.messages, "turns": self.turns, "tool_calls": self.tool_calls,
+                 "final_turn_ids": self.last_turn}
+        ids, logprobs, mask = self.ids, self.logprobs, self.loss_mask
+        if environment:
+            failed = bool(self.error)
+            extra.update(agent_reward=self.reward, agent_failed=failed, agent_error=self.error)
+            if failed:
+                ids, logprobs = (ids, logprobs) if ids else ([pad_id], [0.0])
+                mask = [0] * len(ids)
+        return GenerationResult(self.prompt_ids, ids, logprobs, self.finish or "length", self.key, extra,
+                                loss_mask=mask)
 
 
 class AgentLoop:
     """Multi-turn generation with tools; see the module docstring."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, executor, parser: Callable, options: AgentOptions,
-                 groups=None, interaction: Callable | None = None):
+                 groups=None, interaction: Callable | None = None, environment: EnvironmentRunner | None = None):
         if options.overlap_tools and not hasattr(engine, "serve"):
             raise ValueError(f"overlap_tools needs an engine that admits requests while it runs (serve); "
                              f"{type(engine).__name__} has none")
         self.engine, self.tokenizer, self.executor, self.parser = engine, tokenizer, executor, parser
         self.options, self.groups, self.interaction = options, groups, interaction
+        self.environment = environment  # answers every turn instead of the tools and the interaction
+        self.items: dict[int, dict] = {}  # request key -> dataset row fields, for the environments' reset
         self.renderer = TurnRenderer(tokenizer)
         self.stats: dict[str, float] = {}
         self._users: ThreadPoolExecutor | None = None  # overlapped: the interaction's one thread
@@ -144,18 +167,47 @@ class AgentLoop:
         of ``serve``), so requests with identical prompts share its prefill; the engine sees each
         sample under its position in ``requests``."""
         trajs = [Trajectory(list(r.prompt), r.key, r.seed, r.max_new_tokens) for r in requests]
+        if self.environment is not None:
+            self._reset(requests, trajs)
         turn = replace(params, stop_token_ids=tuple(params.stop_token_ids) + (self.options.tool_call_end,))
-        first = [self.next_request(i, t) for i, t in enumerate(trajs)]
-        if self.options.overlap_tools:
+        first = [self.next_request(i, t) for i, t in enumerate(trajs) if t.finish is None]
+        if not first:  # every environment's reset failed
+            waited = 0.0
+        elif self.options.overlap_tools:
             from megarl.rollout.agent_overlap import OverlappedTurns
 
             feed = OverlappedTurns(self, trajs)
             self.engine.serve(first, turn, feed)
             waited = feed.waited_s
         else:
-            waited = self._by_turns(first, turn, trajs)
+            waited = self._by_turns(first, turn, [t for t in trajs if t.finish is None])
         self._record(trajs, waited)
-        return [t.result() for t in trajs]
+        self.items = {}
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return [t.result(self.environment is not None, pad) for t in trajs]
+
+    def bind_items(self, items: dict[int, dict]) -> None:
+        """Dataset fields per request key for the next ``generate`` (``messages``, ``answer``, ``extra``):
+        what an environment's ``reset`` gets besides the prompt."""
+        self.items = items
+
+    def _reset(self, requests: list[Request], trajs: list[Trajectory]) -> None:
+        """Every sample's environment reset (first rank, broadcast): its opening messages are its prompt;
+        a reset that fails, or whose prompt is longer than ``max_prompt_len``, fails its sample."""
+        samples = {r.key: {"key": r.key, "prompt_ids": list(r.prompt), **self.items.get(r.key, {}),
+                           "prompt_text": self.tokenizer.decode(r.prompt, skip_special_tokens=False)}
+                   for r in requests}
+        prompts = self.on_first_rank(lambda: self.environment.reset_all(samples))
+        limit = self.options.max_prompt_len
+        for t in trajs:
+            got = prompts[t.key]
+            if isinstance(got, str):
+                t.fail(got)
+            elif limit and len(got) > limit:
+                t.prompt_ids = got
+                t.fail(f"reset: the opening messages are {len(got)} tokens; data.max_prompt_len is {limit}")
+            else:
+                t.prompt_ids = got
 
     def update_weights(self) -> dict:
         return self.engine.update_weights()
@@ -169,7 +221,9 @@ class AgentLoop:
     # -- turn by turn (the reference schedule) -------------------------------
     def _by_turns(self, first: list[Request], turn: SamplingParams, trajs: list[Trajectory]) -> float:
         """Every active sample's turn in one engine call (``first``: turn 0's requests, one per
-        trajectory), then their replies; returns the seconds spent on replies (the engine idle)."""
+        trajectory of ``trajs``), then their replies; returns the seconds spent on replies (the engine idle)."""
+        if not trajs:
+            return 0.0
         waited = self._after_turn(trajs, self.engine.generate(first, turn))  # identical prompts share a prefill
         while active := [t for t in trajs if t.finish is None]:
             results = self.engine.generate([self.next_request(i, t) for i, t in enumerate(active)], turn)
@@ -180,6 +234,14 @@ class AgentLoop:
         """Adds each sample's sampled turn, then the context that continues it (or ends it)."""
         texts = [self.add_turn(t, r) for t, r in zip(trajs, results)]
         called = [self.ends_with_call(r) for r in results]
+        if self.environment is not None:
+            start = time.perf_counter()
+            replies = self.on_first_rank(lambda: [self.env_reply(f) for f in [
+                self.environment.submit_step(t.key, text) for t, text in zip(trajs, texts)]])
+            waited = time.perf_counter() - start
+            for t, r, reply in zip(trajs, results, replies):
+                self.continue_after(t, r.finish_reason, reply)
+            return waited
         start = time.perf_counter()
         replies = self.on_first_rank(lambda: self._replies(trajs, results, texts, called))
         waited = time.perf_counter() - start
@@ -217,11 +279,19 @@ class AgentLoop:
         """A turn without a call that the simulated user answers (if it has more to say)."""
         return self.interaction is not None and r.finish_reason == "stop" and not self.ends_with_call(r)
 
+    def wants_reply(self, r: GenerationResult) -> bool:
+        """The turn is answered: every turn by an environment, else a tool call or the simulated user's turn."""
+        return self.environment is not None or self.ends_with_call(r) or self.asks_user(r)
+
     def continue_after(self, t: Trajectory, finish: str, reply: Reply) -> None:
         """Appends ``reply``'s context to ``t``, or ends it (``finish``: its last turn's reason)."""
         t.tool_calls += reply.tool_calls
         t.tool_errors += reply.tool_errors
         t.tool_truncations += reply.tool_truncations
+        t.reward += reply.reward
+        if reply.error:
+            t.fail(reply.error)
+            return
         if reply.messages is None:
             t.finish = finish
             return
@@ -229,6 +299,8 @@ class AgentLoop:
             t.finish = "max_turns"
             return
         ids = self.renderer.ids_after_assistant(reply.messages)
+        if finish == "stop" and ids[:1] == t.ids[-1:]:
+            ids = ids[1:]  # the turn stopped on the token the template's close of the turn starts with
         if len(t.ids) + len(ids) >= t.budget:  # no room left to sample after the context
             t.finish = "length"
             return
@@ -249,13 +321,31 @@ class AgentLoop:
         return Reply(messages or [{"role": "tool", "content": "error: no tool call found before </tool_call>"}],
                      len(calls), errors, cut)
 
+    def env_reply(self, step: Future) -> Reply:
+        """First rank: the reply of an environment's step (observations cut to max_tool_output_tokens)."""
+        try:
+            observation, reward, done, calls = step.result()
+        except Exception as e:  # noqa: BLE001 - the sample's failure, not the rollout's
+            return Reply(None, error=f"step: {one_line(e)}")
+        if done:
+            return Reply(None, calls, reward=reward)
+        limit = self.options.max_tool_output_tokens
+        messages = [{**m, "content": self.renderer.truncate(m["content"], limit)} for m in observation]
+        cut = sum(m["content"] != o["content"] for m, o in zip(messages, observation))
+        return Reply(messages, calls, tool_truncations=cut, reward=reward)
+
     def user_reply(self, messages: list[dict]) -> Reply:
         user = self.interaction(messages)
         return Reply(None if user is None else [{"role": "user", "content": str(user)}])
 
     def submit_reply(self, t: Trajectory, text: str, called: bool) -> Future:
         """First rank, overlapped: the reply to ``t``'s turn, started now (tools in the executor's pool,
-        the interaction on its own thread)."""
+        the interaction on its own thread, an environment's step on its runner's pool)."""
+        if self.environment is not None:
+            env_done: Future = Future()
+            self.environment.submit_step(t.key, text).add_done_callback(
+                lambda step: env_done.set_result(self.env_reply(step)))
+            return env_done
         if not called:
             if self._users is None:
                 self._users = ThreadPoolExecutor(1, thread_name_prefix="megarl-interaction")
@@ -309,3 +399,8 @@ class AgentLoop:
             "agent/max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / n,
             "agent/context_tokens_mean": sum(len(t.ids) - sum(t.loss_mask) for t in trajs) / n,
         }
+        if self.environment is not None:
+            self.stats.update({
+                "agent/env_failed_frac": sum(bool(t.error) for t in trajs) / n,  # reset or step raised / timed out
+                "agent/env_reward_mean": sum(t.reward for t in trajs) / n,
+            })

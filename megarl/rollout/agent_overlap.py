@@ -3,9 +3,10 @@
 :class:`OverlappedTurns` is the :class:`~megarl.rollout.engine.FollowUps` of one
 ``AgentLoop.generate`` on an engine with ``serve``. Per sample:
 
-    turn recorded (``finished``) -> no call and no user: done
-      -> a call (or a user turn): its reply is started at once on the first rank
-         (``AgentLoop.submit_reply``: the executor's pool / the interaction's thread)
+    turn recorded (``finished``) -> no call, no user and no environment: done
+      -> a call, a user turn or an environment's step: its reply is started at once on the
+         first rank (``AgentLoop.submit_reply``: the executor's pool / the interaction's thread /
+         the environments' pool)
     between two engine steps (``poll``): replies that are ready are applied
       (context ids, limits) and each continuing sample's next turn is a Request
       the engine queues beside the sequences still decoding
@@ -49,7 +50,7 @@ class OverlappedTurns:
         t, loop = self.trajs[key], self.loop
         text = loop.add_turn(t, result)
         called = loop.ends_with_call(result)
-        if not called and not loop.asks_user(result):
+        if not loop.wants_reply(result):
             t.finish = result.finish_reason
             return
         self.awaiting[key] = result.finish_reason

@@ -113,6 +113,11 @@ class FollowUps(Protocol):
     def poll(self, idle: bool) -> list[Request]:
         """Requests to admit now. ``idle``: nothing else runs, so wait for one; [] then ends the call."""
 
+    # Optional, for streaming: ``streamed``, a collection of keys (checked with ``in`` between steps),
+    # and ``progress(key, ids, logprobs)``, called between steps with every token recorded so far of
+    # each running request in ``streamed`` (the engine's own lists: copy what is kept). The last
+    # tokens of a request come with ``finished``.
+
 
 class RolloutEngine(Protocol):
     """What the trainer needs from an inference engine."""

@@ -76,12 +76,25 @@ def _agent(cfg: Config, engine: RolloutEngine, tokenizer, groups) -> RolloutEngi
 
     m = cfg.rollout.multi_turn
     end = single_token_id(tokenizer, m.tool_call_end, "rollout.multi_turn.tool_call_end")
-    tools = resolve_tools(list(m.tools))
-    executor = ToolExecutor(tools, max_workers=m.tool_workers, timeout_s=m.tool_timeout_s)
     options = AgentOptions(tool_call_end=end, max_turns=m.max_turns, max_tool_output_tokens=m.max_tool_output_tokens,
-                           overlap_tools=m.overlap_tools)
-    return AgentLoop(engine, tokenizer, executor, resolve_parser(m.parser), options, groups,
-                     interaction=_interaction(m.interaction))
+                           overlap_tools=m.overlap_tools, max_prompt_len=cfg.data.max_prompt_len)
+    parser = resolve_parser(m.parser)
+    if m.environment:
+        return AgentLoop(engine, tokenizer, None, parser, options, groups,
+                         environment=_environment(m, tokenizer, parser))
+    executor = ToolExecutor(resolve_tools(list(m.tools)), max_workers=m.tool_workers, timeout_s=m.tool_timeout_s)
+    return AgentLoop(engine, tokenizer, executor, parser, options, groups, interaction=_interaction(m.interaction))
+
+
+def _environment(m, tokenizer, parser):
+    from megarl.algos.registry import load_dotted
+    from megarl.rollout.environments import EnvironmentRunner
+
+    try:
+        make_env = load_dotted(m.environment)
+    except ValueError as e:
+        raise ConfigError(f"rollout.multi_turn.environment: {e}") from None
+    return EnvironmentRunner(make_env, tokenizer, parser, workers=m.tool_workers, timeout_s=m.tool_timeout_s)
 
 
 def _interaction(spec: str):

@@ -44,6 +44,13 @@ class _AgentFeed:
     def finished(self, key: int, result: GenerationResult) -> None:
         self.queue.finished(key, result)
 
+    @property
+    def streamed(self) -> dict:
+        return self.queue.streamed
+
+    def progress(self, key: int, ids: list[int], logprobs: list[float]) -> None:
+        self.queue.progress(key, ids, logprobs)
+
     def poll(self, idle: bool) -> list[Request]:
         while True:
             got = self.queue.take(0.02 if idle else 0)

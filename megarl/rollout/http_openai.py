@@ -92,61 +92,51 @@ def cut_at_stop(r: GenerationResult, stop: list[str], decode) -> GenerationResul
     return r
 
 
+def token_logprob(state, token_id: int, logprob: float) -> dict:
+    """One token's entry of a chat answer's ``logprobs.content``."""
+    token = state.decode([token_id])
+    return {"token": token, "logprob": float(logprob), "bytes": list(token.encode()), "top_logprobs": []}
+
+
 def _token_logprobs(state, r: GenerationResult) -> list[dict]:
-    out = []
-    for i, lp in zip(r.response_ids, r.logprobs):
-        token = state.decode([i])
-        out.append({"token": token, "logprob": float(lp), "bytes": list(token.encode()), "top_logprobs": []})
-    return out
+    return [token_logprob(state, i, lp) for i, lp in zip(r.response_ids, r.logprobs)]
 
 
-def _message(state, r: GenerationResult) -> tuple[dict, str]:
+def assistant_message(text: str, parser, call_id: str) -> dict:
+    """A sampled turn's text (end-of-turn tokens removed) as an OpenAI assistant message: the text
+    before ``<tool_call>`` as its content and the calls ``parser`` finds as ``tool_calls`` (ids
+    ``call_<call_id>_<j>``), or the whole text as its content when there are none."""
+    calls, _problems = parser(text)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    head = text[:text.index("<tool_call>")] if "<tool_call>" in text else ""
+    tool_calls = [{"id": f"call_{call_id}_{j}", "type": "function",
+                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for j, c in enumerate(calls)]
+    return {"role": "assistant", "content": head or None, "tool_calls": tool_calls}
+
+
+def choice_message(state, r: GenerationResult) -> tuple[dict, str]:
     """The assistant message of one choice and its finish reason (tool calls parsed by megarl's parser)."""
     text = state.decode(r.response_ids)
     for eos in state.tokenizer.convert_ids_to_tokens(state.eos_ids):
         text = text.replace(eos, "")
-    calls, _problems = state.parser(text)
-    finish = "length" if r.finish_reason == "length" else "stop"
-    if not calls:
-        return {"role": "assistant", "content": text}, finish
-    head = text[:text.index("<tool_call>")] if "<tool_call>" in text else ""
-    tool_calls = [{"id": f"call_{r.key}_{j}", "type": "function",
-                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for j, c in enumerate(calls)]
-    return {"role": "assistant", "content": head or None, "tool_calls": tool_calls}, "tool_calls"
+    message = assistant_message(text, state.parser, str(r.key))
+    if "tool_calls" in message:
+        return message, "tool_calls"
+    return message, "length" if r.finish_reason == "length" else "stop"
 
 
 def chat_body(state, results: list[GenerationResult], prompt_len: int, logprobs: bool, rid: str,
               created: int) -> dict:
     choices = []
     for j, r in enumerate(results):
-        message, finish = _message(state, r)
+        message, finish = choice_message(state, r)
         choices.append({"index": j, "message": message, "finish_reason": finish, "token_ids": list(r.response_ids),
                         "logprobs": {"content": _token_logprobs(state, r)} if logprobs else None})
     sampled = sum(len(r.response_ids) for r in results)
     return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": choices, "prompt_token_ids": results[0].prompt_ids if results else [],
             "usage": {"prompt_tokens": prompt_len, "completion_tokens": sampled, "total_tokens": prompt_len + sampled}}
-
-
-def chat_chunks(payload: dict) -> list[dict]:
-    """A finished chat completion as ``chat.completion.chunk`` objects: per choice its role, its content
-    (with every token's log-prob when asked), its tool calls, its finish reason; then the usage."""
-    head = {k: payload[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    chunks = []
-    for c in payload["choices"]:
-        j, msg = c["index"], c["message"]
-        chunks.append(head | {"choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                           "finish_reason": None}]})
-        if msg.get("content"):
-            chunks.append(head | {"choices": [{"index": j, "delta": {"content": msg["content"]},
-                                               "logprobs": c["logprobs"], "finish_reason": None}]})
-        for k, call in enumerate(msg.get("tool_calls") or []):
-            chunks.append(head | {"choices": [{"index": j, "delta": {"tool_calls": [{"index": k, **call}]},
-                                               "finish_reason": None}]})
-        chunks.append(head | {"choices": [{"index": j, "delta": {}, "finish_reason": c["finish_reason"],
-                                           "token_ids": c["token_ids"]}]})
-    chunks.append(head | {"choices": [], "usage": payload["usage"]})
-    return chunks
 
 
 def completion_body(state, results: list[GenerationResult], prompt_len: int, logprobs: bool, rid: str,

@@ -19,8 +19,8 @@ Sampling (temperature, top-p) is the rollout's: a call may restate the
 rollout's temperature but not change it (one ``serve`` call samples with one
 setting, and the trainer needs the log-probs under it). ``stop`` strings cut the
 response at the token that completes them (the ids kept are the ids trained).
-Streaming sends the finished turn as SSE chunks (not token by token while it
-decodes). Bad requests get OpenAI-shaped errors (``{"error": {message, type,
+Streaming sends SSE chunks as the engine records tokens, between its steps
+(``http_stream.py``). Bad requests get OpenAI-shaped errors (``{"error": {message, type,
 param, code}}``, 400/404) and nothing else happens.
 """
 from __future__ import annotations
@@ -31,12 +31,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 from aiohttp import web
 
 from megarl.rollout.engine import GenerationResult, Request
-from megarl.rollout.http_openai import ApiError, chat_body, chat_chunks, completion_body, cut_at_stop, parse_chat
+from megarl.rollout.http_openai import ApiError, chat_body, completion_body, cut_at_stop, parse_chat
 from megarl.rollout.http_sessions import SampleSession
+from megarl.rollout.http_stream import stream_chat
 
 
 class EngineQueue:
@@ -45,14 +47,20 @@ class EngineQueue:
     def __init__(self):
         self.waiting: queue.Queue[tuple[Request, Future]] = queue.Queue()
         self.running: dict[int, Future] = {}
+        self.streamed: dict[int, Callable] = {}  # key -> on_tokens(ids, logprobs) of a streamed request
         self._next_key = 0
         self._lock = threading.Lock()
 
-    def submit(self, prompt: list[int], seeds: list[int], max_tokens: int) -> list[Future]:
+    def submit(self, prompt: list[int], seeds: list[int], max_tokens: int,
+               streams: list[Callable] | None = None) -> list[Future]:
+        """One request per seed; ``streams``: per request an ``on_tokens(ids, logprobs)`` the engine's
+        thread calls between steps with the tokens so far (:meth:`progress`)."""
         futures = []
         with self._lock:
-            for seed in seeds:
+            for j, seed in enumerate(seeds):
                 future: Future = Future()
+                if streams is not None:
+                    self.streamed[self._next_key] = streams[j]
                 self.waiting.put((Request(self._next_key, list(prompt), seed, max_tokens), future))
                 self._next_key += 1
                 futures.append(future)
@@ -71,7 +79,13 @@ class EngineQueue:
         except queue.Empty:
             return out
 
+    def progress(self, key: int, ids: list[int], logprobs: list[float]) -> None:
+        on_tokens = self.streamed.get(key)
+        if on_tokens is not None:
+            on_tokens(ids, logprobs)
+
     def finished(self, key: int, result: GenerationResult) -> None:
+        self.streamed.pop(key, None)
         self.running.pop(key).set_result(result)
 
     def fail_waiting(self, message: str) -> None:
@@ -79,6 +93,7 @@ class EngineQueue:
         for _req, future in self.take(0):
             future.set_exception(ApiError(503, message, "server_error"))
         self.running.clear()
+        self.streamed.clear()
 
 
 class ServerState:
@@ -154,19 +169,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     session = state.session(request, body)
     prompt = session.chat_prompt(call.messages, state.renderer, lambda m: state.render_root(m, call.tools))
     max_tokens = _limits(state, session, prompt, call.max_tokens)
+    created, rid = int(time.time()), f"chatcmpl-{session.key}-{session.calls}"
+    if call.stream:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+        return await stream_chat(request, state, session, prompt, call, max_tokens, head)
     results = await _sample(state, session, prompt, call.n, max_tokens, call.stop)
     session.record(prompt, results, call.messages)
-    created, rid = int(time.time()), f"chatcmpl-{session.key}-{session.calls}"
-    payload = chat_body(state, results, len(prompt.ids), call.logprobs, rid, created)
-    if not call.stream:
-        return web.json_response(payload)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    for chunk in chat_chunks(payload):
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    return web.json_response(chat_body(state, results, len(prompt.ids), call.logprobs, rid, created))
 
 
 async def completions(request: web.Request) -> web.Response:

@@ -13,6 +13,9 @@ and ``weight2`` (E * F, H): ``w13`` (E, 2F, H) and ``w2`` (E, H, F) are strided 
 copy. ``SequentialMLP`` (one ``MLP`` per expert, CPU / fp32) has no common storage, so its
 weights are stacked into engine-owned tensors by :meth:`MoeWeights.refresh`, which the engine
 calls at the start of every generate call (a copy of the experts, taken after the last update).
+LoRA (megarl/models/lora.py) on routed experts, which only SequentialMLP carries, is merged into
+that copy, W + s B A, as the HF export merges it; a shared expert's adapters run unmerged, as the
+dense MLP's (``shared_lora``).
 
 Expert parallelism (EP > 1): each rank holds experts [first, first + E_local). Every rank of the
 EP group routes its own rows, the group all-gathers the rows (padded to the group's largest row
@@ -25,7 +28,7 @@ graphs: with EP > 1 the engine runs eagerly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,18 +53,29 @@ class MoeWeights:
     shared_fc2: Optional[torch.Tensor]  # (h, Fs)
     shared_gate: Optional[torch.Tensor]  # (1, h)
     experts: object = None  # SequentialMLP to restack from (None: w13 / w2 are views)
+    shared_lora: dict = field(default_factory=dict)  # "fc1" / "fc2" -> the shared expert's adapter (stage.LoraWeights)
 
     def refresh(self) -> None:
-        """Copies a SequentialMLP's current expert weights into the stacked ``w13`` / ``w2``."""
+        """Copies a SequentialMLP's current expert weights (LoRA merged) into the stacked ``w13`` / ``w2``."""
         if self.experts is None:
             return
-        for e, mlp in enumerate(self.experts.local_experts):
-            self.w13[e].copy_(mlp.linear_fc1.weight)
-            self.w2[e].copy_(mlp.linear_fc2.weight)
+        with torch.no_grad():
+            for e, mlp in enumerate(self.experts.local_experts):
+                self.w13[e].copy_(_merged(mlp.linear_fc1))
+                self.w2[e].copy_(_merged(mlp.linear_fc2))
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.router, self.w13, self.w2, self.shared_fc1, self.shared_fc2, self.shared_gate]
+        out += [t for ad in self.shared_lora.values() for t in (ad.a, ad.b)]
         return [t for t in out if t is not None]
+
+
+def _merged(linear) -> torch.Tensor:
+    """A linear's weight, plus s B A (in fp32, rounded once) where it carries an enabled adapter."""
+    if not getattr(linear, "lora_enabled", False):
+        return linear.weight
+    delta = linear.lora_scale * (linear.lora_b.float() @ linear.lora_a.float())
+    return (linear.weight.float() + delta).to(linear.weight.dtype)
 
 
 def moe_weights(mlp, groups) -> Optional[MoeWeights]:
@@ -107,7 +121,11 @@ def route(h: torch.Tensor, mw: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
 
 def shared_expert(h: torch.Tensor, mw: MoeWeights) -> torch.Tensor:
     """(T, h) Qwen2-MoE's shared expert: fc2(SwiGLU(fc1(h))) * sigmoid(h gate^T)."""
-    out = F.linear(silu_mul(F.linear(h, mw.shared_fc1)), mw.shared_fc2)
+    fc1, fc2 = mw.shared_lora.get("fc1"), mw.shared_lora.get("fc2")
+    up = F.linear(h, mw.shared_fc1)
+    act = silu_mul(up if fc1 is None else up + fc1(h))
+    out = F.linear(act, mw.shared_fc2)
+    out = out if fc2 is None else out + fc2(act)
     if mw.shared_gate is not None:
         out = out * torch.sigmoid(F.linear(h, mw.shared_gate))
     return out

@@ -390,6 +390,11 @@ class _Feed:
     def exchange(self, sched: Scheduler, idle: bool) -> None:
         for seq in sched.take_finished():
             self.followups.finished(seq.rid, NativeEngine._result(seq))
+        streamed = getattr(self.followups, "streamed", None)
+        if streamed:  # requests whose tokens go out as they are recorded (the HTTP endpoint's stream=true)
+            for seq in sched.running:
+                if seq.rid in streamed:
+                    self.followups.progress(seq.rid, seq.generated, seq.logprobs)
         for req in self.followups.poll(idle):
             if req.max_new_tokens < 1 or len(req.prompt) + req.max_new_tokens > self.longest:
                 raise ValueError(f"follow-up request {req.key}: prompt {len(req.prompt)} + max_new_tokens "

@@ -126,6 +126,9 @@ def _lora(linears: dict) -> dict:
 def _layer_weights(layer, groups) -> LayerWeights:
     attn, mlp = layer.self_attention, layer.mlp
     moe = moe_weights(mlp, groups)
+    shared = getattr(mlp, "shared_experts", None)
+    if shared is not None:
+        moe.shared_lora = _lora({"fc1": shared.linear_fc1, "fc2": shared.linear_fc2})
     dense = {} if moe is not None else {"fc1": mlp.linear_fc1, "fc2": mlp.linear_fc2}
     q_norm = getattr(attn, "q_layernorm", None)
     k_norm = getattr(attn, "k_layernorm", None)

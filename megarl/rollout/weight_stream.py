@@ -4,7 +4,11 @@ Spec: the tensors, names, shapes, dtypes and values are exactly those
 :func:`megarl.models.export_hf` writes to safetensors for the same model
 (``tests/test_rollout_sglang.py`` checks it bitwise at TP1 and TP2): every
 parameter is all-gathered over TP, un-fused (QKV, gate/up) and un-padded
-(vocab) by the exporter's own :func:`~megarl.models.exporter.merge_shards`.
+(vocab) by the exporter's own :func:`~megarl.models.exporter.merge_shards`; a mixture of
+experts' routed experts are all-gathered over EP (and expert-TP), so every rank's stream holds
+every expert under its HF name (``model.layers.L.mlp.experts.E.gate_proj.weight``, Mixtral's
+``block_sparse_moe.experts.E.w1.weight``), the per-expert names SGLang's MoE loaders map
+onto their fused expert weights.
 Unlike the export, tensors stay on the parameters' device (so a colocated
 engine can map them through CUDA IPC) and are produced one parameter at a
 time, so at most one bucket of gathered tensors exists at once.
@@ -16,7 +20,7 @@ They are lists of ``(name, tensor)`` pairs, the form SGLang's
 packing would match SGLang's ``flattened_bucket`` load format, whose payload
 type is SGLang's own; the list form needs nothing from SGLang here.)
 
-Collective over the TP group: every TP rank must iterate to the end (or every
+Collective over the TP group (and, with experts, the EP and expert-TP groups): every rank must iterate to the end (or every
 rank stop at the same bucket). TP rank 0 receives the buckets, the other ranks
 iterate over nothing (their part is the all-gathers); with ``every_rank`` each
 TP rank receives the same buckets as tensors on its own device (an engine
@@ -33,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megarl.distributed.groups import ParallelGroups
-from megarl.models.exporter import merge_shards
+from megarl.models.exporter import expert_hf_tensors, merge_shards
 from megarl.models.hf_config import ModelInfo
-from megarl.models.weight_map import REPLICATED, model_rules
+from megarl.models.weight_map import EXPERT_KINDS, REPLICATED, model_rules
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -63,10 +67,14 @@ def iter_hf_tensors(module: nn.Module, groups: ParallelGroups, info: ModelInfo,
         if not rule.export:
             continue
         param = params[name].detach()
-        shards = [param] if rule.kind == REPLICATED else _tp_shards(param, groups)
+        if rule.kind in EXPERT_KINDS:  # every EP rank's experts (collective over EP and expert-TP)
+            tensors = expert_hf_tensors(rule, param, groups)
+        else:
+            shards = [param] if rule.kind == REPLICATED else _tp_shards(param, groups)
+            tensors = merge_shards(rule, shards, info) if groups.tp_rank == 0 or every_rank else {}
         if groups.tp_rank != 0 and not every_rank:
             continue
-        for hf_name, t in merge_shards(rule, shards, info).items():
+        for hf_name, t in tensors.items():
             yield hf_name, t.to(dtype or t.dtype).contiguous()
 
 

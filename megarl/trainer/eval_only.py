@@ -34,7 +34,8 @@ def load_policy(cfg: Config, groups, checkpoint: str | None = None):
                                   "checkpoints/, or checkpoints/step_N holding state.json and actor/)")
         lora = _checkpoint_lora(role_dir, cfg)
         if lora:
-            apply_lora(module, LoraOptions(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"])))
+            apply_lora(module, LoraOptions(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                                           experts=lora.get("experts", False)))
         load_training_model(module, role_dir)
     module.requires_grad_(False)
     return Policy("actor", module, groups, info, options=run_options(cfg, cfg.actor.packing))
@@ -51,7 +52,7 @@ def _checkpoint_lora(role_dir: str, cfg: Config) -> dict | None:
         with open(path) as f:
             return json.load(f).get("lora")
     lo = cfg.actor.lora
-    return {"rank": lo.rank, "alpha": lo.alpha, "targets": lo.targets} if lo.rank else None
+    return {"rank": lo.rank, "alpha": lo.alpha, "targets": lo.targets, "experts": lo.experts} if lo.rank else None
 
 
 def evaluate_all(cfg: Config, engine, tokenizer, groups, say: bool) -> dict[str, float]:
