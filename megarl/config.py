@@ -181,6 +181,8 @@ class ActorConfig:
     kl_loss_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = opt("low_var_kl", "KL estimator for the loss term")
     moe_aux_loss_coef: float = opt(0.0, "mixture of experts: load-balancing loss weight (megatron's aux_loss); RL recipes keep 0: it pulls the router toward uniform load against the policy gradient, and the router must keep routing as the policy that generated the rollouts did")
     moe_z_loss_coef: float = opt(0.0, "mixture of experts: router z-loss weight (penalizes large router logits); 0: off")
+    router_replay: Literal["none", "r3"] = opt("none", "mixture of experts: r3 (rollout routing replay) routes every response token of the old-log-prob, reference and update forwards to the experts the rollout used (recorded by the native engine, which r3 turns on: rollout.record_experts); gate weights still from the current router; none: the router chooses")
+    router_replay_probe_every: int = opt(1, "r3: every this many steps one extra forward-only pass without replay logs mismatch/no_replay/* and r3/no_replay/agreement beside the replayed pass's; 0: never")
 
 
 @dataclass
@@ -397,13 +399,33 @@ class TrainerConfig:
 
 
 @dataclass
-class SFTConfig:
-    """Supervised warm start (launch/sft.py)."""
+class SFTSource:
+    """One training set of sft.train_mix."""
 
-    train_path: str = opt(f"{ASSETS}/sft.jsonl", "JSONL rows with prompt (or messages) and response")
+    path: str = opt("", "a .jsonl / .json / .parquet file, a datasets save_to_disk directory, or a hub dataset name")
+    weight: float = opt(1.0, "share of the training rows drawn from this set (the weights are normalized)")
+    split: str = opt("train", "split of a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset")
+    prompt_key: Optional[str] = opt(None, "this set's prompt column; default sft.prompt_key")
+    response_key: Optional[str] = opt(None, "this set's response column; default sft.response_key")
+    row_map: Optional[str] = opt(None, "this set's module:function row map; default sft.row_map")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start (launch/sft.py); rows are templated and length-filtered as data.* says
+    (data.apply_chat_template, data.system_prompt, data.max_prompt_len, data.skip_malformed)."""
+
+    train_path: str = opt(f"{ASSETS}/sft.jsonl", "rows with a prompt (or messages) and a response: a .jsonl / .json / .parquet file, a datasets save_to_disk directory or a hub dataset name")
+    train_split: str = opt("train", "split of train_path when it is a saved DatasetDict or a hub dataset")
+    subset: Optional[str] = opt(None, "configuration name of a hub dataset in train_path (e.g. main)")
+    train_mix: list[SFTSource] = opt([], "several training sets mixed by weight, each {path, weight, split, subset, prompt_key, response_key, row_map}; when set, train_path is not read")
+    prompt_key: str = opt("prompt", "column holding the prompt text (or chat messages), e.g. question (GSM8K)")
+    response_key: str = opt("response", "column holding the trained response text, e.g. answer (GSM8K)")
+    row_map: str = opt("", "module:function(row: dict) -> dict with prompt (or messages) and the response column; replaces prompt_key")
     out_dir: str = opt("runs/sft", "where the trained Hugging Face model is written")
     init: Literal["pretrained", "random"] = opt("pretrained", "start from model.path weights or from a random init of its config")
-    epochs: int = opt(1, "passes over the data")
+    epochs: int = opt(1, "passes over the data (with train_mix: as many rows as all its sets hold, drawn by weight)")
     batch_size: int = opt(32, "samples per optimizer step (global)")
     micro_batch_size: int = opt(8, "samples per forward/backward per GPU")
     max_len: int = opt(64, "prompt + response tokens; longer rows are skipped and counted")
@@ -431,5 +453,5 @@ class Config:
     # inputs a yaml names relative to itself when not found from the working directory (megarl.cli)
     INPUT_PATH_KEYS = ("model.path", "model.tokenizer", "critic.path", "ref.path", "reward.model.path",
                        "data.train_path", "data.eval_path", "sft.train_path", "trainer.replay_rollouts",
-                       "data.train_mix[].path", "data.eval_sets[].path")
+                       "data.train_mix[].path", "data.eval_sets[].path", "sft.train_mix[].path")
     RUN_DIR_KEY = "trainer.run_dir"  # default: runs/<yaml file name> (megarl.cli.load_config)

@@ -192,6 +192,25 @@ def check_moe_rollout(cfg: Config, hf: dict) -> None:
                           "experts with parallel.ep")
 
 
+def check_router_replay(cfg: Config, hf: dict) -> None:
+    """actor.router_replay=r3 replays what the native engine recorded (check_moe_rollout: an MoE model
+    generates there only) for single-turn responses generated in one step: the agent loops append
+    tokens no router chose, and partial rollouts resume responses without their earlier ids."""
+    a = cfg.actor
+    check_counts(a, "actor", ["router_replay_probe_every"], low=0)
+    if a.router_replay == "none":
+        return
+    if moe_experts(hf) is None:
+        raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
+                          "is dense: set actor.router_replay=none")
+    for key, on, why in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, "appended tool and user tokens"),
+                         ("rollout.server.enable", cfg.rollout.server.enable, "appended tool and user tokens"),
+                         ("rollout.partial", cfg.rollout.partial, "responses resumed across steps")):
+        if on:
+            raise ConfigError(f"actor.router_replay={a.router_replay} with {key}=true is not supported ({why} have "
+                              "no recorded experts); set one of them off")
+
+
 def check_ulysses_heads(p, heads: int, kv_heads: int) -> None:
     """Ulysses trades tokens for heads: each CP rank attends with heads / cp query heads."""
     if heads % p.cp or (kv_heads % p.cp and p.cp % kv_heads):
@@ -671,9 +690,29 @@ def validate_sft(cfg: Config, world_size: int) -> dict:
         raise ConfigError(
             f"sft.batch_size={s.batch_size} must split evenly into {dp} DP ranks of sft.micro_batch_size={s.micro_batch_size}"
         )
-    if not Path(s.train_path).is_file():
-        raise ConfigError(f"sft.train_path: '{s.train_path}' not found")
+    check_sft_data(s)
     return hf
+
+
+def check_sft_data(s) -> None:
+    """sft.train_path or sft.train_mix: sources found, weights > 0, columns named, row maps importable."""
+    if not s.train_mix and not data_source_found(s.train_path):
+        raise ConfigError(f"sft.train_path: '{s.train_path}' not found; name a .jsonl / .json / .parquet file, "
+                          "a datasets save_to_disk directory or a hub dataset")
+    for i, e in enumerate(s.train_mix):
+        if not data_source_found(e.path):
+            raise ConfigError(f"sft.train_mix[{i}].path: '{e.path}' not found")
+        check_numbers(e, f"sft.train_mix[{i}]", ["weight"], low=0, strict=True)
+    sources = [("sft", s)] + [(f"sft.train_mix[{i}]", e) for i, e in enumerate(s.train_mix)]
+    for key, src in sources:
+        for name in ("prompt_key", "response_key"):
+            if getattr(src, name) == "":
+                raise ConfigError(f"{key}.{name} is empty; name the column (e.g. {key}.{name}=question)")
+        if src.row_map:
+            try:
+                load_dotted(src.row_map)  # imports module:function the way the loader will
+            except ValueError as e:
+                raise ConfigError(f"{key}.row_map={src.row_map!r}: {_one_line(e)}") from None
 
 
 def validate(cfg: Config, world_size: int) -> dict:
@@ -687,6 +726,7 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
     check_moe_rollout(cfg, hf)
+    check_router_replay(cfg, hf)
     check_stop_tokens(cfg, hf)
     check_model_inputs(cfg, hf, "rollout.max_new_tokens", cfg.rollout.max_new_tokens, room=1)
     check_multi_turn(cfg)

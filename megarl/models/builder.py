@@ -170,6 +170,8 @@ def build_gpt_model(
     )
     if info.value_head and groups.is_last_stage:
         model.output_layer = ValueHead(config, groups)
+    if info.moe:
+        moe.experts_in_own_optimizer(model)
     _norms_in_params_dtype(model, config.params_dtype)
     fuse_swiglu(model)
     if torch.cuda.is_available():

@@ -77,6 +77,17 @@ def transformer_config_fields(info: ModelInfo, groups, opts) -> dict:
     )
 
 
+def experts_in_own_optimizer(model: nn.Module) -> None:
+    """Marks the routed experts' weights expert-parallel (megatron-core's ``allreduce = False``) at every
+    EP, ep = 1 included (megatron-core marks them only at ep > 1): DDP reduces them over the
+    expert-data-parallel group (the whole data-parallel group at ep = 1: the same sums) and the
+    optimizer is the same chain (dense params, experts) at every layout, so a checkpoint saved at
+    one EP size loads at another (megarl/trainer/checkpoint.py)."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
 def use_grouped_gemm(opts) -> bool:
     """GroupedMLP (one grouped GEMM for all local experts) for ``opts.moe_experts`` "grouped", and
     for "auto" on CUDA in bf16; SequentialMLP otherwise. (On CPU "grouped" runs too, in bf16:

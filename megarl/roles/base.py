@@ -26,6 +26,7 @@ from megatron.core.utils import get_model_config
 from megarl.distributed import ParallelGroups, device
 from megarl.models.moe import ExpertLoad
 from megarl.models.pipeline import run_pipeline
+from megarl.models.router_replay import ReplayRouters
 from megarl.roles.batch import SampleBatch, cat_rows
 from megarl.roles.dp_balance import Dealt, deal_rows
 from megarl.roles.inputs import ModelInputs, cp_packed_inputs, packed_inputs, padded_inputs
@@ -54,7 +55,8 @@ class ModelRole:
     """A model stage on this rank, trainable or frozen."""
 
     def __init__(self, name: str, module, groups: ParallelGroups, info,
-                 trainable: Optional[Trainable] = None, options: RunOptions = RunOptions()):
+                 trainable: Optional[Trainable] = None, options: RunOptions = RunOptions(),
+                 replay: Optional[ReplayRouters] = None):
         self.name = name
         self.module = module  # unwrapped GPTModel stage
         self.groups = groups
@@ -64,6 +66,7 @@ class ModelRole:
         self.backoff = MemoryBackoff(name)  # CUDA OOM: smaller micro-batches, retried (roles/memory.py)
         # mixture of experts, trained: tokens per expert of the update's forwards (moe/load_* metrics)
         self.expert_load = ExpertLoad(module, groups) if trainable and getattr(info, "moe", None) else None
+        self.replay = replay  # actor.router_replay=r3: micro-batches' recorded expert ids replayed in every forward
 
     @property
     def chunks(self) -> list:
@@ -80,10 +83,14 @@ class ModelRole:
 
         def forward_step(mb: SampleBatch, model):
             x = mb.model_inputs
+            if self.replay is not None:
+                self.replay.load(mb.expert_ids, mb.lengths, x)
             out = model(x.input_ids, x.position_ids, None, packed_seq_params=x.packed_seq_params)
             return out, lambda output: loss_fn(mb, output)  # out: (b|1, l|T, V/tp) | (.., 1) | hidden
 
         micro_batches = [replace(mb, model_inputs=self.model_inputs(mb)) for mb in micro_batches]
+        if self.replay is not None:
+            self.replay.start()
         shapes = [mb.model_inputs.input_ids.shape for mb in micro_batches]  # (b, l) | (1, T)
         return run_pipeline(
             self.chunks, self.groups, micro_batches, forward_step, forward_only=forward_only,

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns", "token_versions")
 PER_SEQUENCE = ("greedy_scores",)
+PER_POSITION = ("expert_ids",)  # (B, L, ...) beside the token fields, kept in their compact dtype
 
 
 @dataclass
@@ -40,6 +41,9 @@ class SampleBatch:
     advantages: Optional[torch.Tensor] = None  # (B, L)
     returns: Optional[torch.Tensor] = None  # (B, L) value targets
     greedy_scores: Optional[torch.Tensor] = None  # (B,) score of the prompt's greedy response (remax)
+    # MoE, recorded by the engine: (B, L, layers, k) uint8 | int16 expert ids that routed input token t at
+    # every MoE layer in the rollout; unrecorded positions marked (megarl/models/router_replay.py)
+    expert_ids: Optional[torch.Tensor] = None
     token_versions: Optional[torch.Tensor] = None  # (B, L) long policy version that sampled each response token
     #                                                (rollout.partial; 0 off the response), None: all policy_version
     policy_version: int = 0  # trainer steps of the weights that sampled (how stale a replayed batch is);
@@ -59,7 +63,7 @@ class SampleBatch:
         lengths = self.lengths[index]
         width = int(lengths.max()) if len(index) else 1
         rows = {f.name: _rows(getattr(self, f.name), index, width) for f in fields(self)
-                if f.name in PER_TOKEN + PER_SEQUENCE or f.name in ("input_ids", "response_mask")}
+                if f.name in PER_TOKEN + PER_SEQUENCE + PER_POSITION or f.name in ("input_ids", "response_mask")}
         return replace(self, lengths=lengths, model_inputs=None, **rows)
 
     def micro_batch_index(self, micro_batch_size: int, max_tokens: int = 0, min_bins: int = 1) -> list[list[int]]:
@@ -78,7 +82,7 @@ class SampleBatch:
 def _rows(t: Optional[torch.Tensor], index: torch.Tensor, width: int) -> Optional[torch.Tensor]:
     if t is None:
         return None
-    return t[index, :width] if t.dim() == 2 else t[index]
+    return t[index, :width] if t.dim() >= 2 else t[index]
 
 
 def pad_to(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:

@@ -9,6 +9,7 @@ from megarl.models.builder import ModelOptions, build_gpt_model
 from megarl.models.hf_config import read_hf_config
 from megarl.models.loader import load_hf_checkpoint
 from megarl.models.lora import LoraOptions, adapters_off, apply_lora
+from megarl.models.router_replay import ReplayRouters
 from megarl.models.value_head import load_value_model
 from megarl.algos.rollout_correction import from_section as rollout_correction
 from megarl.roles.base import RunOptions
@@ -95,7 +96,8 @@ def build_actor(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Po
         if cfg.actor.recompute == "full":
             keep_layer_inputs_differentiable(module)
     return Policy("actor", module, groups, info, _trainable(module, cfg, groups, cfg.actor.optim, optimizer_steps),
-                  run_options(cfg, cfg.actor.packing), correction=rollout_correction(cfg.algorithm.rollout_correction))
+                  run_options(cfg, cfg.actor.packing), correction=rollout_correction(cfg.algorithm.rollout_correction),
+                  replay=router_replay(cfg, module, info, groups))
 
 
 class BasePolicy(Policy):
@@ -112,7 +114,16 @@ def build_reference(cfg: Config, groups: ParallelGroups, actor: Policy | None = 
         return BasePolicy("ref", actor.module, groups, actor.info, options=run_options(cfg, cfg.actor.packing))
     module, info = build_module(cfg.ref.path or cfg.model.path, cfg, groups)
     module.requires_grad_(False)
-    return Policy("ref", module, groups, info, options=run_options(cfg, cfg.actor.packing))
+    return Policy("ref", module, groups, info, options=run_options(cfg, cfg.actor.packing),
+                  replay=router_replay(cfg, module, info, groups))
+
+
+def router_replay(cfg: Config, module, info, groups: ParallelGroups) -> ReplayRouters | None:
+    """actor.router_replay=r3: the routers of a policy's MoE layers replay the rollout's expert ids (a
+    dense reference, from ref.path, routes nothing)."""
+    if cfg.actor.router_replay != "r3" or info.moe is None:
+        return None
+    return ReplayRouters(module, groups, info.moe.num_experts, info.moe.topk, info.num_layers)
 
 
 def build_critic(cfg: Config, groups: ParallelGroups, optimizer_steps: int) -> Critic:

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from megarl.data.balance import balance_lpt, max_over_mean
 from megarl.distributed import device
-from megarl.roles.batch import PER_SEQUENCE, PER_TOKEN, SampleBatch
+from megarl.roles.batch import PER_POSITION, PER_SEQUENCE, PER_TOKEN, SampleBatch
 
-_ROW_FIELDS = ("input_ids", "response_mask", "lengths") + PER_TOKEN + PER_SEQUENCE
+_ROW_FIELDS = ("input_ids", "response_mask", "lengths") + PER_TOKEN + PER_SEQUENCE + PER_POSITION
 
 
 @dataclass
@@ -87,10 +87,11 @@ def _gather_ints(values: list[int], group) -> torch.Tensor:
 
 
 def _gather_padded(t: torch.Tensor, counts: list[int], group, width: Optional[int] = None) -> list[torch.Tensor]:
-    """Each rank's (counts[r], w_r) | (counts[r],) tensor, padded to a common shape."""
-    if width is None and t.dim() == 2:
+    """Each rank's (counts[r], w_r, ...) | (counts[r],) tensor, padded to a common shape (past each
+    row's length the padding is never read: :meth:`SampleBatch.select` cuts rows to their lengths)."""
+    if width is None and t.dim() >= 2:
         width = int(_gather_ints([t.size(1)], group).max())
-    shape = (max(counts),) + ((width,) if t.dim() == 2 else ())
+    shape = (max(counts),) + ((width, *t.shape[2:]) if t.dim() >= 2 else ())
     padded = t.new_zeros(shape)
     padded[tuple(slice(0, n) for n in t.shape)] = t
     parts = [torch.empty_like(padded) for _ in counts]

@@ -94,8 +94,9 @@ class GenerationResult:
     extra: dict = field(default_factory=dict)
     loss_mask: list[int] | None = None  # per response token: 1 sampled by the model, 0 appended context
     #                                     (tool / user / template tokens); None: every token sampled
-    # MoE with EngineOptions.record_experts: (R, layers of this stage, k) expert ids (uint8, or int16 past 256
-    # experts) that routed the row sampling each response token (its previous token), largest weight first
+    # MoE with EngineOptions.record_experts: (R, layers of this stage, k) expert ids (uint8, or int16 from 256
+    # experts: router_replay.ids_dtype) that routed the row sampling each response token (its previous
+    # token), largest weight first
     expert_ids: "np.ndarray | None" = None
     versions: list[int] | None = None  # per response token: the policy version that sampled it (partial rollouts)
 

@@ -1,6 +1,8 @@
 """The rollout engine a run asks for (``rollout.engine``), wrapped for multi-turn when enabled."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megarl.errors import ConfigError
 from megarl.config import Config
 from megarl.rollout.engine import RolloutEngine
@@ -8,8 +10,10 @@ from megarl.rollout.native import EngineOptions, NativeEngine
 
 
 def engine_options(cfg: Config) -> EngineOptions:
-    """The native engine's options: ``rollout.*``, graphs sized for the longest prompt + response."""
-    return EngineOptions.from_config(cfg.rollout, max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    """The native engine's options: ``rollout.*``, graphs sized for the longest prompt + response; expert
+    ids recorded also when ``actor.router_replay=r3`` replays them."""
+    options = EngineOptions.from_config(cfg.rollout, max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    return replace(options, record_experts=True) if cfg.actor.router_replay == "r3" else options
 
 
 def engine_title(cfg: Config) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megarl.models.router_replay import ids_dtype
 from megarl.rollout.engine import SamplingParams
 from megarl_kernels.sampling import sample_tokens
 from megarl.rollout.graphs import Launched
@@ -144,7 +145,7 @@ def _record_experts(layer_ids: list, sample_rows: torch.Tensor, plan: StepPlan, 
     """Each MoE layer's (T, k) expert ids of the step -> every sampled sequence's (layers, k) of the row
     its token came from, as small integers, under the index of that token in its response."""
     ids = torch.stack(layer_ids, dim=1)[sample_rows]  # (S, layers, k) int32
-    ids = ids.cpu().numpy().astype(np.uint8 if num_experts <= 256 else np.int16)
+    ids = ids.cpu().numpy().astype(np.uint8 if ids_dtype(num_experts) == torch.uint8 else np.int16)
     for row, (seq, offset) in enumerate(zip(plan.sampled, plan.offsets)):
         seq.experts[int(offset)] = ids[row]
 

@@ -33,6 +33,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
@@ -42,7 +43,36 @@ from megarl.roles.optim import inner_optimizers, resync_offloaded_masters
 from megarl.trainer import resume
 from megarl.trainer.resume import Layout
 
-_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Optimizer state: megatron's dp_reshardable format (fast; reshards over data-parallel ranks only); a
+# mixture of experts' in fully_reshardable (per parameter, gathered at save), which also reshards over
+# EP: an expert's Adam moments follow it to whichever EP rank holds it. state.json records the format.
+DENSE_OPT_FORMAT, MOE_OPT_FORMAT = "dp_reshardable", "fully_reshardable"
+
+
+def optimizer_format(role) -> str:
+    return MOE_OPT_FORMAT if getattr(role.info, "moe", None) else DENSE_OPT_FORMAT
+
+
+_set_param_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+
+def _set_param_states_but_step(self, model_param, tensors):
+    """megatron-core 0.16.1's fully_reshardable load leaves torch Adam's scalar ``step`` out of the saved
+    tensors, then copies every key of the parameter's state, ``step`` included (KeyError without
+    apex / TE). The step is left as it is here; ``set_adam_step`` sets the saved count after the load."""
+    if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        return _set_param_states(self, model_param, tensors)
+    group, order = self.model_param_group_index_map[model_param]
+    state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+    step = state.pop("step", None)
+    try:
+        _set_param_states(self, model_param, tensors)
+    finally:
+        if step is not None:
+            state["step"] = step
+
+
+DistributedOptimizer._set_main_param_and_optimizer_states = _set_param_states_but_step
 
 
 def _stepped(optimizer) -> bool:
@@ -66,12 +96,12 @@ def set_adam_step(optimizer, step: float) -> None:
             state["step"] = torch.tensor(step, dtype=torch.float32, device=state["step"].device)
 
 
-def _role_state(role, loading: bool, with_optimizer: bool) -> dict:
+def _role_state(role, loading: bool, with_optimizer: bool, fmt: str) -> dict:
     model_sd = role.module.sharded_state_dict()
     state = {"model": model_sd, "scheduler": role.trainable.scheduler.state_dict()}
     if with_optimizer:
         state["optimizer"] = role.trainable.optimizer.sharded_state_dict(
-            model_sd, is_loading=loading, metadata=_OPT_METADATA)
+            model_sd, is_loading=loading, metadata={"distrib_optim_sharding_type": fmt})
     return state
 
 
@@ -179,11 +209,13 @@ class Checkpointer:
         for name, role in roles.items():
             os.makedirs(os.path.join(path, name), exist_ok=True)
             stepped[name] = _stepped(role.trainable.optimizer)
-            dist_checkpointing.save(_role_state(role, False, stepped[name]), os.path.join(path, name))
+            dist_checkpointing.save(_role_state(role, False, stepped[name], optimizer_format(role)),
+                                    os.path.join(path, name))
             if self.rank == 0:
                 write_role_meta(os.path.join(path, name), role.module, role.info, self.build)
         steps = {name: adam_step(role.trainable.optimizer) for name, role in roles.items()}
         state = dict(state, optimizer_saved=stepped, adam_steps=steps,
+                     optimizer_formats={name: optimizer_format(role) for name, role in roles.items()},
                      models={name: resume.model_signature(role.info) for name, role in roles.items()})
         if self.layout is not None:
             state["layout"] = asdict(self.layout)
@@ -257,7 +289,8 @@ class Checkpointer:
         if with_optimizer:
             _prime_optimizer(role)
         try:
-            loaded = dist_checkpointing.load(_role_state(role, True, with_optimizer), role_dir)
+            fmt = state.get("optimizer_formats", {}).get(name, DENSE_OPT_FORMAT)  # as saved
+            loaded = dist_checkpointing.load(_role_state(role, True, with_optimizer, fmt), role_dir)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - complete-looking, but does not read
             raise resume.load_failure(role_dir, e) from None
         role.module.load_state_dict(loaded["model"])

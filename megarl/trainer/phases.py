@@ -22,6 +22,7 @@ from megarl.distributed import ParallelGroups
 from megarl.errors import NonFiniteError
 from megarl.trainer.advantage import compute_rollout_advantages, kl_sum, logprob_mismatch
 from megarl.trainer.metrics import PhaseTimer, dp_sum
+from megarl.trainer.replay_metrics import probe_without_replay, require_expert_ids
 from megarl.trainer.rollout import Rollout
 from megarl.trainer.scoring import finish_score_metrics
 
@@ -75,21 +76,30 @@ def forward_micro_batch(role_cfg) -> int:
 
 
 def prepare(rollout: Rollout, cfg: Config, step: int, dp_size: int, actor: Policy, ref: Policy | None,
-            critic: Critic | None, timer: PhaseTimer) -> None:
+            critic: Critic | None, timer: PhaseTimer) -> dict[str, float]:
     """Old log-probs (unless the update of step ``step`` is on-policy), reference log-probs and values,
-    into ``rollout.batch``."""
+    into ``rollout.batch``. Returns values the same on every rank: with router replay, its metrics
+    (megarl/trainer/replay_metrics.py)."""
     b = rollout.batch
     micro = forward_micro_batch(cfg.actor)
+    old = lambda: actor.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)  # noqa: E731
+    same = {}
+    if actor.replay is not None:
+        require_expert_ids(b)
+        with timer("no_replay_probe"):
+            same.update(probe_without_replay(b, actor, step, cfg.actor.router_replay_probe_every, old))
     if not on_policy_update(cfg, step, len(b), dp_size, _dropout(actor)):
         with timer("old_logprobs"):
-            out = actor.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)
-            _set_old_logprobs(rollout, out)
+            _set_old_logprobs(rollout, old())
+        if actor.replay is not None:
+            same.update(actor.replay.read())
     if ref is not None:
         with timer("ref_logprobs"):
             b.ref_logprobs = ref.logprobs(b, micro, train_temperature(cfg), cfg.actor.max_tokens_per_micro)["logprobs"]
     if critic is not None:
         with timer("values"):
             b.values = critic.values(b, forward_micro_batch(cfg.critic))
+    return same
 
 
 def _set_old_logprobs(rollout, out: dict) -> None:
@@ -158,8 +168,12 @@ class Updater:
         """The single optimizer step; its forward gives the old log-probs and their metrics."""
         cfg, b = self.cfg, rollout.batch
         (index,) = self._mini_batches(len(b), step, 0)  # one mini-batch on this rank
+        if self.actor.replay is not None:
+            self.actor.replay.reset()  # the agreement of this forward, under the weights that generated
         made, out = self.actor.update_on_policy(b, cfg.actor, train_temperature(cfg), index,
                                                 norm_len=cfg.rollout.max_new_tokens)
+        if self.actor.replay is not None:
+            metrics.update(self.actor.replay.read())
         self.record(rollout, "actor", [made], step, metrics)
         _set_old_logprobs(rollout, out)
 

@@ -23,6 +23,7 @@ from megarl.distributed import build_parallel_groups, device
 from megarl.errors import CheckpointError, UserInputError
 from megarl.models.exporter import export_hf
 from megarl.models.lora import merged_lora
+from megarl.models.router_replay import all_stage_layers
 from megarl.monitor.curves import plot_curves
 from megarl.monitor.progress import note, stage
 from megarl.monitor.resources import start_monitor
@@ -222,6 +223,7 @@ class PPOTrainer:
             rollout = generate_rollout(self.engine, prompts, self.sampling_params(), self.tokenizer, self.pad_id,
                                        self.device, n=r.n, seed=seed, max_new_tokens=r.max_new_tokens)
             rollout.batch.policy_version = self.step  # the weights after this many steps sampled it
+            rollout.batch.expert_ids = all_stage_layers(rollout.batch.expert_ids, self.groups)  # MoE: every stage's
             if self.cfg.algorithm.advantage == "remax":
                 self._greedy_baseline(prompts, rollout)
             self.engine.release_memory()
@@ -253,8 +255,8 @@ class PPOTrainer:
 
     def prepare(self, rollout: Rollout) -> None:
         """Old and reference log-probs and values, with the weights that generated."""
-        phases.prepare(rollout, self.cfg, self.step, self.groups.dp_size, self.actor, self.ref, self.critic,
-                       self.timer)
+        self.metrics.update(phases.prepare(rollout, self.cfg, self.step, self.groups.dp_size, self.actor, self.ref,
+                                           self.critic, self.timer))
 
     def advantages(self, rollout: Rollout) -> None:
         with self.timer("advantage"):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.data import PromptBatch
+from megarl.models.router_replay import batch_expert_ids, pad_positions
 from megarl.roles.batch import PER_SEQUENCE, PER_TOKEN, SampleBatch, cat_rows
 from megarl.rollout.engine import GenerationResult, RolloutEngine, SamplingParams, sample_requests
 
@@ -44,7 +45,9 @@ def to_sample_batch(results: list[GenerationResult], pad_id: int, device) -> Sam
         mask[i, p : p + n] = 1.0 if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=mask.dtype)
         rollout_lp[i, p : p + n] = torch.tensor(r.logprobs)
     lengths = torch.tensor([len(s) for s in seqs])
-    batch = SampleBatch(ids.to(device), mask.to(device), lengths.to(device), rollout_logprobs=rollout_lp.to(device))
+    experts = batch_expert_ids(results, width)  # MoE, recorded: (B, L, layers of this stage, k)
+    batch = SampleBatch(ids.to(device), mask.to(device), lengths.to(device), rollout_logprobs=rollout_lp.to(device),
+                        expert_ids=None if experts is None else experts.to(device))
     if any(r.versions is not None for r in results):  # partial rollouts: who sampled each token
         versions = torch.zeros(len(results), width, dtype=torch.long)
         for i, r in enumerate(results):
@@ -112,6 +115,8 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
         if getattr(batches[0], name) is not None:
             values = [getattr(b, name) for b in batches]
             fields[name] = cat_rows(values, width) if name in PER_TOKEN else torch.cat(values)
+    if batches[0].expert_ids is not None:
+        fields["expert_ids"] = torch.cat([pad_positions(b.expert_ids, width) for b in batches])
     batch = SampleBatch(**fields, policy_version=batches[0].policy_version)
     scores = None if parts[0].scores is None else torch.cat([p.scores for p in parts])
     texts = {k: [x for p in parts for x in getattr(p, k)] for k in _TEXTS}

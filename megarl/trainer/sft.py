@@ -2,16 +2,17 @@
 
 The loss is the mean negative log-likelihood of response tokens (the prompt is
 context only), summed over micro-batches and DP ranks and divided once by the
-global token count.
+global token count. The export gets ``megarl_sft.json``: the recipe and the weights' hashes
+(megarl/trainer/sft_record.py).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megarl.config import Config
-from megarl.errors import DataError
-from megarl.data import PromptDataConfig, PromptSampler, load_prompt_dataset
+from megarl.data.sft import SFTRow, build_sft_data
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
 from megarl.models.builder import build_gpt_model
@@ -22,37 +23,18 @@ from megarl.roles.batch import SampleBatch
 from megarl.roles.build import model_options
 from megarl.roles.optim import build_trainable
 from megarl.roles.policy import Policy, token_logprobs
+from megarl.trainer.sft_record import sft_recipe, write_sft_record
 
 
-def sft_sequence(item, tokenizer) -> list[int]:
-    """Prompt ids + response ids + eos."""
-    response = tokenizer(item.extra["response"], add_special_tokens=False)["input_ids"]
-    return item.prompt_ids + response + [tokenizer.eos_token_id]
-
-
-def within_length(data, tokenizer, max_len: int) -> list[int]:
-    """Indices of rows with a response whose full sequence fits in ``max_len``."""
-    keep = []
-    for i in range(len(data)):
-        item = data[i]
-        if "response" not in item.extra:
-            raise DataError(f"{item.source}: SFT row has no 'response'; add one")
-        if len(sft_sequence(item, tokenizer)) <= max_len:
-            keep.append(i)
-    return keep
-
-
-def sft_batch(items, tokenizer, pad_id: int, dev) -> SampleBatch:
+def sft_batch(rows: list[SFTRow], pad_id: int, dev) -> SampleBatch:
     """Prompt + response + eos, right-padded; the mask covers response and eos."""
-    seqs = [sft_sequence(it, tokenizer) for it in items]
-    starts = [len(it.prompt_ids) for it in items]
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width)
-    for i, (s, p) in enumerate(zip(seqs, starts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, p : len(s)] = 1.0
-    return SampleBatch(ids.to(dev), mask.to(dev), torch.tensor(list(map(len, seqs)), device=dev))
+    width = max(len(r.ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros(len(rows), width)  # (B, T) 1 = trained token
+    for i, r in enumerate(rows):
+        ids[i, : len(r.ids)] = torch.tensor(r.ids)
+        mask[i, r.prompt_len : len(r.ids)] = 1.0
+    return SampleBatch(ids.to(dev), mask.to(dev), torch.tensor([len(r.ids) for r in rows], device=dev))
 
 
 def nll_head(policy: Policy):
@@ -75,25 +57,25 @@ def build_policy(cfg: Config, groups, total_steps: int) -> Policy:
 
 
 def run_sft(cfg: Config, log) -> Policy:
-    """Trains ``cfg.sft.epochs`` over ``cfg.sft.train_path``; exports to ``cfg.sft.out_dir``."""
+    """Trains ``cfg.sft.epochs`` over ``cfg.sft.train_path`` (or ``train_mix``); exports to ``cfg.sft.out_dir``."""
     s, p = cfg.sft, cfg.parallel
     groups = build_parallel_groups(p.tp, p.pp, p.cp, p.ep, p.etp)
     model_parallel_cuda_manual_seed(cfg.trainer.seed)
     tokenizer_dir = cfg.model.tokenizer or cfg.model.path
     tokenizer = load_tokenizer(tokenizer_dir)
-    data_cfg = PromptDataConfig.from_section(cfg.data, s.train_path)
-    data = load_prompt_dataset(data_cfg, tokenizer)
-    rows = within_length(data, tokenizer, s.max_len)
-    log(0, 0, {"rows": len(data), "too_long": len(data) - len(rows)})
-    sampler = PromptSampler(len(rows), s.batch_size // groups.dp_size, groups.dp_rank, groups.dp_size, cfg.data.seed)
-    steps = s.epochs * sampler.steps_per_epoch
-    policy = build_policy(cfg, groups, steps)
+    data = build_sft_data(cfg, tokenizer, groups.dp_rank, groups.dp_size)
+    log(0, 0, data.counts)
+    policy = build_policy(cfg, groups, data.steps)
     head, pad = nll_head(policy), tokenizer.pad_token_id or 0
-    for step in range(steps):
-        items = [data[rows[i]] for i in next(sampler)]
-        batch = sft_batch(items, tokenizer, pad, device())
+    m = {"nll": 0.0, "tokens": 0}
+    for step in range(data.steps):
+        batch = sft_batch([data.rows[i] for i in next(data.sampler)], pad, device())
         micro = [batch.select(i) for i in batch.micro_batch_index(s.micro_batch_size)]
         m = policy.train_step(micro, head)
-        log(step + 1, steps, m)
+        log(step + 1, data.steps, m)
     export_hf(policy.module, policy.info, groups, s.out_dir, copy_from=tokenizer_dir)
+    dist.barrier()  # every stage's files are written before rank 0 hashes them
+    if dist.get_rank() == 0:
+        recipe = sft_recipe(cfg, dist.get_world_size())
+        write_sft_record(s.out_dir, recipe, data.steps, float(m["nll"]) / max(float(m["tokens"]), 1.0))
     return policy

@@ -1,0 +1,70 @@
+"""actor.router_replay=r3 through launch/ppo.py: dumped rollouts keep their expert ids and replay with them.
+
+yaml/tiny_moe.yaml (4 MoE layers, 8 experts, top-2, EP2 on 2 ranks, fp32), one step each:
+1. ``trainer.rollout_only=true trainer.dump_rollouts=DIR actor.router_replay=r3``: each DP rank's
+   dump holds (B, L, 4, 2) uint8 expert ids, recorded exactly on the positions P - 1 .. P + R - 2
+   of each row (response tokens; one position before each, as the row that sampled it).
+2. ``trainer.replay_rollouts=DIR actor.router_replay=r3`` trains on it: with the weights that
+   generated (the shipped ones) in fp32 the training router agrees with the rollout on every
+   recorded choice with and without replay (r3/agreement = r3/no_replay/agreement = 1, per layer
+   too) and both log-prob mismatches are at fp32 rounding (<= 1e-4). Again with one mini-batch
+   (an on-policy update: no old-log-prob forward; the update's replayed forward is measured).
+3. The same dump with its ids removed, replayed under r3: exit 2, one line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from test_trainer_runs import ROOT, metrics, ppo
+
+FAST = ("data.batch_size=8", "rollout.n=4", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
+        "trainer.eval_samples=16", "trainer.tensorboard=false", "trainer.export_hf=false", "trainer.save_last=false")
+
+
+def test_r3_dump_and_replay(tmp_path):
+    dumps = tmp_path / "dumps"
+    ppo("yaml/tiny_moe.yaml", tmp_path / "gen", *FAST, "trainer.rollout_only=true", f"trainer.dump_rollouts={dumps}",
+        "actor.router_replay=r3", steps=1)
+    for dp in (0, 1):
+        d = torch.load(dumps / f"step_000001_dp{dp}.pt", weights_only=False)
+        ids, lengths, mask = d["expert_ids"], d["lengths"], d["response_mask"]
+        assert ids.dtype == torch.uint8 and ids.shape == (*d["input_ids"].shape, 4, 2)
+        for row in range(len(lengths)):
+            prompt = int(mask[row].nonzero()[0])
+            recorded = (ids[row, :, 0, 0] != 255).nonzero().flatten().tolist()
+            assert recorded == list(range(prompt - 1, int(lengths[row]) - 1))
+            assert ids[row, recorded].max() < 8
+
+    run = tmp_path / "replay"
+    ppo("yaml/tiny_moe.yaml", run, *FAST, f"trainer.replay_rollouts={dumps}", "actor.router_replay=r3", steps=1)
+    m = metrics(run)[1]
+    for prefix in ("r3", "r3/no_replay"):
+        assert m[f"{prefix}/agreement"] == 1.0 and m[f"{prefix}/agreement/layer_3"] == 1.0
+    assert m["mismatch/abs_max"] <= 1e-4 and m["mismatch/no_replay/abs_max"] <= 1e-4
+
+    # one mini-batch: the update is on-policy, its own forward (replayed) stands in for the old one
+    on_policy = tmp_path / "on_policy"
+    ppo("yaml/tiny_moe.yaml", on_policy, *FAST, "actor.mini_batch_size=32", f"trainer.replay_rollouts={dumps}",
+        "actor.router_replay=r3", steps=1)
+    m = metrics(on_policy)[1]
+    assert m["perf/old_logprob_forward_skipped"] == 1.0
+    assert m["r3/agreement"] == 1.0 and m["r3/no_replay/agreement"] == 1.0 and m["mismatch/abs_max"] <= 1e-4
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for dp in (0, 1):
+        d = torch.load(dumps / f"step_000001_dp{dp}.pt", weights_only=False)
+        d["expert_ids"] = None
+        torch.save(d, bare / f"step_000001_dp{dp}.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/ppo.py",
+           "yaml/tiny_moe.yaml", f"trainer.run_dir={tmp_path / 'bare_run'}", "trainer.steps=1", *FAST,
+           f"trainer.replay_rollouts={bare}", "actor.router_replay=r3"]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode != 0
+    lines = [x for x in (out.stdout + out.stderr).splitlines() if "holds no recorded expert ids" in x]
+    assert lines and "actor.router_replay=none" in lines[0]
