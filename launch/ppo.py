@@ -3,6 +3,8 @@
 One step: generate -> score -> old/ref log-probs and values -> advantages
 -> critic and actor updates -> weights to the engine -> metrics, checkpoint.
 SIGTERM / SIGINT: the run finishes its step, saves a checkpoint and exits 0 (resume continues it).
+trainer.mode=async: the last placement.rollout_ranks ranks only generate (megarl/trainer/async_rollout.py);
+the others run this loop on their batches and push the weights after each update.
 """
 import os
 
@@ -16,12 +18,41 @@ from megarl.monitor.progress import StepProgress
 from megarl.trainer.metrics import console_line
 
 
+def enter_placement(cfg):
+    """trainer.mode=async: this rank's role (rollout or training), its role's ranks made the default group."""
+    from megarl.distributed.placement import build_placement
+
+    placement = build_placement(cfg.placement.rollout_ranks)
+    placement.enter()
+    return placement
+
+
+def end(trainer=None, placement=None) -> None:
+    """Stops the rollout ranks (async) and leaves the process group."""
+    if trainer is not None and trainer.pipeline is not None:
+        trainer.pipeline.stop()
+    if placement is not None:
+        placement.leave()
+    dist.destroy_process_group()
+
+
 def main(argv):
     cfg, rank = setup(argv, Config, validate_run)
     from megarl.trainer.ppo import PPOTrainer
     from megarl.trainer.signals import StopSignal
 
+    placement = enter_placement(cfg) if cfg.trainer.mode == "async" else None
+    if placement is not None and placement.is_rollout:  # this rank only generates
+        from megarl.trainer.async_rollout import RolloutWorker
+
+        RolloutWorker(cfg, placement).run()
+        return end(placement=placement)
     trainer = PPOTrainer(cfg)
+    if placement is not None:  # the queue from the rollout ranks, the weight push to them
+        from megarl.trainer.async_train import TrainingEnd
+
+        trainer.pipeline = TrainingEnd(cfg, placement, trainer.actor, trainer.groups)
+        trainer.pipeline.start(trainer.step, trainer.sampler.state_dict())
     if trainer.step >= cfg.trainer.steps:  # resumed a finished run: no second eval row, no re-export
         if rank == 0:
             print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="
@@ -29,8 +60,7 @@ def main(argv):
         if trainer.exports() and not os.path.isdir(trainer.export_path()):  # killed before its export ended
             trainer.export()
         trainer.close("already_finished")
-        dist.destroy_process_group()
-        return
+        return end(trainer, placement)
     stop = StopSignal(trainer.device)
     before = trainer.evaluate() if trainer.step == 0 else None
     if before is not None:
@@ -54,12 +84,11 @@ def main(argv):
         if trainer.step < cfg.trainer.steps and stop.agreed():
             bar.close()
             trainer.stop_early(stop.received)
-            dist.destroy_process_group()
-            return
+            return end(trainer, placement)
     bar.close()
     stop.restore()
     trainer.finish(before)
-    dist.destroy_process_group()
+    end(trainer, placement)
 
 
 if __name__ == "__main__":

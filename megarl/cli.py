@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import os
 import sys
 import time
@@ -86,6 +87,11 @@ def _coerce_scalar(value, tp, key):
     return value
 
 
+def field_name(key: str) -> str:
+    """The dataclass field of a config key: a Python keyword (``async``) is spelled with a trailing ``_``."""
+    return key + "_" if keyword.iskeyword(key) else key
+
+
 def build(cls, data: Any, prefix: str = "", base=None):
     """Builds dataclass ``cls`` from a mapping over ``base`` (default: ``cls()``)."""
     if data is None:
@@ -100,6 +106,7 @@ def build(cls, data: Any, prefix: str = "", base=None):
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else key
+        key = field_name(key)
         if key not in names:
             raise ConfigError(f"unknown key '{full}'{_suggest(key, names)}")
         kwargs[key] = _coerce(value, hints[key], full, getattr(base, key))
@@ -235,7 +242,7 @@ def help_text(cls, prefix: str = "", defaults=None) -> str:
     lines, sections = [], []  # a section's own keys first, then its sub-sections under their headers
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key, tp, default = f"{prefix}{f.name}", hints[f.name], getattr(defaults, f.name)
+        key, tp, default = f"{prefix}{f.name.rstrip('_')}", hints[f.name], getattr(defaults, f.name)
         if dataclasses.is_dataclass(tp):
             sections.append(f"\n[{key}] {f.metadata.get('doc', '')}")
             sections.append(help_text(tp, key + ".", default))

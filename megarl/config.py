@@ -356,10 +356,28 @@ class WandbConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Which ranks generate and which train when trainer.mode=async (the last rollout_ranks ranks generate)."""
+
+    rollout_ranks: int = opt(1, "ranks that only generate, each with its own copy of the policy (trainer.mode=async); the other ranks train")
+    rollout_tp: int = opt(1, "tensor-parallel size of the rollout ranks' policy copy; divides rollout_ranks (trainer.mode=async)")
+
+
+@dataclass
+class AsyncConfig:
+    """The asynchronous pipeline (trainer.mode=async): written ``async.KEY`` in yaml and overrides."""
+
+    max_staleness: int = opt(1, "policy versions a trained batch may lag: the batch of step k is sampled by weights of at least k - max_staleness updates; a rollout rank never generates with older ones (it waits for the next weights: async/rollout_waits)")
+    queue_size: int = opt(2, "rollout batches a rollout rank may have sent and the trainer not yet taken; a full queue waits like staleness does")
+    bucket_mb: float = opt(64.0, "weights reach the rollout ranks in flat buckets of at most this many MiB (a bigger tensor gets its own)")
+
+
+@dataclass
 class TrainerConfig:
     """The loop, logging and checkpoints."""
 
     steps: int = opt(20, "PPO steps")
+    mode: Literal["sync", "async"] = opt("sync", "sync: every rank generates then trains (colocated); async: placement.rollout_ranks ranks generate while the others train, weights pushed after each update (async.*)")
     run_dir: str = opt("runs/default", "config.yaml, metrics.jsonl, TensorBoard events, checkpoints and exports go here; default: runs/<the yaml file's name> (runs/default without a yaml)")
     seed: int = opt(42, "model-init and dropout seed")
     save_every: int = opt(0, "checkpoint every N steps; 0: only at the end (if save_last)")
@@ -428,6 +446,8 @@ class Config:
     algorithm: AlgorithmConfig = opt(AlgorithmConfig(), "advantages and KL")
     data: DataConfig = opt(DataConfig(), "prompts")
     trainer: TrainerConfig = opt(TrainerConfig(), "loop and checkpoints")
+    placement: PlacementConfig = opt(PlacementConfig(), "rollout and training ranks (trainer.mode=async)")
+    async_: AsyncConfig = opt(AsyncConfig(), "asynchronous pipeline (trainer.mode=async); the key is async")
     sft: SFTConfig = opt(SFTConfig(), "supervised warm start")
 
     # inputs a yaml names relative to itself when not found from the working directory (megarl.cli)

@@ -720,6 +720,8 @@ def validate(cfg: Config, world_size: int) -> dict:
     become their local snapshot directories first (megarl/models/hub.py)."""
     resolve_hub_models(cfg)
     hf = read_hf_config(cfg.model.path)
+    check_async(cfg, world_size, hf)
+    world_size = training_world(cfg, world_size)  # the ranks that train (all of them in sync mode)
     check_parallel(cfg, world_size, hf)
     check_model(cfg)
     check_rollout(cfg)  # before the batch sizes, which depend on rollout.n
@@ -744,6 +746,58 @@ def validate(cfg: Config, world_size: int) -> dict:
     check_paths(cfg)
     check_data(cfg)
     return hf
+
+
+def training_world(cfg: Config, world_size: int) -> int:
+    """Ranks that train: the world in sync mode, the world less placement.rollout_ranks in async mode."""
+    return world_size - cfg.placement.rollout_ranks if cfg.trainer.mode == "async" else world_size
+
+
+_ASYNC_UNSUPPORTED = (  # (is set, key, why) for trainer.mode=async
+    (lambda c: c.parallel.pp > 1, "parallel.pp", "the weight push gathers one pipeline stage"),
+    (lambda c: c.parallel.ep > 1, "parallel.ep", "the weight push reshards dense layers only"),
+    (lambda c: c.actor.lora.rank > 0, "actor.lora.rank", "the weight push sends full weights"),
+    (lambda c: c.rollout.engine != "native", "rollout.engine", "the rollout ranks run the native engine"),
+    (lambda c: bool(c.reward.model.path), "reward.model.path", "rollout ranks score with rule rewards"),
+    (lambda c: c.algorithm.dapo.dynamic_sampling, "algorithm.dapo.dynamic_sampling", "one batch per step"),
+    (lambda c: c.algorithm.advantage == "remax", "algorithm.advantage=remax", "no greedy baseline pass"),
+    (lambda c: c.rollout.partial, "rollout.partial", "the rollout ranks generate whole batches"),
+    (lambda c: bool(c.trainer.replay_rollouts) or c.trainer.rollout_only, "trainer.replay_rollouts / rollout_only",
+     "each half already runs alone"),
+)
+
+
+def check_async(cfg: Config, world_size: int, hf: dict) -> None:
+    """trainer.mode=async: at least one rollout and one training rank, a placement inside the world,
+    a rollout TP that fits its ranks and the model's heads, the same data-parallel size on both sides."""
+    if cfg.trainer.mode != "async":
+        return
+    pl, a = cfg.placement, cfg.async_
+    if world_size < 2:
+        raise ConfigError(f"trainer.mode=async needs at least 2 ranks (one rollout, one training), got {world_size}; "
+                          f"start more processes (torchrun --nproc_per_node 2) or set trainer.mode=sync")
+    if not 1 <= pl.rollout_ranks < world_size:
+        raise ConfigError(f"placement.rollout_ranks={pl.rollout_ranks} does not cover the world of {world_size} "
+                          f"ranks with both roles; use 1 .. {world_size - 1} (the rest train)")
+    for is_set, key, why in _ASYNC_UNSUPPORTED:
+        if is_set(cfg):
+            raise ConfigError(f"{key} is not supported with trainer.mode=async ({why}); unset it or use "
+                              f"trainer.mode=sync")
+    if pl.rollout_tp < 1 or pl.rollout_tp > pl.rollout_ranks or pl.rollout_ranks % pl.rollout_tp:
+        raise ConfigError(f"placement.rollout_tp={pl.rollout_tp} must divide placement.rollout_ranks="
+                          f"{pl.rollout_ranks} (a rollout TP group lives inside the rollout ranks)")
+    heads, kv = hf.get("num_attention_heads", 1), hf.get("num_key_value_heads") or hf.get("num_attention_heads", 1)
+    if heads % pl.rollout_tp or kv % pl.rollout_tp:
+        raise ConfigError(f"placement.rollout_tp={pl.rollout_tp} must divide the attention heads ({heads}) and "
+                          f"key/value heads ({kv})")
+    train_dp = (world_size - pl.rollout_ranks) // max(1, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+    if pl.rollout_ranks // pl.rollout_tp != train_dp:
+        raise ConfigError(f"placement: {pl.rollout_ranks // pl.rollout_tp} rollout replicas (rollout_ranks / "
+                          f"rollout_tp) must equal the {train_dp} training data-parallel replicas; change "
+                          f"placement.rollout_ranks, placement.rollout_tp or parallel.tp")
+    if a.max_staleness < 0 or a.queue_size < 1 or a.bucket_mb <= 0:
+        raise ConfigError(f"async.max_staleness={a.max_staleness} must be >= 0, async.queue_size={a.queue_size} "
+                          f">= 1 and async.bucket_mb={a.bucket_mb} > 0")
 
 
 def uses_critic(cfg: Config) -> bool:

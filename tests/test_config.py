@@ -304,7 +304,7 @@ def _leaf_keys(cls, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            yield from _leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+            yield from _leaf_keys(hints[f.name], f"{prefix}{f.name.rstrip('_')}.")  # async_: the key async
         else:
             yield f"{prefix}{f.name}", f.metadata.get("doc", "")
 

@@ -31,6 +31,7 @@ from megarl.roles.build import build_actor, build_critic, build_reference, build
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.factory import build_engine, engine_title
 from megarl.trainer import phases
+from megarl.trainer.async_channel import rollout_to
 from megarl.trainer.checkpoint import Checkpointer, checkpoint_build_meta
 from megarl.trainer.correction import rollout_correction_metrics
 from megarl.trainer.resume import Layout, rewind_metrics
@@ -43,6 +44,18 @@ from megarl.trainer.dump import load_rollout, save_rollout
 from megarl.trainer.scoring import build_reward, score_metrics, score_rollout
 from megarl.trainer.dapo import dynamic_sampling_rollout, mask_truncated, score_and_shape
 from megarl.trainer.partial import PartialRollouts, partial_rollout, restore
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    """The rollout's sampling settings."""
+    r = cfg.rollout
+    stops = () if r.ignore_eos else tuple(r.stop_token_ids)
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_token_ids=stops)
+
+
+def rollout_seed(cfg: Config, step: int, dp_rank: int) -> int:
+    """Step ``step``'s rollout seed: the same in a TP x PP replica, another per step and DP rank."""
+    return (cfg.rollout.seed * 1_000_003 + step) * 1009 + dp_rank
 
 
 def _kl_controller(cfg: Config):
@@ -88,6 +101,7 @@ class PPOTrainer:
         self.timer = PhaseTimer()
         self.metrics: dict[str, float] = {}
         self.rollout_stats: dict[str, float] = {}
+        self.pipeline = None  # trainer.mode=async: the TrainingEnd (megarl/trainer/async_train.py)
         self.updater = phases.Updater(cfg, self.actor, self.critic, self.kl_ctl, g)  # critic and actor updates
         r = cfg.rollout  # rollout.partial: the groups this rank has in flight between steps
         self.partial = PartialRollouts(cfg.data.batch_size // g.dp_size, r.n, r.partial_batches,
@@ -164,14 +178,11 @@ class PPOTrainer:
 
     # -- the phases of a step ------------------------------------------------
     def sampling_params(self) -> SamplingParams:
-        r = self.cfg.rollout
-        stops = () if r.ignore_eos else tuple(r.stop_token_ids)
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop_token_ids=stops)
+        return sampling_params(self.cfg)
 
     def sampling_seed(self) -> int:
-        """This step's rollout seed: the same in a TP x PP replica, another per step and DP rank."""
-        r = self.cfg.rollout
-        return (r.seed * 1_000_003 + self.step) * 1009 + self.groups.dp_rank
+        """This step's rollout seed (:func:`rollout_seed`)."""
+        return rollout_seed(self.cfg, self.step, self.groups.dp_rank)
 
     def generate(self) -> Rollout:
         self.timer = PhaseTimer()
@@ -182,6 +193,8 @@ class PPOTrainer:
             rollout = load_rollout(t.replay_rollouts, self.step + 1, self.groups.dp_rank, self.device)
             rollout.metrics.update(response_metrics(rollout))
             return rollout
+        if self.pipeline is not None:  # trainer.mode=async: the rollout ranks generated and scored it
+            return self._queued_rollout()
         if self.cfg.algorithm.dapo.dynamic_sampling:  # generates and scores rounds until the batch is full
             rollout = dynamic_sampling_rollout(self)
         elif self.partial is not None:  # the first whole groups to finish; the rest carry over
@@ -189,6 +202,16 @@ class PPOTrainer:
         else:
             rollout = self.generate_prompts(self.sampler.next_batch(self.train_set), self.sampling_seed())
         self.rollout_stats = dict(self.engine.stats)  # this rank's engine counters (not DP-summed)
+        rollout.metrics.update(response_metrics(rollout))
+        return rollout
+
+    def _queued_rollout(self) -> Rollout:
+        """This step's batch from the rollout ranks; the sampler moves on as theirs did (for checkpoints)."""
+        with self.timer("rollout_wait"):
+            queued = self.pipeline.next_batch(self.step)
+        self.sampler.next_batch(self.train_set)
+        rollout = rollout_to(queued.rollout, self.device)
+        self.rollout_stats = dict(queued.engine_stats)
         rollout.metrics.update(response_metrics(rollout))
         return rollout
 
@@ -247,6 +270,8 @@ class PPOTrainer:
     def sync_weights(self) -> None:
         with self.timer("weight_sync"):
             self.metrics.update(self.engine.update_weights())
+            if self.pipeline is not None:  # trainer.mode=async: the rollout ranks' copies too
+                self.metrics.update(self.pipeline.push(self.step + 1))
 
     def evaluate(self) -> float | None:
         """The named eval sets (written as eval/<name>/... at this step), then the held-out

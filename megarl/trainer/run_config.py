@@ -96,6 +96,7 @@ def save_run_config(cfg: Config) -> str:
     from megarl.cli import _get_dotted, _set_dotted
 
     tree = dataclasses.asdict(cfg)
+    tree["async"] = tree.pop("async_")  # the key a yaml writes (megarl.cli.field_name)
     for key in Config.INPUT_PATH_KEYS:
         value = _get_dotted(tree, key)
         if isinstance(value, str) and value and os.path.exists(value):

@@ -1,0 +1,128 @@
+"""The rollout ranks of ``trainer.mode=async``: generate, score, queue; take new weights between steps.
+
+A rollout rank holds its own copy of the policy (TP ``placement.rollout_tp`` over the rollout
+ranks) and the native engine on it. Its loop, for training steps ``k = start .. steps-1``:
+
+    wait for weights of version >= k - min(async.max_staleness, async.queue_size - 1)
+    generate and score batch k (the prompts and seed the synchronous run would use at step k)
+    send it to the training ranks of its data-parallel replica (asynchronous: the queue)
+
+Weights arrive only between batches (:class:`~megarl.trainer.weight_push.WeightReceiver` copies them
+into the parameters the engine reads, the engine is not restarted). A version older than the bound
+is never used: the rank waits instead (``async/rollout_waits``). The training ranks push a version
+after every update; ``version >= k - queue_size + 1`` also means the trainer has taken batch
+``k - queue_size``, so at most ``queue_size`` batches are in flight. With ``max_staleness=0`` batch k
+is sampled by the weights after k updates, exactly as in synchronous training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import signal
+from types import SimpleNamespace
+
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megarl.config import Config
+from megarl.data.build import build_train_data
+from megarl.data.tokenizer import load_tokenizer
+from megarl.distributed import build_parallel_groups, device
+from megarl.distributed.placement import Placement
+from megarl.roles.build import build_module
+from megarl.rollout.factory import build_engine
+from megarl.trainer.async_channel import BATCH_TAG, START_TAG, Outbox, QueuedBatch, recv_object, rollout_to, \
+    send_object
+from megarl.trainer.dapo import score_and_shape
+from megarl.trainer.ppo import rollout_seed, sampling_params
+from megarl.trainer.rollout import generate_rollout
+from megarl.trainer.scoring import build_reward
+from megarl.trainer.weight_push import WeightReceiver
+
+
+def rollout_config(cfg: Config) -> Config:
+    """The config the rollout ranks build their policy copy with: TP placement.rollout_tp, no PP / CP."""
+    p = dataclasses.replace(cfg.parallel, tp=cfg.placement.rollout_tp, pp=1, cp=1, sequence_parallel=False)
+    return dataclasses.replace(cfg, parallel=p)
+
+
+def lag_bound(cfg: Config) -> int:
+    """The most policy versions a batch lags the step that trains it."""
+    return min(cfg.async_.max_staleness, cfg.async_.queue_size - 1)
+
+
+class RolloutWorker:
+    """One rollout rank: its policy copy, engine, prompts and rewards."""
+
+    def __init__(self, cfg: Config, placement: Placement):
+        self.cfg, self.placement = rollout_config(cfg), placement
+        cfg = self.cfg
+        self.groups = g = build_parallel_groups(cfg.parallel.tp, 1, 1)
+        model_parallel_cuda_manual_seed(cfg.trainer.seed)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.train_set, self.sampler = build_train_data(cfg.data, self.tokenizer, g.dp_rank, g.dp_size)
+        module, info = build_module(cfg.model.path, cfg, g)
+        module.eval()
+        eos = self.tokenizer.eos_token_id
+        stops = [] if cfg.rollout.ignore_eos else ([eos] if eos is not None else []) + list(cfg.rollout.stop_token_ids)
+        self.engine = build_engine(cfg, SimpleNamespace(module=module, info=info), g, self.tokenizer, stops,
+                                   self.pad_id)
+        self.reward = build_reward(cfg.reward, None, cfg.trainer.run_dir)
+        self.device = device()
+        ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
+        self.targets = [r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank]
+        source = next(r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == 0 and r["tp_rank"] == 0)
+        self.weights = WeightReceiver(module, info, g, placement, source)
+        self.starter = next(r for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank
+                            and r["tp_rank"] == 0)["rank"]  # sends this replica its first step and sampler
+        self.sends = g.tp_rank == 0  # one rank of a rollout replica sends its batches
+        self.in_flight: list[tuple[int, Outbox]] = []  # (step, its sends) not yet known to be taken
+
+    def run(self) -> None:
+        """Generates until the trainer's last step or its stop; ignores SIGINT / SIGTERM (the training
+        ranks decide when the run stops and say so)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        start = recv_object(self.placement.objects, self.starter, START_TAG)
+        step = start["step"]
+        self.sampler.load_state_dict(start["sampler"])
+        version = self._receive()
+        while version is not None and step < self.cfg.trainer.steps:
+            need, waits = step - lag_bound(self.cfg), 0
+            while version is not None and version < need:
+                version, waits = self._receive(), waits + 1
+            if version is None:
+                break
+            self._send(self._generate(step, version, waits))
+            step += 1
+        while version is not None:  # the pushes after the last steps, until the trainer's stop
+            version = self._receive()
+
+    def _receive(self) -> int | None:
+        version = self.weights.receive()
+        if version is not None:
+            self.engine.update_weights()  # the prefix cache held K/V of the old weights
+            for _, outbox in [b for b in self.in_flight if b[0] < version]:  # taken before that update
+                outbox.wait()
+            self.in_flight = [b for b in self.in_flight if b[0] >= version]
+        return version
+
+    def _generate(self, step: int, version: int, waits: int) -> QueuedBatch:
+        cfg, r = self.cfg, self.cfg.rollout
+        prompts = self.sampler.next_batch(self.train_set)
+        self.engine.resume_memory()
+        rollout = generate_rollout(self.engine, prompts, sampling_params(cfg), self.tokenizer, self.pad_id,
+                                   self.device, n=r.n, seed=rollout_seed(cfg, step, self.groups.dp_rank),
+                                   max_new_tokens=r.max_new_tokens)
+        self.engine.release_memory()
+        rollout.batch.policy_version = version
+        rollout.metrics.update(score_and_shape(self.reward, rollout, cfg.algorithm.dapo, r.max_new_tokens))
+        stats = dict(self.engine.stats)
+        stats["async/rollout_waits"] = float(waits)
+        return QueuedBatch(step=step, version=version, rollout=rollout_to(rollout, "cpu"), engine_stats=stats)
+
+    def _send(self, batch: QueuedBatch) -> None:
+        if self.sends:
+            outbox = Outbox()
+            for dst in self.targets:
+                send_object(self.placement.objects, batch, dst, BATCH_TAG, outbox)
+            self.in_flight.append((batch.step, outbox))

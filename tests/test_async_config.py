@@ -1,0 +1,52 @@
+"""trainer.mode=async: bad placements are one line and exit 2, before any process group is joined.
+
+The world size comes from the launcher's environment (RANK / WORLD_SIZE as torchrun sets them);
+validation runs before the rendezvous, so one process stands in for a whole launch. The section
+is written ``async`` (a Python keyword: the dataclass field is ``async_``) in yaml, overrides and
+--help.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ppo(world: int, *overrides):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+               OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "launch/ppo.py", "yaml/tiny_async.yaml", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (1, [], "config error: trainer.mode=async needs at least 2 ranks (one rollout, one training), got 1; "
+            "start more processes (torchrun --nproc_per_node 2) or set trainer.mode=sync"),
+    (2, ["placement.rollout_ranks=2"], "config error: placement.rollout_ranks=2 does not cover the world of 2 "
+                                       "ranks with both roles; use 1 .. 1 (the rest train)"),
+    (3, ["placement.rollout_tp=2"], "config error: placement.rollout_tp=2 must divide placement.rollout_ranks=1 "
+                                    "(a rollout TP group lives inside the rollout ranks)"),
+    (3, [], "config error: placement: 1 rollout replicas (rollout_ranks / rollout_tp) must equal the 2 training "
+            "data-parallel replicas; change placement.rollout_ranks, placement.rollout_tp or parallel.tp"),
+    (2, ["async.max_staleness=-1"], "config error: async.max_staleness=-1 must be >= 0, async.queue_size=2 >= 1 "
+                                    "and async.bucket_mb=64.0 > 0"),
+    (2, ["parallel.pp=2"], "config error: parallel.pp is not supported with trainer.mode=async (the weight push "
+                           "gathers one pipeline stage); unset it or use trainer.mode=sync"),
+])
+def test_bad_placement_one_line_exit_2(world, overrides, message):
+    p = _ppo(world, *overrides)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.splitlines() == [message]
+
+
+def test_async_key_spelling():
+    """``async.*`` is the key everywhere: --help lists it, an unknown one gets a suggestion."""
+    p = subprocess.run([sys.executable, "launch/ppo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert "async.max_staleness = 1" in p.stdout and "[async]" in p.stdout
+    bad = _ppo(2, "async.max_stalenes=1")
+    assert bad.returncode == 2 and bad.stderr.startswith("config error: unknown key 'async.max_stalenes'")
