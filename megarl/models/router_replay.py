@@ -28,7 +28,7 @@ Every forward with ids loaded also counts, per layer, how many recorded (token, 
 router's own top-k contains (:meth:`ReplayRouters.read`): the routing agreement between rollout
 and training. ``replace=False`` (:meth:`ReplayRouters.observing`) counts without replaying.
 TP > 1 (sequence-split router inputs) and CP > 1 are not laid out here: MoE rollout needs TP 1 and
-MoE training refuses CP (megarl/config_checks.py).
+MoE training refuses CP (megarl/config_checks/moe.py).
 """
 from __future__ import annotations
 
