@@ -96,10 +96,11 @@ def test_model_order_padded_and_packed():
     assert valid.tolist() == [False, True, True, True, True, True, True, True, False]
 
 
-def _result(prompt, response, ids):
+def _result(prompt, response, ids, prompt_ids=None):
     from megarl.rollout.engine import GenerationResult
 
-    return GenerationResult(prompt, response, [-1.0] * len(response), "stop", 0, expert_ids=ids)
+    return GenerationResult(prompt, response, [-1.0] * len(response), "stop", 0, expert_ids=ids,
+                            prompt_expert_ids=prompt_ids)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int16])
@@ -109,12 +110,15 @@ def test_engine_ids_land_on_the_rows_that_routed_them(dtype):
     gen = np.random.default_rng(0)
     a = gen.integers(0, 200, (4, 3, 2)).astype(dtype)
     b = gen.integers(0, 200, (2, 3, 2)).astype(dtype)
-    batch = to_sample_batch([_result([1, 2, 3], [4, 5, 6, 7], a), _result([9], [8, 7], b)], 0, "cpu")
+    prompt_a = gen.integers(0, 200, (2, 3, 2)).astype(dtype)  # prompt tokens 0, 1 of [1, 2, 3]
+    batch = to_sample_batch([_result([1, 2, 3], [4, 5, 6, 7], a, prompt_a), _result([9], [8, 7], b, b[:0]),
+                             _result([5, 6], [7], b[:1])], 0, "cpu")
     mark = 255 if dtype == np.uint8 else -1
     e = batch.expert_ids
-    assert e.shape == (2, 7, 3, 2) and e.dtype == (torch.uint8 if dtype == np.uint8 else torch.int16)
-    assert np.array_equal(e[0, 2:6].numpy(), a) and np.array_equal(e[1, 0:2].numpy(), b)
-    assert (e[0, [0, 1, 6]] == mark).all() and (e[1, 2:] == mark).all()
+    assert e.shape == (3, 7, 3, 2) and e.dtype == (torch.uint8 if dtype == np.uint8 else torch.int16)
+    assert np.array_equal(e[0, 0:2].numpy(), prompt_a) and np.array_equal(e[0, 2:6].numpy(), a)
+    assert np.array_equal(e[1, 0:2].numpy(), b) and np.array_equal(e[2, 1:2].numpy(), b[:1])
+    assert (e[0, 6] == mark).all() and (e[1, 2:] == mark).all() and (e[2, [0, 2]] == mark).all()
 
 
 def _batch(n, width, seed):

@@ -53,6 +53,11 @@ def unrecorded(dtype: torch.dtype) -> int:
     return 255 if dtype == torch.uint8 else -1
 
 
+def unrecorded_mark(dtype: np.dtype) -> int:
+    """:func:`unrecorded` for a numpy dtype (the engine's arrays)."""
+    return unrecorded(torch.uint8 if dtype == np.uint8 else torch.int16)
+
+
 def recorded(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(..., layers, k) stored ids -> (...) bool: the position holds real expert ids (all layers or none)."""
     first = ids[..., 0, 0].long()
@@ -61,17 +66,21 @@ def recorded(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def batch_expert_ids(results, width: int) -> Optional[torch.Tensor]:
     """Engine results -> (B, width, layers, k) per-position ids (module docstring), in the engine's dtype
-    (:func:`ids_dtype`); None when no result carries ids. Result i's (R, layers, k) go to positions
-    P - 1 .. P + R - 2."""
+    (:func:`ids_dtype`); None when no result carries ids. Result i's prompt ids (P - 1, layers, k) go to
+    positions 0 .. P - 2, its response ids (R, layers, k) to positions P - 1 .. P + R - 2."""
     arrays = [r.expert_ids for r in results if r.expert_ids is not None]
     if not arrays:
         return None
     dtype = torch.uint8 if arrays[0].dtype == np.uint8 else torch.int16
     out = torch.full((len(results), width, *arrays[0].shape[1:]), unrecorded(dtype), dtype=dtype)
+
+    def put(i: int, start: int, ids: Optional[np.ndarray]) -> None:
+        if ids is not None and len(ids):
+            out[i, start:start + len(ids)] = torch.from_numpy(np.ascontiguousarray(ids)).to(dtype)
+
     for i, r in enumerate(results):
-        if r.expert_ids is not None and len(r.expert_ids):
-            p = len(r.prompt_ids)
-            out[i, p - 1:p - 1 + len(r.expert_ids)] = torch.from_numpy(np.ascontiguousarray(r.expert_ids)).to(dtype)
+        put(i, 0, r.prompt_expert_ids)  # prompt tokens 0 .. P - 2
+        put(i, len(r.prompt_ids) - 1, r.expert_ids)  # the rows that sampled each response token
     return out
 
 
