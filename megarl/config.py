@@ -181,7 +181,7 @@ class ActorConfig:
     kl_loss_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = opt("low_var_kl", "KL estimator for the loss term")
     moe_aux_loss_coef: float = opt(0.0, "mixture of experts: load-balancing loss weight (megatron's aux_loss); RL recipes keep 0: it pulls the router toward uniform load against the policy gradient, and the router must keep routing as the policy that generated the rollouts did")
     moe_z_loss_coef: float = opt(0.0, "mixture of experts: router z-loss weight (penalizes large router logits); 0: off")
-    router_replay: Literal["none", "r3"] = opt("none", "mixture of experts: r3 (rollout routing replay) routes every response token of the old-log-prob, reference and update forwards to the experts the rollout used (recorded by the native engine, which r3 turns on: rollout.record_experts); gate weights still from the current router; none: the router chooses")
+    router_replay: Literal["none", "r3"] = opt("none", "mixture of experts: r3 (rollout routing replay) routes every prompt and response token of the old-log-prob, reference and update forwards to the experts the rollout used (recorded by the native engine, which r3 turns on: rollout.record_experts); gate weights still from the current router; none: the router chooses")
     router_replay_probe_every: int = opt(1, "r3: every this many steps one extra forward-only pass without replay logs mismatch/no_replay/* and r3/no_replay/agreement beside the replayed pass's; 0: never")
 
 

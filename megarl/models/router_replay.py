@@ -1,13 +1,14 @@
 """Rollout routing replay (R3): training forwards route every token to the experts the rollout used.
 
 The native engine records, for each response token, the top-k expert ids of every MoE layer for
-the row that sampled it (``GenerationResult.expert_ids``, megarl/rollout/runners.py). In the batch
-they sit per *position*, as the model reads them: ``SampleBatch.expert_ids[i, t]`` (layers, k) are
-the experts that routed input token t of row i, so the ids of response token j (prompt length P)
-are at position P + j - 1. Positions the engine did not record (the prompt's tokens but the last,
-a response's last token, padding) hold :func:`unrecorded`; there the router picks its own top-k.
-(Prompt tokens are prefilled once per prompt and shared by its n samples, so the engine keeps no
-per-sample record of them; their rollout routing was the same fp32 top-k over the same prompt.)
+the row that sampled it (``GenerationResult.expert_ids``, megarl/rollout/runners.py), and for
+prompt tokens 0 .. P - 2 the rows of their prefill (``GenerationResult.prompt_expert_ids``: a
+prompt is prefilled once for its n samples, which all carry that prefill's ids, as their K/V are
+that prefill's). In the batch they sit per *position*, as the model reads them:
+``SampleBatch.expert_ids[i, t]`` (layers, k) are the experts that routed input token t of row i, so
+prompt token t is at position t and the ids of response token j (prompt length P) are at position
+P + j - 1 (the prompt's last token's row sampled response token 0). Positions the engine did not
+record (a sequence's last token, padding) hold :func:`unrecorded`; there the router picks its own top-k.
 
 :class:`ReplayRouters` installs a :class:`LayerReplay` as ``router_replay`` of every megatron-core
 ``TopKRouter`` of a model stage. megatron-core's ``topk_routing_with_score_function`` hands it the
