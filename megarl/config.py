@@ -136,7 +136,7 @@ class RolloutConfig:
     kv_cache_gb: float = opt(0.0, "KV-cache budget in GiB; 0: rollout.kv_cache_fraction of free memory")
     kv_cache_fraction: float = opt(0.5, "share of free device memory (CPU: available RAM) the KV cache may take")
     cuda_graphs: bool = opt(True, "replay the decode step as CUDA graphs on CUDA; false: eager")
-    record_experts: bool = opt(False, "native engine, MoE model: keep each response token's top-k expert ids per MoE layer in the result (steps run eagerly)")
+    record_experts: bool = opt(False, "native engine, MoE model: keep every prompt and response token's top-k expert ids per MoE layer in the result (steps run eagerly; the prefix cache is not read then)")
     prefix_cache: bool = opt(False, "reuse full K/V pages of equal token prefixes (a request prefilled after another that starts the same way; a conversation's earlier turns) until the weights change; off: every call starts cold, so results never depend on earlier calls")
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
     partial: bool = opt(False, "partial rollouts: a step stops generating once enough whole groups (a prompt's n samples) have finished to fill the batch; unfinished responses keep their tokens and resume in the next step under the new weights (each token records the policy version that sampled it; native engine; pair with algorithm.rollout_correction.preset=async)")
@@ -181,7 +181,7 @@ class ActorConfig:
     kl_loss_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = opt("low_var_kl", "KL estimator for the loss term")
     moe_aux_loss_coef: float = opt(0.0, "mixture of experts: load-balancing loss weight (megatron's aux_loss); RL recipes keep 0: it pulls the router toward uniform load against the policy gradient, and the router must keep routing as the policy that generated the rollouts did")
     moe_z_loss_coef: float = opt(0.0, "mixture of experts: router z-loss weight (penalizes large router logits); 0: off")
-    router_replay: Literal["none", "r3"] = opt("none", "mixture of experts: r3 (rollout routing replay) routes every response token of the old-log-prob, reference and update forwards to the experts the rollout used (recorded by the native engine, which r3 turns on: rollout.record_experts); gate weights still from the current router; none: the router chooses")
+    router_replay: Literal["none", "r3"] = opt("none", "mixture of experts: r3 (rollout routing replay) routes every prompt and response token of the old-log-prob, reference and update forwards to the experts the rollout used (recorded by the native engine, which r3 turns on: rollout.record_experts); gate weights still from the current router; none: the router chooses")
     router_replay_probe_every: int = opt(1, "r3: every this many steps one extra forward-only pass without replay logs mismatch/no_replay/* and r3/no_replay/agreement beside the replayed pass's; 0: never")
 
 

@@ -2,9 +2,10 @@
 
 Two processes, tiny fp32 Qwen3-MoE (renormalized top-2 of 4 experts) and Qwen2-MoE (softmax over all
 experts, top-2 as they are, shared expert). At EP1 (DP2) the native engine samples (temperature 1)
-each rank's own prompts with expert recording on; the batch carries the ids per position. A forward
-hook on every router compares its routing map (tokens x experts) with the replayed ids on every
-recorded token of every layer, in the old-log-prob forward (padded rows and packed THD rows) and in
+each rank's own prompts with expert recording on; the batch carries the ids per position, recorded
+at every token but each row's last (prompt tokens from the prefill, the same for a prompt's samples;
+the 11-token prompt prefilled in two chunks). A forward hook on every router compares its routing
+map (tokens x experts) with the replayed ids on every recorded token of every layer, in the old-log-prob forward (padded rows and packed THD rows) and in
 the update's forward. Then the actor takes two updates at lr 0.05, and the earlier rollout is
 replayed again: the choices must still be the recorded ones, while the router left alone (no
 replay, the same forward) picks other experts for some of them (agreement < 1: the replay is what
@@ -140,6 +141,7 @@ def _job(rank, ckpts, root):
             r["own_after"] = actor.replay.read()
             r["wrong"], r["checked"] = check.wrong, check.checked
             r["mask"], r["rollout"], r["experts"] = batch.response_mask, batch.rollout_logprobs, batch.expert_ids
+            r["lengths"], r["input_ids"] = batch.lengths, batch.input_ids
             if ep == 1:
                 r["prepare"], r["old"] = _prepare(actor, groups, cfg, batch)
                 export_hf(actor.module, actor.info, groups, trained)
@@ -211,6 +213,22 @@ def test_training_routes_to_recorded_experts(runs, arch, ep):
         assert r["checked"] > 100 and r["wrong"] == 0
         assert r["agree_before"]["r3/agreement"] == 1.0  # same weights as the rollout: the router agrees
         assert set(r["agree_before"]) == {"r3/agreement", "r3/agreement/layer_0", "r3/agreement/layer_1"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_prompt_and_response_token_is_recorded(runs, arch):
+    """Positions 0 .. length - 2 hold ids (the last token feeds nothing the rollout sampled), the rest
+    the unrecorded mark; a prompt's two samples carry the same prompt ids."""
+    from megarl.models.router_replay import recorded
+
+    for rank_index, rank in enumerate(runs):
+        r = rank[(arch, 1)]
+        width = r["experts"].shape[1]
+        want = torch.arange(width)[None, :] < (r["lengths"] - 1)[:, None]
+        assert torch.equal(recorded(r["experts"], 4), want)
+        for i, prompt in enumerate(PROMPTS[rank_index]):
+            assert torch.equal(r["input_ids"][2 * i, :len(prompt)], torch.tensor(prompt))
+            assert torch.equal(r["experts"][2 * i, :len(prompt) - 1], r["experts"][2 * i + 1, :len(prompt) - 1])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -8,7 +8,11 @@
   ids its first pass used, whatever micro-batch was loaded since.
 - :func:`model_order`: per-position ids in megatron's [s, b] token order (padded rows) and along the
   packed THD row (padding segment and positions past a length unrecorded).
-- The batch: engine results -> positions P - 1 .. P + R - 2 (uint8, int16 from 256 experts); rows
+- The engine's prompt record: a mixed prefill step's chunk rows (after its decode rows) land at their
+  prompt positions but the last, chunk after chunk, in one array the prompt's forks share; a
+  sequence prefilled again from position 0 (preempted) gets a fresh one, its siblings keep theirs.
+- The batch: engine results -> prompt ids at positions 0 .. P - 2, response ids at P - 1 .. P + R - 2
+  (uint8, int16 from 256 experts); rows
   selected, rollouts concatenated (widths differ), dumps written and read back, rows re-dealt over
   2 DP ranks: every row keeps its own ids.
 - Config: r3 on a dense model, with multi-turn, the agent server, partial rollouts, a negative probe
@@ -96,10 +100,11 @@ def test_model_order_padded_and_packed():
     assert valid.tolist() == [False, True, True, True, True, True, True, True, False]
 
 
-def _result(prompt, response, ids):
+def _result(prompt, response, ids, prompt_ids=None):
     from megarl.rollout.engine import GenerationResult
 
-    return GenerationResult(prompt, response, [-1.0] * len(response), "stop", 0, expert_ids=ids)
+    return GenerationResult(prompt, response, [-1.0] * len(response), "stop", 0, expert_ids=ids,
+                            prompt_expert_ids=prompt_ids)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int16])
@@ -109,12 +114,56 @@ def test_engine_ids_land_on_the_rows_that_routed_them(dtype):
     gen = np.random.default_rng(0)
     a = gen.integers(0, 200, (4, 3, 2)).astype(dtype)
     b = gen.integers(0, 200, (2, 3, 2)).astype(dtype)
-    batch = to_sample_batch([_result([1, 2, 3], [4, 5, 6, 7], a), _result([9], [8, 7], b)], 0, "cpu")
+    prompt_a = gen.integers(0, 200, (2, 3, 2)).astype(dtype)  # prompt tokens 0, 1 of [1, 2, 3]
+    batch = to_sample_batch([_result([1, 2, 3], [4, 5, 6, 7], a, prompt_a), _result([9], [8, 7], b, b[:0]),
+                             _result([5, 6], [7], b[:1])], 0, "cpu")
     mark = 255 if dtype == np.uint8 else -1
     e = batch.expert_ids
-    assert e.shape == (2, 7, 3, 2) and e.dtype == (torch.uint8 if dtype == np.uint8 else torch.int16)
-    assert np.array_equal(e[0, 2:6].numpy(), a) and np.array_equal(e[1, 0:2].numpy(), b)
-    assert (e[0, [0, 1, 6]] == mark).all() and (e[1, 2:] == mark).all()
+    assert e.shape == (3, 7, 3, 2) and e.dtype == (torch.uint8 if dtype == np.uint8 else torch.int16)
+    assert np.array_equal(e[0, 0:2].numpy(), prompt_a) and np.array_equal(e[0, 2:6].numpy(), a)
+    assert np.array_equal(e[1, 0:2].numpy(), b) and np.array_equal(e[2, 1:2].numpy(), b[:1])
+    assert (e[0, 6] == mark).all() and (e[1, 2:] == mark).all() and (e[2, [0, 2]] == mark).all()
+
+
+def _prefill_plan(seqs, chunks, decoding=0):
+    """A prefill StepPlan of ``decoding`` decode rows, then (seq index, start, end) chunks."""
+    from megarl.rollout.scheduler import StepPlan
+
+    lens = [1] * decoding + [end - start for _, start, end in chunks]
+    positions = np.concatenate([np.full(decoding, 99)] + [np.arange(start, end) for _, start, end in chunks])
+    fed = [seqs[0]] * decoding + [seqs[i] for i, _, _ in chunks]
+    empty = np.zeros(0, dtype=np.int64)
+    return StepPlan(False, fed, positions.copy(), positions, positions, np.zeros((len(fed), 1), np.int32),
+                    np.array(lens, np.int32), np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), empty, [],
+                    empty, empty, decoding=decoding)
+
+
+def rows(plan):
+    """(T, 2 layers, top-2) ids of a step: every id of row r is r."""
+    return np.arange(len(plan.positions), dtype=np.uint8)[:, None, None].repeat(2, 1).repeat(2, 2)
+
+
+def test_prompt_ids_recorded_per_chunk_and_shared_by_forks():
+    from megarl.rollout.runners import _record_prompt_experts
+    from megarl.rollout.scheduler import Sequence
+
+    lead, fork, other = (Sequence(i, i, list(range(10 * i, 10 * i + n)), 0, 4) for i, n in ((0, 6), (1, 6), (2, 3)))
+    lead.forks = [fork]
+
+    first = _prefill_plan([other, lead], [(1, 0, 4)], decoding=2)  # 2 decode rows of `other`, lead's 0..3
+    _record_prompt_experts(rows(first), first)
+    assert fork.prompt_experts is lead.prompt_experts and lead.prompt_experts.shape == (5, 2, 2)
+    assert lead.prompt_experts[:, 0, 0].tolist() == [2, 3, 4, 5, 255]
+    rest = _prefill_plan([lead, other], [(0, 4, 6), (1, 0, 3)])  # lead's 4, 5 (5: the last, not kept); other's
+    _record_prompt_experts(rows(rest), rest)
+    assert lead.prompt_experts[:, 0, 0].tolist() == [2, 3, 4, 5, 0]
+    assert other.prompt_experts[:, 1, 1].tolist() == [2, 3]
+    kept = fork.prompt_experts.copy()
+    lead.forks = []  # decoding now; preempted, prefilled again with its response token
+    again = _prefill_plan([lead], [(0, 0, 7)])
+    _record_prompt_experts(rows(again) + 50, again)
+    assert lead.prompt_experts[:, 0, 0].tolist() == [50, 51, 52, 53, 54]
+    assert fork.prompt_experts is not lead.prompt_experts and np.array_equal(fork.prompt_experts, kept)
 
 
 def _batch(n, width, seed):

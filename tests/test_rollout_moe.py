@@ -8,8 +8,11 @@ EP2 it runs out of work first and keeps serving rank 0's rows with its experts (
 steps) — and greedy responses must equal ``transformers`` ``generate`` on each prompt
 alone, token for token. Sampled responses' engine log-probs must equal the actor's
 training forward over the same tokens (fp32, 1e-5), and the sampled tokens must be the
-same at EP1 and EP2. The engine's recorded expert ids (per response token and MoE layer)
-must equal the top-k that ``transformers``' router picks for that token in a full forward.
+same at EP1 and EP2. The engine's recorded expert ids (per prompt token but the last, from the
+prefill, and per response token, and MoE layer) must equal the top-k that ``transformers``' router
+picks for that token in a full forward; the n samples of a prompt carry the same prompt ids. The
+engine has the prefix cache on, which recording bypasses: the sampled call, after the greedy one on
+the same prompts, prefills (and records) every prompt token again.
 Not covered: bf16, the GroupedMLP layout in the engine (CUDA bf16), CUDA graphs, TP > 1.
 """
 import pytest
@@ -49,7 +52,7 @@ def _job(rank, ckpts, eps=(1, 2)):
         for arch, ckpt in ckpts.items():
             actor, groups = _actor(ckpt, ep)
             options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001,
-                                    record_experts=True)
+                                    record_experts=True, prefix_cache=True)
             engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)
             prompts = PROMPTS[rank]
             greedy = engine.generate(sample_requests(prompts, 1, 0, MAX_NEW[rank]), SamplingParams(temperature=0.0))
@@ -59,7 +62,10 @@ def _job(rank, ckpts, eps=(1, 2)):
             diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
             out[(ep, arch)] = {"greedy": [r.response_ids for r in greedy], "diff": float(diff),
                                "sampled": [r.response_ids for r in sampled],
-                               "experts": [r.expert_ids for r in greedy]}
+                               "experts": [r.expert_ids for r in greedy],
+                               "prompt_experts": [r.prompt_expert_ids for r in greedy],
+                               "sampled_prompt_experts": [r.prompt_expert_ids for r in sampled],
+                               "prefix_cached": engine.stats["rollout/prefix_cached_tokens"]}
     return out
 
 
@@ -82,11 +88,11 @@ def ckpts(tmp_path_factory):
 
 
 def hf_experts(model, prompt, response):
-    """(R, layers, k) the experts ``transformers``' routers pick for the rows that produce each response
-    token (positions P - 1 .. P + R - 2), largest probability first."""
+    """(P + R - 1, layers, k) the experts ``transformers``' routers pick for every token but the last
+    (prompt tokens 0 .. P - 2, then the rows that produce each response token), largest probability first."""
     out = model(torch.tensor([prompt + response]), output_router_logits=True)
     k = model.config.num_experts_per_tok
-    rows = slice(len(prompt) - 1, len(prompt) + len(response) - 1)
+    rows = slice(0, len(prompt) + len(response) - 1)
     return torch.stack([torch.topk(logits[rows].softmax(-1), k).indices for logits in out.router_logits], dim=1)
 
 
@@ -113,9 +119,16 @@ def test_rollout_logprobs_match_training(runs, ep, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_recorded_experts_match_transformers_router(runs, ckpts, ep, arch):
     for rank in (0, 1):
-        got = runs[rank][(ep, arch)]["experts"]
-        assert [g.dtype.name for g in got] == ["uint8"] * len(got)
-        assert [g.tolist() for g in got] == [w.tolist() for w in ckpts[2][arch][rank]]
+        r = runs[rank][(ep, arch)]
+        got, prompt_ids = r["experts"], r["prompt_experts"]
+        assert [g.dtype.name for g in got + prompt_ids] == ["uint8"] * 2 * len(got)
+        want = ckpts[2][arch][rank]
+        assert [len(p) for p in prompt_ids] == [len(p) - 1 for p in PROMPTS[rank]]
+        assert [p.tolist() for p in prompt_ids] == [w[:len(p) - 1].tolist() for p, w in zip(PROMPTS[rank], want)]
+        assert [g.tolist() for g in got] == [w[len(p) - 1:].tolist() for p, w in zip(PROMPTS[rank], want)]
+        # 2 samples a prompt, after the greedy call: the same prompt ids again, no prefix-cache page read
+        assert r["prefix_cached"] == 0
+        assert [s.tolist() for s in r["sampled_prompt_experts"]] == [p.tolist() for p in prompt_ids for _ in range(2)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

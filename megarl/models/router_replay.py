@@ -1,13 +1,14 @@
 """Rollout routing replay (R3): training forwards route every token to the experts the rollout used.
 
 The native engine records, for each response token, the top-k expert ids of every MoE layer for
-the row that sampled it (``GenerationResult.expert_ids``, megarl/rollout/runners.py). In the batch
-they sit per *position*, as the model reads them: ``SampleBatch.expert_ids[i, t]`` (layers, k) are
-the experts that routed input token t of row i, so the ids of response token j (prompt length P)
-are at position P + j - 1. Positions the engine did not record (the prompt's tokens but the last,
-a response's last token, padding) hold :func:`unrecorded`; there the router picks its own top-k.
-(Prompt tokens are prefilled once per prompt and shared by its n samples, so the engine keeps no
-per-sample record of them; their rollout routing was the same fp32 top-k over the same prompt.)
+the row that sampled it (``GenerationResult.expert_ids``, megarl/rollout/runners.py), and for
+prompt tokens 0 .. P - 2 the rows of their prefill (``GenerationResult.prompt_expert_ids``: a
+prompt is prefilled once for its n samples, which all carry that prefill's ids, as their K/V are
+that prefill's). In the batch they sit per *position*, as the model reads them:
+``SampleBatch.expert_ids[i, t]`` (layers, k) are the experts that routed input token t of row i, so
+prompt token t is at position t and the ids of response token j (prompt length P) are at position
+P + j - 1 (the prompt's last token's row sampled response token 0). Positions the engine did not
+record (a sequence's last token, padding) hold :func:`unrecorded`; there the router picks its own top-k.
 
 :class:`ReplayRouters` installs a :class:`LayerReplay` as ``router_replay`` of every megatron-core
 ``TopKRouter`` of a model stage. megatron-core's ``topk_routing_with_score_function`` hands it the
@@ -53,6 +54,11 @@ def unrecorded(dtype: torch.dtype) -> int:
     return 255 if dtype == torch.uint8 else -1
 
 
+def unrecorded_mark(dtype: np.dtype) -> int:
+    """:func:`unrecorded` for a numpy dtype (the engine's arrays)."""
+    return unrecorded(torch.uint8 if dtype == np.uint8 else torch.int16)
+
+
 def recorded(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(..., layers, k) stored ids -> (...) bool: the position holds real expert ids (all layers or none)."""
     first = ids[..., 0, 0].long()
@@ -61,17 +67,21 @@ def recorded(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def batch_expert_ids(results, width: int) -> Optional[torch.Tensor]:
     """Engine results -> (B, width, layers, k) per-position ids (module docstring), in the engine's dtype
-    (:func:`ids_dtype`); None when no result carries ids. Result i's (R, layers, k) go to positions
-    P - 1 .. P + R - 2."""
+    (:func:`ids_dtype`); None when no result carries ids. Result i's prompt ids (P - 1, layers, k) go to
+    positions 0 .. P - 2, its response ids (R, layers, k) to positions P - 1 .. P + R - 2."""
     arrays = [r.expert_ids for r in results if r.expert_ids is not None]
     if not arrays:
         return None
     dtype = torch.uint8 if arrays[0].dtype == np.uint8 else torch.int16
     out = torch.full((len(results), width, *arrays[0].shape[1:]), unrecorded(dtype), dtype=dtype)
+
+    def put(i: int, start: int, ids: Optional[np.ndarray]) -> None:
+        if ids is not None and len(ids):
+            out[i, start:start + len(ids)] = torch.from_numpy(np.ascontiguousarray(ids)).to(dtype)
+
     for i, r in enumerate(results):
-        if r.expert_ids is not None and len(r.expert_ids):
-            p = len(r.prompt_ids)
-            out[i, p - 1:p - 1 + len(r.expert_ids)] = torch.from_numpy(np.ascontiguousarray(r.expert_ids)).to(dtype)
+        put(i, 0, r.prompt_expert_ids)  # prompt tokens 0 .. P - 2
+        put(i, len(r.prompt_ids) - 1, r.expert_ids)  # the rows that sampled each response token
     return out
 
 

@@ -98,6 +98,9 @@ class GenerationResult:
     # experts: router_replay.ids_dtype) that routed the row sampling each response token (its previous
     # token), largest weight first
     expert_ids: "np.ndarray | None" = None
+    # with expert_ids: (P - 1, layers of this stage, k) the ids that routed prompt tokens 0 .. P - 2 in its
+    # prefill (the same for every sample of a prompt: they share it); position P - 1 is expert_ids[0]
+    prompt_expert_ids: "np.ndarray | None" = None
     versions: list[int] | None = None  # per response token: the policy version that sampled it (partial rollouts)
 
 

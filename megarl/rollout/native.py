@@ -234,8 +234,10 @@ class NativeEngine:
         needed = prompt_tokens + sum(s.max_new + o.page_size for s in seqs) + reserve
         self._ensure_cache(needed, longest, min(o.max_batch, len(seqs) + reserve // max(longest, 1)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
-        sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens,
-                          max_pages, stops, prefix_cache=o.prefix_cache, mixed=o.mixed_prefill)
+        # recording experts computes every prompt token (their routing is recorded as they are prefilled):
+        # no K/V pages from the prefix cache, whose tokens' routing no step of this call saw
+        sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens, max_pages, stops,
+                          prefix_cache=o.prefix_cache and not o.record_experts, mixed=o.mixed_prefill)
         for group in groups:
             sched.add_group(group)
         return sched
@@ -376,8 +378,11 @@ class NativeEngine:
     def _result(seq: Sequence) -> GenerationResult:
         """``seq``'s response, under its request's key (``rid``)."""
         experts = np.stack([seq.experts[i] for i in range(len(seq.generated))]) if seq.experts else None
+        prompt_experts = None
+        if experts is not None:  # a one-token prompt has no prompt ids: (0, layers, k)
+            prompt_experts = seq.prompt_experts if seq.prompt_experts is not None else experts[:0]
         return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.rid,
-                                expert_ids=experts)
+                                expert_ids=experts, prompt_expert_ids=prompt_experts)
 
 
 class _Feed:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megarl.models.router_replay import ids_dtype
+from megarl.models.router_replay import ids_dtype, unrecorded_mark
 from megarl.rollout.engine import SamplingParams
 from megarl_kernels.sampling import sample_tokens
 from megarl.rollout.graphs import Launched
@@ -142,12 +142,35 @@ class EagerRunner(StepRunner):
 
 
 def _record_experts(layer_ids: list, sample_rows: torch.Tensor, plan: StepPlan, num_experts: int) -> None:
-    """Each MoE layer's (T, k) expert ids of the step -> every sampled sequence's (layers, k) of the row
-    its token came from, as small integers, under the index of that token in its response."""
-    ids = torch.stack(layer_ids, dim=1)[sample_rows]  # (S, layers, k) int32
-    ids = ids.cpu().numpy().astype(np.uint8 if ids_dtype(num_experts) == torch.uint8 else np.int16)
+    """Each MoE layer's (T, k) expert ids of the step, as small integers -> every sampled sequence's
+    (layers, k) of the row its token came from, under the index of that token in its response; and
+    the rows of prompt tokens 0 .. P - 2 a prefill chunk fed, into its sequence's ``prompt_experts``."""
+    dtype = np.uint8 if ids_dtype(num_experts) == torch.uint8 else np.int16
+    ids = torch.stack(layer_ids, dim=1)  # (T, layers, k) int32
+    rows = ids.cpu().numpy().astype(dtype) if not plan.decode else None  # a prefill: every row
+    picked = rows[sample_rows.cpu().numpy()] if rows is not None else ids[sample_rows].cpu().numpy().astype(dtype)
     for row, (seq, offset) in enumerate(zip(plan.sampled, plan.offsets)):
-        seq.experts[int(offset)] = ids[row]
+        seq.experts[int(offset)] = picked[row]  # (layers, k)
+    if rows is not None:
+        _record_prompt_experts(rows, plan)
+
+
+def _record_prompt_experts(rows: np.ndarray, plan: StepPlan) -> None:
+    """(T, layers, k) ids of a prefill step -> the prompt positions (but the last) of each chunk, in its
+    sequence's ``prompt_experts``: a chunk from position 0 starts a fresh array (a preempted sequence
+    prefilled again keeps its siblings' record apart), which the sequence's forks share."""
+    cu = plan.cu_seqlens_q
+    for i in range(plan.decoding, len(plan.seqs)):
+        seq, start, end = plan.seqs[i], int(cu[i]), int(cu[i + 1])
+        first, count = int(plan.positions[start]), len(seq.prompt) - 1  # positions first .. first + end - start - 1
+        take = min(end - start, count - first)
+        if take <= 0:
+            continue  # a chunk of response tokens (a preempted sequence's recompute): recorded when decoded
+        if first == 0 or seq.prompt_experts is None:
+            seq.prompt_experts = np.full((count, *rows.shape[1:]), unrecorded_mark(rows.dtype), dtype=rows.dtype)
+            for fork in seq.forks:
+                fork.prompt_experts = seq.prompt_experts
+        seq.prompt_experts[first:first + take] = rows[start:start + take]
 
 
 class GraphRunner(StepRunner):

@@ -72,6 +72,9 @@ class Sequence:
     forks: list["Sequence"] = field(default_factory=list)  # siblings waiting on this prefill
     finish: str | None = None
     experts: dict = field(default_factory=dict)  # MoE, recorded: response index -> (layers, k) expert ids
+    # MoE, recorded: (P - 1, layers, k) expert ids that routed prompt tokens 0 .. P - 2 (the prefill's;
+    # one array for a prefill group, a fresh one when a preempted sequence is prefilled again)
+    prompt_experts: np.ndarray | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -8,7 +8,7 @@ Every ``actor.router_replay_probe_every`` steps one more forward-only pass of th
 by the router's own choice: ``mismatch/no_replay/abs_mean``, ``mismatch/no_replay/abs_max`` and
 ``r3/no_replay/agreement`` are what the run would see without replay (there a layer's agreement
 also carries the differences routed in the layers before it). All of these are over recorded
-tokens (response tokens) with the weights that generated, the same on every rank.
+tokens (every prompt and response token but a sequence's last) with the weights that generated, the same on every rank.
 """
 from __future__ import annotations
 
