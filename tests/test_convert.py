@@ -148,8 +148,8 @@ def test_training_checkpoint_exports_like_the_live_model(lora_run, tmp_path):
     """convert.py on step_000001 (and on the run directory: its newest step) writes the bytes the
     trainer's own export of that step wrote (LoRA merged into W), and no critic or value head."""
     meta = json.load(open(lora_run / "checkpoints" / "step_000001" / "actor" / "megarl_model.json"))
-    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "targets": sorted(["linear_qkv", "linear_proj", "linear_fc1",
-                                                                         "linear_fc2"])}
+    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "experts": False,
+                            "targets": sorted(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])}
     assert json.load(open(lora_run / "checkpoints" / "step_000001" / "critic" / "megarl_model.json"))["value_head"]
     for ckpt, live in ((lora_run / "checkpoints" / "step_000001", lora_run / "exports" / "step_000001"),
                        (lora_run, lora_run / "hf")):

@@ -19,6 +19,8 @@ from dist_helpers import spawn
 class _Recorder:
     """Stands in for a role: records the micro-batch size of each forward it is asked for."""
 
+    replay = None  # no router replay (a dense model)
+
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
 

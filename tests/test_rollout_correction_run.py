@@ -22,7 +22,8 @@ import torch
 
 from test_trainer_runs import SMALL, metrics, ppo
 
-BASE = [*SMALL, "actor.mini_batch_size=16", "actor.kl_loss_coef=0", "trainer.export_hf=false", "trainer.save_last=false"]
+# 8 prompts x 4 samples: enough groups with mixed rewards that the uncorrected gradient is not 0
+BASE = [*SMALL, "rollout.n=4", "actor.mini_batch_size=32", "actor.kl_loss_coef=0", "trainer.export_hf=false", "trainer.save_last=false"]
 
 
 def test_shifted_rollout_logprobs_in_a_replayed_update(tmp_path):
