@@ -58,6 +58,11 @@ def _gather(param: torch.Tensor, groups: ParallelGroups, group=None, size=None) 
     return shards
 
 
+def tp_shards(param: torch.Tensor, rule, groups: ParallelGroups) -> list[torch.Tensor]:
+    """One parameter's shards over the TP group in rank order (a replicated one: itself alone)."""
+    return [param.detach()] if rule.kind == REPLICATED else _gather(param, groups)
+
+
 def merge_expert_shards(kind: str, names: tuple[str, ...], shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Expert-TP shards of one expert parameter (one EP rank's) -> its HF tensors."""
     if kind in (GROUPED_GATE_UP, GROUPED_DOWN):  # -> per expert, then as the one-expert kinds
@@ -125,7 +130,7 @@ def gather_hf_tensors(model: nn.Module, info: ModelInfo, groups: ParallelGroups,
     for name, rule in model_rules(model, info).items():
         if not rule.export or rule.kind in EXPERT_KINDS:  # experts: gather_expert_tensors
             continue
-        shards = [params[name].detach()] if rule.kind == REPLICATED else _gather(params[name], groups)
+        shards = tp_shards(params[name], rule, groups)
         if groups.tp_rank == 0:
             for hf_name, t in merge_shards(rule, shards, info).items():
                 out[hf_name] = t.to("cpu", dtype or t.dtype).clone()

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from megarl_kernels.bucket import bucket_layout, pack, unpack
 
-from megarl.models.exporter import _gather, merge_shards
+from megarl.models.exporter import merge_shards, tp_shards
 from megarl.models.loader import read_shard
-from megarl.models.weight_map import REPLICATED, model_rules
+from megarl.models.weight_map import model_rules
 from megarl.trainer.async_channel import BUCKET_TAG, HEADER_TAG, Outbox, recv_object, recv_tensor, send_object, \
     send_tensor
 
@@ -60,7 +60,7 @@ class WeightPusher:
         rules = model_rules(self.model, self.info)
         params = self.model.state_dict(keep_vars=True)
         for i, (name, rule) in enumerate(rules.items()):
-            shards = [params[name].detach()] if rule.kind == REPLICATED else _gather(params[name], self.groups)
+            shards = tp_shards(params[name], rule, self.groups)
             if self.sends:
                 pending.update(merge_shards(rule, shards, self.info))
                 last = i == len(rules) - 1
