@@ -110,9 +110,6 @@ def training_world(cfg: Config, world_size: int) -> int:
 
 
 _ASYNC_UNSUPPORTED = (  # (is set, key, why) for trainer.mode=async
-    (lambda c: c.parallel.pp > 1, "parallel.pp", "the weight push gathers one pipeline stage"),
-    (lambda c: c.parallel.ep > 1, "parallel.ep", "the weight push reshards dense layers only"),
-    (lambda c: c.actor.lora.rank > 0, "actor.lora.rank", "the weight push sends full weights"),
     (lambda c: c.rollout.engine != "native", "rollout.engine", "the rollout ranks run the native engine"),
     (lambda c: bool(c.reward.model.path), "reward.model.path", "rollout ranks score with rule rewards"),
     (lambda c: c.algorithm.dapo.dynamic_sampling, "algorithm.dapo.dynamic_sampling", "one batch per step"),
@@ -146,6 +143,7 @@ def check_async(cfg: Config, world_size: int, hf: dict) -> None:
     if heads % pl.rollout_tp or kv % pl.rollout_tp:
         raise ConfigError(f"placement.rollout_tp={pl.rollout_tp} must divide the attention heads ({heads}) and "
                           f"key/value heads ({kv})")
+    # dense data-parallel replicas: parallel.ep folds the same ranks again for the experts, each still its own batch
     train_dp = (world_size - pl.rollout_ranks) // max(1, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
     if pl.rollout_ranks // pl.rollout_tp != train_dp:
         raise ConfigError(f"placement: {pl.rollout_ranks // pl.rollout_tp} rollout replicas (rollout_ranks / "

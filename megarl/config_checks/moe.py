@@ -55,6 +55,11 @@ def check_moe_rollout(cfg: Config, hf: dict) -> None:
     megarl/rollout/moe_step.py); SGLang's weight stream sends every expert (gathered over EP)."""
     if moe_experts(hf) is None:
         return
+    if cfg.trainer.mode == "async":  # the rollout ranks' own copy generates (every expert, EP 1)
+        if cfg.placement.rollout_tp > 1:
+            raise ConfigError(f"placement.rollout_tp={cfg.placement.rollout_tp}: the native engine generates with "
+                              f"the mixture-of-experts model {cfg.model.path} at TP 1 only; set placement.rollout_tp=1")
+        return
     if cfg.rollout.engine == "native" and cfg.parallel.tp > 1:
         raise ConfigError(f"rollout.engine=native generates with the mixture-of-experts model {cfg.model.path} at "
                           f"parallel.tp=1 only (parallel.tp={cfg.parallel.tp}); set parallel.tp=1 and spread the "
@@ -72,6 +77,10 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
     if moe_experts(hf) is None:
         raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
                           "is dense: set actor.router_replay=none")
+    if cfg.parallel.tp > 1:  # reachable in trainer.mode=async (rollout TP is placement.rollout_tp)
+        raise ConfigError(f"actor.router_replay={a.router_replay} lays the recorded experts out for parallel.tp=1 "
+                          f"(parallel.tp={cfg.parallel.tp}); set parallel.tp=1 (spread the experts with "
+                          "parallel.ep) or actor.router_replay=none")
     for key, on, why in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, "appended tool and user tokens"),
                          ("rollout.server.enable", cfg.rollout.server.enable, "appended tool and user tokens"),
                          ("rollout.partial", cfg.rollout.partial, "responses resumed across steps")):

@@ -210,6 +210,18 @@ def adapters_off(module: torch.nn.Module):
             m.lora_enabled = enabled
 
 
+def merged_weight(linear) -> torch.Tensor:
+    """An adapted linear's W + s B A (this rank's shard), computed in fp32 and rounded to W's dtype: the
+    weight an export writes (:class:`merged_lora`) and the asynchronous weight push sends."""
+    delta = linear.lora_scale * (linear.lora_b.detach().float() @ linear.lora_a.detach().float())
+    return (linear.weight.detach().float() + delta).to(linear.weight.dtype)
+
+
+def adapted_weights(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{weight name in module.state_dict(): its linear}`` for every linear carrying adapters."""
+    return {f"{name}.weight": m for name, m in module.named_modules() if hasattr(m, "lora_enabled")}
+
+
 class merged_lora:
     """Context: the base weights hold W + s B A (rounded to their dtype), restored bitwise on exit.
 
@@ -224,8 +236,7 @@ class merged_lora:
         with torch.no_grad():
             for m in self.linears:
                 self.saved.append((m.weight.detach().to("cpu", copy=True), m.lora_enabled))
-                delta = m.lora_scale * (m.lora_b.float() @ m.lora_a.float())
-                m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+                m.weight.copy_(merged_weight(m))
                 m.lora_enabled = False
         return self
 

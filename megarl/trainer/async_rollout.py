@@ -35,13 +35,16 @@ from megarl.trainer.dapo import score_and_shape
 from megarl.trainer.ppo import rollout_seed, sampling_params
 from megarl.trainer.rollout import generate_rollout
 from megarl.trainer.scoring import build_reward
-from megarl.trainer.weight_push import WeightReceiver
+from megarl.trainer.weight_push import WeightReceiver, push_sources
 
 
 def rollout_config(cfg: Config) -> Config:
-    """The config the rollout ranks build their policy copy with: TP placement.rollout_tp, no PP / CP."""
-    p = dataclasses.replace(cfg.parallel, tp=cfg.placement.rollout_tp, pp=1, cp=1, sequence_parallel=False)
-    return dataclasses.replace(cfg, parallel=p)
+    """The config the rollout ranks build their policy copy with: TP placement.rollout_tp, no PP / CP / EP
+    (every expert on each rollout rank), no LoRA adapters (the push sends W + s B A merged)."""
+    p = dataclasses.replace(cfg.parallel, tp=cfg.placement.rollout_tp, pp=1, cp=1, ep=1, etp=None,
+                            sequence_parallel=False)
+    actor = dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora, rank=0))
+    return dataclasses.replace(cfg, parallel=p, actor=actor)
 
 
 def lag_bound(cfg: Config) -> int:
@@ -70,10 +73,9 @@ class RolloutWorker:
         self.device = device()
         ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
         self.targets = [r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank]
-        source = next(r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == 0 and r["tp_rank"] == 0)
-        self.weights = WeightReceiver(module, info, g, placement, source)
-        self.starter = next(r for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank
-                            and r["tp_rank"] == 0)["rank"]  # sends this replica its first step and sampler
+        self.weights = WeightReceiver(module, info, g, placement, push_sources(ranks))
+        self.starter = next(r for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank and r["tp_rank"]
+                            == r["pp_rank"] == r["cp_rank"] == 0)["rank"]  # sends this replica its first step and sampler
         self.sends = g.tp_rank == 0  # one rank of a rollout replica sends its batches
         self.in_flight: list[tuple[int, Outbox]] = []  # (step, its sends) not yet known to be taken
 

@@ -21,7 +21,8 @@ class TrainingEnd:
 
     def __init__(self, cfg: Config, placement: Placement, actor, groups):
         self.cfg, self.placement, self.groups = cfg, placement, groups
-        ranks = placement.directory({"dp_rank": groups.dp_rank, "tp_rank": groups.tp_rank})
+        ranks = placement.directory({"dp_rank": groups.dp_rank, "tp_rank": groups.tp_rank, "pp_rank": groups.pp_rank,
+                                     "cp_rank": groups.cp_rank})
         replica = [r for r in ranks if r["role"] == "rollout" and r["dp_rank"] == groups.dp_rank]
         self.replica = [r["rank"] for r in replica]  # the rollout ranks that generate this rank's prompts
         self.source = next(r["rank"] for r in replica if r["tp_rank"] == 0)  # the one that sends batches
@@ -31,7 +32,7 @@ class TrainingEnd:
 
     def start(self, step: int, sampler_state: dict) -> None:
         """Where the rollout replica begins, then the weights of version ``step``."""
-        if self.groups.tp_rank == 0:
+        if self.groups.tp_rank == self.groups.pp_rank == self.groups.cp_rank == 0:  # one rank per replica
             for dst in self.replica:
                 send_object(self.placement.objects, {"step": step, "sampler": sampler_state}, dst, START_TAG,
                             self.outbox)
