@@ -34,13 +34,70 @@ def _ppo(world: int, *overrides):
             "data-parallel replicas; change placement.rollout_ranks, placement.rollout_tp or parallel.tp"),
     (2, ["async.max_staleness=-1"], "config error: async.max_staleness=-1 must be >= 0, async.queue_size=2 >= 1 "
                                     "and async.bucket_mb=64.0 > 0"),
-    (2, ["parallel.pp=2"], "config error: parallel.pp is not supported with trainer.mode=async (the weight push "
-                           "gathers one pipeline stage); unset it or use trainer.mode=sync"),
+    (2, ["rollout.partial=true"], "config error: rollout.partial is not supported with trainer.mode=async (the "
+                                  "rollout ranks generate whole batches); unset it or use trainer.mode=sync"),
+    (4, ["parallel.pp=2", "placement.rollout_ranks=2"], "config error: placement: 2 rollout replicas (rollout_ranks / "
+     "rollout_tp) must equal the 1 training data-parallel replicas; change placement.rollout_ranks, "
+     "placement.rollout_tp or parallel.tp"),
 ])
 def test_bad_placement_one_line_exit_2(world, overrides, message):
     p = _ppo(world, *overrides)
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.splitlines() == [message]
+
+
+def _validate(config: str, world: int, *overrides) -> str:
+    from megarl.cli import load_config
+    from megarl.config import Config
+    from megarl.config_checks import validate
+    from megarl.errors import ConfigError
+
+    cfg = load_config([str(ROOT / "yaml" / config), *overrides], Config)
+    try:
+        validate(cfg, world)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+MOE_ASYNC = ("trainer.mode=async", "placement.rollout_ranks=2")  # yaml/tiny_moe.yaml is EP2: dense DP 2
+
+
+@pytest.mark.parametrize("config, world, overrides", [
+    ("tiny_async.yaml", 3, ["parallel.pp=2"]),
+    ("tiny_async.yaml", 2, ["actor.lora.rank=4"]),
+    ("tiny_moe.yaml", 4, [*MOE_ASYNC]),  # EP2 and actor.router_replay=r3
+    ("tiny_moe.yaml", 6, [*MOE_ASYNC, "parallel.pp=2", "actor.lora.rank=4", "actor.lora.experts=true"]),
+])
+def test_async_training_layouts_accepted(config, world, overrides):
+    """PP, EP (with router replay) and LoRA on the training ranks: the weight push gathers them."""
+    assert _validate(config, world, *overrides) == "no error"
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (3, ["placement.rollout_ranks=1"], "placement: 1 rollout replicas (rollout_ranks / rollout_tp) must equal the 2 "
+     "training data-parallel replicas; change placement.rollout_ranks, placement.rollout_tp or parallel.tp"),
+    (3, ["parallel.ep=1", "placement.rollout_tp=2"], "placement.rollout_tp=2: the native engine generates with the "
+     "mixture-of-experts model megarl/assets/tiny_moe/sft at TP 1 only; set placement.rollout_tp=1"),
+])
+def test_async_moe_refusals(world, overrides, message):
+    """The rule "rollout replicas == training data-parallel replicas" counts dense DP replicas (EP2 over 2
+    training ranks is still 2 of them); the rollout copy of an MoE model generates at TP 1."""
+    assert _validate("tiny_moe.yaml", world, *MOE_ASYNC, *overrides) == message
+
+
+def test_router_replay_at_tp2_refused():
+    """Reachable in async mode on GPUs (MoE training at TP needs sequence parallelism and transformer-engine):
+    the replay lays tokens out for TP 1."""
+    from megarl.config import Config
+    from megarl.config_checks.moe import check_router_replay
+    from megarl.errors import ConfigError
+
+    cfg = Config()
+    cfg.trainer.mode, cfg.parallel.tp, cfg.actor.router_replay = "async", 2, "r3"
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
+    with pytest.raises(ConfigError, match=r"^actor.router_replay=r3 lays the recorded experts out for parallel.tp=1"):
+        check_router_replay(cfg, hf)
 
 
 def test_async_key_spelling():
