@@ -74,8 +74,8 @@ class RolloutWorker:
         ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
         self.targets = [r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank]
         self.weights = WeightReceiver(module, info, g, placement, push_sources(ranks))
-        self.starter = next(r for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank and r["tp_rank"]
-                            == r["pp_rank"] == r["cp_rank"] == 0)["rank"]  # sends this replica its first step and sampler
+        self.starter = next(r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank
+                            and r["tp_rank"] == r["pp_rank"] == r["cp_rank"] == 0)  # sends the first step, sampler
         self.sends = g.tp_rank == 0  # one rank of a rollout replica sends its batches
         self.in_flight: list[tuple[int, Outbox]] = []  # (step, its sends) not yet known to be taken
 
