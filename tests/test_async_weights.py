@@ -2,12 +2,13 @@
 
 Ranks: the last ``rollout_tp`` generate (one rollout replica, EP 1, no PP) and the others train at
 the layout under test: TP1, TP2, PP2 (two senders, one per stage, each its own stage's buckets),
-EP2 (each rank 2 of the 4 routed experts; the push gathers the others over EP), TP2 x expert-TP2
+EP2 (each rank 2 of the 4 routed experts; the push gathers the others over EP; also megatron-core's
+GroupedMLP in bf16, all local experts in one tensor, received by a bf16 SequentialMLP copy), TP2 x expert-TP2
 (each expert's FFN split over 2 ranks), LoRA on TP2 and LoRA on the experts of EP2 (the rollout copy
 has no adapters: it must receive W + s B A). The training ranks perturb their loaded weights (and the
 adapters, so B A is not 0), so the rollout's own copy, loaded from the same checkpoint, differs
 before the push (asserted); they push in small buckets (several per push, so bucket boundaries fall
-between parameters and a grouped parameter's tensors may span two), and send, from each stage's
+between parameters), and send, from each stage's
 writer, the Hugging Face tensors the exporter gathers (``gather_hf_tensors`` + ``gather_expert_tensors``
 inside ``merged_lora``, the way ``export_hf`` writes a LoRA actor) to the rollout rank separately. The
 rollout rank's own gathered tensors after the push must equal the union of those bitwise, with the
@@ -17,7 +18,7 @@ shard cut for its layout) and the merge is the exporter's own function. Qwen2 (Q
 embeddings: at PP2 the last stage's copy is not sent), Llama (untied head), Qwen2-MoE (shared expert
 and its gate, tied embeddings), Qwen3-MoE (QK norm); vocab 301 (padded differently at TP1 and TP2).
 
-Not covered: GPUs (buckets over NCCL), bf16 (GroupedMLP), several rollout replicas.
+Not covered: GPUs (buckets over NCCL), several rollout replicas.
 """
 import pytest
 import torch
@@ -42,17 +43,24 @@ def _build(path, layout: dict, is_rollout: bool, rollout_tp: int):
 
     from megarl.config import Config
     from megarl.distributed import build_parallel_groups
+    from megarl.models import ModelOptions, build_gpt_model, load_hf_checkpoint, read_hf_config
     from megarl.models.lora import LoraOptions, apply_lora
     from megarl.roles.build import build_module
 
     cfg = Config()
+    cfg.model.dtype = "bfloat16" if layout.get("grouped") else "float32"
     if is_rollout:
         groups = build_parallel_groups(rollout_tp)
     else:
         groups = build_parallel_groups(layout.get("tp", 1), layout.get("pp", 1), 1, layout.get("ep", 1),
                                        layout.get("etp"))
     model_parallel_cuda_manual_seed(0)
-    module, info = build_module(path, cfg, groups)
+    if layout.get("grouped") and not is_rollout:  # GroupedMLP (the CUDA bf16 path; on CPU in bf16 too)
+        info = read_hf_config(path)
+        module = build_gpt_model(info, groups, ModelOptions(params_dtype="bf16", moe_experts="grouped"))
+        load_hf_checkpoint(module, path, info, groups)
+    else:
+        module, info = build_module(path, cfg, groups)
     if layout.get("lora") and not is_rollout:
         apply_lora(module, LoraOptions(**LORA, experts=layout["lora"] == "experts"))
     return module, info, groups
@@ -121,6 +129,7 @@ CASES = {  # name -> (architecture, training layout, rollout TP)
     "llama_to_tp2": ("LlamaForCausalLM", {}, 2),
     "qwen2_pp2": ("Qwen2ForCausalLM", {"pp": 2}, 1),
     "qwen2moe_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1}, 1),
+    "qwen2moe_grouped_bf16_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": True}, 1),
     "qwen3moe_tp2_etp2": ("Qwen3MoeForCausalLM", {"tp": 2, "etp": 2}, 1),
     "llama_lora_tp2": ("LlamaForCausalLM", {"tp": 2, "lora": "dense"}, 1),
     "qwen2moe_lora_experts_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "lora": "experts"}, 1),
