@@ -6,9 +6,8 @@
    ``rollout/kv_cache_gb`` (a PP1 copy caches K/V of every layer, a sync PP2 stage of half of them).
 2. The tiny MoE (4 layers, 8 experts, top-2; yaml/tiny_moe.yaml) at EP2 on 2 training ranks (dense DP 2,
    so 2 rollout replicas of 1 rank, each holding all 8 experts at EP1), and at PP2 (2 layers a stage,
-   1 rollout rank), with ``actor.router_replay=r3``
-   and ``max_staleness=0``: the rollout ranks record each token's experts (every layer), the training ranks replay
-   them. The rollout copy holds the trainer's weights bitwise, so in fp32 the training routers agree
+   1 rollout rank), with ``actor.router_replay=r3`` and ``max_staleness=0``: the rollout ranks record
+   each token's experts (every layer), the training ranks replay them. The rollout copy holds the trainer's weights bitwise, so in fp32 the training routers agree
    with every recorded choice, replayed or probed without replay (r3/agreement = r3/no_replay/agreement
    = 1.0 on every layer) and the rollout log-probs differ from the training forward's by fp32 rounding
    only. Against synchronous EP2 training: the same tokens, scores and losses bitwise; only the
