@@ -3,7 +3,9 @@
 Ranks: the last ``rollout_tp`` generate (one rollout replica, EP 1, no PP) and the others train at
 the layout under test: TP1, TP2, PP2 (two senders, one per stage, each its own stage's buckets),
 EP2 (each rank 2 of the 4 routed experts; the push gathers the others over EP; also megatron-core's
-GroupedMLP in bf16, all local experts in one tensor, received by a bf16 SequentialMLP copy), TP2 x expert-TP2
+GroupedMLP in bf16, all local experts in one tensor, received by a bf16 SequentialMLP copy, and the
+reverse: a grouped rollout parameter needs every expert of its layer, which the trainer's per-expert
+parameters bring over several buckets: the receiver holds them until all have come), TP2 x expert-TP2
 (each expert's FFN split over 2 ranks), LoRA on TP2 and LoRA on the experts of EP2 (the rollout copy
 has no adapters: it must receive W + s B A). The training ranks perturb their loaded weights (and the
 adapters, so B A is not 0), so the rollout's own copy, loaded from the same checkpoint, differs
@@ -55,9 +57,11 @@ def _build(path, layout: dict, is_rollout: bool, rollout_tp: int):
         groups = build_parallel_groups(layout.get("tp", 1), layout.get("pp", 1), 1, layout.get("ep", 1),
                                        layout.get("etp"))
     model_parallel_cuda_manual_seed(0)
-    if layout.get("grouped") and not is_rollout:  # GroupedMLP (the CUDA bf16 path; on CPU in bf16 too)
+    experts = layout.get("grouped")  # "train" / "rollout": that side's experts as GroupedMLP (CUDA's bf16 path)
+    if experts:
         info = read_hf_config(path)
-        module = build_gpt_model(info, groups, ModelOptions(params_dtype="bf16", moe_experts="grouped"))
+        kind = "grouped" if (experts == "rollout") == is_rollout else "sequential"
+        module = build_gpt_model(info, groups, ModelOptions(params_dtype="bf16", moe_experts=kind))
         load_hf_checkpoint(module, path, info, groups)
     else:
         module, info = build_module(path, cfg, groups)
@@ -129,7 +133,8 @@ CASES = {  # name -> (architecture, training layout, rollout TP)
     "llama_to_tp2": ("LlamaForCausalLM", {}, 2),
     "qwen2_pp2": ("Qwen2ForCausalLM", {"pp": 2}, 1),
     "qwen2moe_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1}, 1),
-    "qwen2moe_grouped_bf16_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": True}, 1),
+    "qwen2moe_grouped_bf16_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": "train"}, 1),
+    "qwen2moe_bf16_ep2_to_grouped": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": "rollout"}, 1),
     "qwen3moe_tp2_etp2": ("Qwen3MoeForCausalLM", {"tp": 2, "etp": 2}, 1),
     "llama_lora_tp2": ("LlamaForCausalLM", {"tp": 2, "lora": "dense"}, 1),
     "qwen2moe_lora_experts_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "lora": "experts"}, 1),
