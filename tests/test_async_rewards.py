@@ -99,3 +99,19 @@ def test_dynamic_sampling_on_two_replicas_equals_sync(tmp_path):
     _same_batches(tmp_path / "d1", tmp_path / "d2", (1, 2, 3), dp=2)
     state = [json.load(open(run / "checkpoints" / "step_000003" / "state.json"))["sampler"] for run in (sync, asyn)]
     assert state[0] == state[1]
+
+
+def test_dynamic_sampling_resume_equals_uninterrupted(tmp_path):
+    """Dynamic sampling on 1 rollout + 1 training rank, max_staleness=0: 2 steps, then resumed to 4,
+    equal 4 straight steps bitwise (steps 3-4). The resumed rollout rank starts from the sampler state
+    in the start message (the checkpoint's, which the trainer took from the batches), so it must
+    know the extra rounds' prompts of steps 1-2 (some step there took more than one round)."""
+    args = [*DAPO_SMALL, *ASYNC, "placement.rollout_ranks=1", "trainer.save_every=2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    ppo("yaml/tiny_dapo.yaml", straight, *args, steps=4)
+    ppo("yaml/tiny_dapo.yaml", resumed, *args, steps=2)
+    assert "resumed from step 2" in ppo("yaml/tiny_dapo.yaml", resumed, *args, steps=4)
+    a, b = metrics(straight), metrics(resumed)
+    assert a[1]["dapo/rounds"] + a[2]["dapo/rounds"] > 2
+    for step in (3, 4):
+        assert _comparable(a[step]) == _comparable(b[step]), step

@@ -34,6 +34,7 @@ rollout ranks at the right prompt).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 from types import SimpleNamespace
 
@@ -129,7 +130,7 @@ class RolloutWorker:
         """Batch ``step``: generated with weights ``version``, scored and shaped (dynamic sampling: by rounds)."""
         cfg, g = self.cfg, self.groups
         seed, step_metrics = rollout_seed(cfg, step, g.dp_rank), {}
-        sample = lambda prompts, seed: self._sample(prompts, seed, version)  # noqa: E731
+        sample = functools.partial(self._sample, version=version)  # (prompts, seed) -> Rollout
         if cfg.algorithm.dapo.dynamic_sampling:
             dp = g.dp if g.dp_size > 1 else None
             rollout, step_metrics = sample_until_full(cfg, self.reward, lambda: self.sampler.next_batch(self.train_set),
