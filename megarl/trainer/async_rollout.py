@@ -20,9 +20,10 @@ model (``reward.model.path``) is built beside the policy copy at the rollout lay
 batch right after the engine released its memory, like the synchronous step. Three reasons: DAPO's
 dynamic sampling must know the scores to decide whether to generate another round, and rounds are
 generated here; ReMax's greedy baseline is a generation too; and the training ranks keep their
-device and their step for the update while the queue carries (B,) scores. The price is a second
-copy of the reward model's weights when the training ranks also hold one (they do not: in async
-mode only the rollout ranks build it).
+device memory and their time for the update while the queue carries (B,) scores. Only the rollout
+ranks build the reward model in async mode (the training ranks hold no copy). Its out-of-memory
+retries are agreed within one rollout replica (:class:`~megarl.roles.value.RewardModel`), so a
+replica that is already full in a dynamic-sampling round need not score alongside the others.
 
 Dynamic sampling (``algorithm.dapo.dynamic_sampling``) runs the synchronous rounds
 (:func:`megarl.trainer.dapo.sample_until_full`: the same seeds, cap and counts); the rollout
