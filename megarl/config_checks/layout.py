@@ -111,9 +111,6 @@ def training_world(cfg: Config, world_size: int) -> int:
 
 _ASYNC_UNSUPPORTED = (  # (is set, key, why) for trainer.mode=async
     (lambda c: c.rollout.engine != "native", "rollout.engine", "the rollout ranks run the native engine"),
-    (lambda c: bool(c.reward.model.path), "reward.model.path", "rollout ranks score with rule rewards"),
-    (lambda c: c.algorithm.dapo.dynamic_sampling, "algorithm.dapo.dynamic_sampling", "one batch per step"),
-    (lambda c: c.algorithm.advantage == "remax", "algorithm.advantage=remax", "no greedy baseline pass"),
     (lambda c: c.rollout.partial, "rollout.partial", "the rollout ranks generate whole batches"),
     (lambda c: bool(c.trainer.replay_rollouts) or c.trainer.rollout_only, "trainer.replay_rollouts / rollout_only",
      "each half already runs alone"),
