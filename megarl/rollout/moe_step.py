@@ -25,6 +25,19 @@ ranks must therefore run their MoE layers in lockstep: :class:`EpStep` agrees on
 per step, and a rank with nothing left runs idle steps (no rows of its own, its experts still
 serve the others) until the whole group is done. These collectives are not captured in CUDA
 graphs: with EP > 1 the engine runs eagerly.
+
+Tensor parallelism (TP > 1). Every rank of a TP group holds the same rows after attention, so its
+router picks the same experts. The experts' FFN is split over the expert-tensor group (ETP, by
+default = TP: the same ranks, megatron-core numbering both axes from the stage's first rank): each
+rank's ``w13`` (E_local, 2F/etp, h) / ``w2`` (E_local, h, F/etp) give a partial sum, completed by an
+all-reduce over ETP (:class:`MoeSums`). The shared expert is a dense MLP split over TP (fc1 by
+columns, fc2 by rows, its gate replicated): its output is a partial sum over TP; where ETP = TP one
+all-reduce completes routed + shared. ETP must divide TP (its ranks then lie in one TP group and hold
+the same rows); megarl/config_checks/moe.py refuses other layouts. An EP group may hold TP peers
+(ETP < TP: TP2 x EP2 x ETP1 on 2 ranks has EP = TP): their rows arrive once per peer in the gather,
+and only the first peer's copy (``EpStep.slot``) is routed to experts, so each row counts once. A TP
+group's ranks are always in the same state (same scheduler, same steps), so a TP group that is done
+runs its idle steps together and the idle steps need only the EP exchange.
 """
 from __future__ import annotations
 
@@ -131,12 +144,66 @@ def shared_expert(h: torch.Tensor, mw: MoeWeights) -> torch.Tensor:
     return out
 
 
-class EpStep:
-    """The EP group's exchange of one step: the agreed row count, then per layer gather / reduce."""
+@dataclass(frozen=True)
+class MoeSums:
+    """The all-reduces that complete an MoE layer's output at this layout (None: nothing to sum)."""
 
-    def __init__(self, group, size: int, rank: int, num_experts: int):
+    routed: Optional[dist.ProcessGroup]  # the expert-tensor group (etp > 1): the experts' F-shard partials
+    shared: Optional[dist.ProcessGroup]  # the TP group (tp > 1): the shared expert's partial
+
+    def complete(self, routed: torch.Tensor, shared: Optional[torch.Tensor]) -> torch.Tensor:
+        """(T, h) partials -> (T, h) the layer's output: routed + shared, each summed over its group."""
+        if shared is not None and self.routed is self.shared:  # ETP = TP (or both 1): one all-reduce
+            out = routed + shared
+            if self.routed is not None:
+                dist.all_reduce(out, group=self.routed)
+            return out
+        if self.routed is not None:
+            dist.all_reduce(routed, group=self.routed)
+        if shared is None:
+            return routed
+        if self.shared is not None:
+            dist.all_reduce(shared, group=self.shared)
+        return routed + shared
+
+
+def moe_sums(groups) -> MoeSums:
+    """The :class:`MoeSums` of ``groups``; raises unless the expert-tensor group lies in the TP group."""
+    tp = groups.tp if groups.tp_size > 1 else None
+    if groups.etp_size == 1:
+        return MoeSums(None, tp)
+    etp_ranks, tp_ranks = dist.get_process_group_ranks(groups.etp), dist.get_process_group_ranks(groups.tp)
+    if etp_ranks == tp_ranks:
+        return MoeSums(tp, tp)
+    if not set(etp_ranks) <= set(tp_ranks):
+        raise ValueError(f"the rollout engine splits experts over expert-tensor ranks {etp_ranks}, which must lie in "
+                         f"the TP group {tp_ranks}: parallel.etp={groups.etp_size} must divide "
+                         f"parallel.tp={groups.tp_size}")
+    return MoeSums(groups.etp, tp)
+
+
+def rows_slot(groups) -> int:
+    """The EP slot whose rows this rank's experts compute for its TP group: the first EP rank that is a TP
+    peer of this one (itself, unless the EP group holds TP peers)."""
+    tp_ranks = set(dist.get_process_group_ranks(groups.tp))
+    return next(i for i, r in enumerate(dist.get_process_group_ranks(groups.ep)) if r in tp_ranks)
+
+
+class EpStep:
+    """The EP group's exchange of one step: the agreed row count, then per layer gather / reduce.
+    ``slot``: the EP rank whose copy of this rank's rows is computed (`rows_slot`; ``rank`` if alone)."""
+
+    def __init__(self, group, size: int, rank: int, num_experts: int, slot: Optional[int] = None):
         self.group, self.size, self.rank, self.num_experts = group, size, rank, num_experts
+        self.slot = rank if slot is None else slot
         self.rows = 0  # the group's largest row count this step
+
+    @classmethod
+    def of(cls, groups, num_experts: int) -> Optional["EpStep"]:
+        """The lockstep of ``groups``' EP group (None at EP 1)."""
+        if groups.ep_size == 1:
+            return None
+        return cls(groups.ep, groups.ep_size, groups.ep_rank, num_experts, rows_slot(groups))
 
     def agree(self, rows: int, device) -> int:
         """Every rank's row count in -> the largest (0: every rank is done)."""
@@ -151,7 +218,8 @@ class EpStep:
         rows = h.new_zeros(n, h.shape[1])
         rows[:t] = h
         routing = torch.full((n, 2 * mw.topk), float(self.num_experts), dtype=torch.float32, device=h.device)
-        routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
+        if self.slot == self.rank:  # a TP peer's copy (slot elsewhere) goes to no expert: counted once
+            routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
         all_rows = h.new_empty(self.size * n, h.shape[1])
         all_routing = routing.new_empty(self.size * n, 2 * mw.topk)
         dist.all_gather_into_tensor(all_rows, rows, group=self.group)
@@ -159,21 +227,22 @@ class EpStep:
         share = fused_moe_local(all_rows, mw.w13, mw.w2, all_routing[:, :mw.topk].contiguous(),
                                 all_routing[:, mw.topk:].to(torch.int32), mw.first_expert)  # (size * n, h)
         dist.all_reduce(share, group=self.group)
-        return share[self.rank * n:self.rank * n + t]
+        return share[self.slot * n:self.slot * n + t]  # (T, h): a partial over ETP when etp > 1
 
 
-def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None) -> torch.Tensor:
-    """(T, h) -> (T, h): routed experts (+ the shared expert). ``record`` collects the (T, k) ids."""
+def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None,
+            sums: MoeSums = MoeSums(None, None)) -> torch.Tensor:
+    """(T, h) -> (T, h): routed experts (+ the shared expert), partials summed by ``sums``. ``record``
+    collects the (T, k) ids."""
     weights, ids = route(h, mw)
     if record is not None:
         record.append(ids)
     if ep is None:
-        out = fused_moe_local(h, mw.w13, mw.w2, weights, ids, mw.first_expert)
+        routed = fused_moe_local(h, mw.w13, mw.w2, weights, ids, mw.first_expert)
     else:
-        out = ep.experts(h, weights, ids, mw)
-    if mw.shared_fc1 is not None:
-        out = out + shared_expert(h, mw)
-    return out
+        routed = ep.experts(h, weights, ids, mw)
+    shared = shared_expert(h, mw) if mw.shared_fc1 is not None else None
+    return sums.complete(routed, shared)
 
 
 def idle_layer(mw: MoeWeights, ep: EpStep, hidden: int, dtype, device) -> None:

@@ -1,0 +1,135 @@
+"""The native engine generates with mixtures of experts under tensor parallelism.
+
+Tiny random fp32 Qwen3-MoE, Mixtral and Qwen2-MoE checkpoints (4 experts, top-2, megarl/models/tiny.py,
+the ones tests/test_rollout_moe.py builds) are loaded into the actor at
+- tp2 (2 processes): attention over TP2; every expert on both ranks, its FFN split over expert-TP 2
+  (= the TP group), the routed and shared experts' partial sums all-reduced once over TP;
+- tp2ep2etp1 (2 processes): 2 whole experts a rank, the EP group = the TP group: both ranks hold the
+  same rows, only the first one's copy is routed (``EpStep.slot``), the shared expert reduced over TP;
+- tp2ep2 (4 processes, Qwen3-MoE): TP groups {0, 1}, {2, 3} (the DP ranks), EP groups {0, 2}, {1, 3},
+  expert-TP groups = the TP groups: rows gathered over EP, partials summed over EP, then over TP. DP rank 1
+  gets shorter prompts than DP rank 0, so ranks 2 and 3 run out of work first and serve ranks 0 and 1's
+  rows with their experts (idle steps, EP collectives only) while 0 and 1 keep their TP collectives;
+- tp2ep4etp1 (4 processes, Qwen3-MoE): one expert a rank, the EP group all four ranks, which hold two
+  row sets: slots 1 and 3 are TP copies of slots 0 and 2, routed nowhere.
+Each DP rank generates its prompts; greedy responses must equal ``transformers`` ``generate`` on each
+prompt alone, token for token; sampled responses' engine log-probs must equal the actor's training
+forward (eval mode: megatron-core trains MoE under TP only with sequence parallelism) over the same tokens
+(fp32, 1e-5); the expert ids the engine records (R3) must equal those ``transformers``' router picks and
+those the TP1 engine recorded for the same prompts (tp1, 2 processes, DP2), and the sampled tokens equal TP1's.
+Not covered: bf16, the GroupedMLP layout (CUDA bf16), CUDA graphs, pipeline parallelism with TP.
+"""
+import pytest
+import torch
+
+from dist_helpers import spawn
+from test_rollout_moe import ARCHS, MAX_NEW, PROMPTS, hf_experts
+
+LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "tp2ep2etp1": (2, 2, 1),  # (tp, ep, etp)
+           "tp2ep2": (2, 2, None), "tp2ep4etp1": (2, 4, 1)}
+
+
+def _actor(ckpt, tp, ep, etp):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups
+    from megarl.roles.build import build_actor
+
+    groups = build_parallel_groups(tp=tp, pp=1, ep=ep, etp=etp)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path = ckpt
+    cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.etp = tp, ep, etp
+    return build_actor(cfg, groups, optimizer_steps=1), groups
+
+
+def _job(rank, ckpts, layouts):
+    from megarl.distributed import init_distributed
+    from megarl.rollout.engine import SamplingParams, sample_requests
+    from megarl.rollout.native import EngineOptions, NativeEngine
+    from megarl.trainer.rollout import to_sample_batch
+
+    init_distributed()
+    out = {}
+    for name in layouts:
+        for arch, ckpt in ckpts.items():
+            actor, groups = _actor(ckpt, *LAYOUTS[name])
+            options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001,
+                                    record_experts=True)
+            engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)
+            dp = groups.dp_rank
+            prompts = PROMPTS[dp]
+            greedy = engine.generate(sample_requests(prompts, 1, 0, MAX_NEW[dp]), SamplingParams(temperature=0.0))
+            sampled = engine.generate(sample_requests(prompts, 2, 100, MAX_NEW[dp]), SamplingParams(temperature=0.8))
+            batch = to_sample_batch(sampled, 0, "cpu")
+            train = actor.logprobs(batch, micro_batch_size=4, temperature=0.8)["logprobs"]
+            diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
+            out[(name, arch)] = {"dp": dp, "greedy": [r.response_ids for r in greedy], "diff": float(diff),
+                                 "sampled": [r.response_ids for r in sampled],
+                                 "experts": [r.expert_ids.tolist() for r in greedy],
+                                 "prompt_experts": [r.prompt_expert_ids.tolist() for r in greedy]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hf_moe_rollout_tp")
+    dirs, want, routed = {}, {}, {}
+    for i, arch in enumerate(ARCHS):
+        dirs[arch] = str(root / arch)
+        model = make_tiny_checkpoint(dirs[arch], arch, seed=40 + i)
+        with torch.no_grad():
+            want[arch] = {dp: [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW[dp], do_sample=False,
+                                              pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+                               for p in prompts] for dp, prompts in PROMPTS.items()}
+            routed[arch] = {dp: [hf_experts(model, p, r).tolist() for p, r in zip(PROMPTS[dp], want[arch][dp])]
+                            for dp in PROMPTS}
+    return dirs, want, routed
+
+
+@pytest.fixture(scope="module")
+def runs(ckpts):
+    """(layout, arch) -> per rank results."""
+    two = spawn(_job, 2, ckpts[0], ["tp1", "tp2", "tp2ep2etp1"])
+    qwen3 = {"Qwen3MoeForCausalLM": ckpts[0]["Qwen3MoeForCausalLM"]}
+    four = spawn(_job, 4, qwen3, ["tp2ep2", "tp2ep4etp1"])
+    return {key: [r[key] for r in ranks] for ranks in (two, four) for key in ranks[0]}
+
+
+CASES = [(name, arch) for name in ("tp2", "tp2ep2etp1") for arch in ARCHS]
+CASES += [(name, "Qwen3MoeForCausalLM") for name in ("tp2ep2", "tp2ep4etp1")]
+
+
+def _tp1(runs, arch, dp):
+    return next(r for r in runs[("tp1", arch)] if r["dp"] == dp)
+
+
+@pytest.mark.parametrize("layout, arch", CASES)
+def test_greedy_matches_transformers(runs, ckpts, layout, arch):
+    for r in runs[(layout, arch)]:
+        assert r["greedy"] == ckpts[1][arch][r["dp"]]
+
+
+@pytest.mark.parametrize("layout, arch", CASES)
+def test_rollout_logprobs_match_training(runs, layout, arch):
+    for r in runs[(layout, arch)]:
+        assert r["diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("layout, arch", CASES)
+def test_recorded_experts_match_tp1_and_transformers(runs, ckpts, layout, arch):
+    for r in runs[(layout, arch)]:
+        tp1, prompts = _tp1(runs, arch, r["dp"]), PROMPTS[r["dp"]]
+        assert r["experts"] == tp1["experts"] and r["prompt_experts"] == tp1["prompt_experts"]
+        want = ckpts[2][arch][r["dp"]]  # (P + R - 1, layers, k) a prompt
+        assert r["prompt_experts"] == [w[:len(p) - 1] for p, w in zip(prompts, want)]
+        assert r["experts"] == [w[len(p) - 1:] for p, w in zip(prompts, want)]
+
+
+@pytest.mark.parametrize("layout, arch", CASES)
+def test_samples_as_tp1(runs, layout, arch):
+    for r in runs[(layout, arch)]:
+        assert r["sampled"] == _tp1(runs, arch, r["dp"])["sampled"]
