@@ -17,6 +17,7 @@ prompt alone, token for token; sampled responses' engine log-probs must equal th
 forward (eval mode: megatron-core trains MoE under TP only with sequence parallelism) over the same tokens
 (fp32, 1e-5); the expert ids the engine records (R3) must equal those ``transformers``' router picks and
 those the TP1 engine recorded for the same prompts (tp1, 2 processes, DP2), and the sampled tokens equal TP1's.
+Each layout's groups (megatron-core's tp / ep / etp ranks) and each rank's EP slot are checked exactly.
 Not covered: bf16, the GroupedMLP layout (CUDA bf16), CUDA graphs, pipeline parallelism with TP.
 """
 import pytest
@@ -50,6 +51,8 @@ def _job(rank, ckpts, layouts):
     from megarl.rollout.native import EngineOptions, NativeEngine
     from megarl.trainer.rollout import to_sample_batch
 
+    import torch.distributed as dist
+
     init_distributed()
     out = {}
     for name in layouts:
@@ -65,7 +68,8 @@ def _job(rank, ckpts, layouts):
             batch = to_sample_batch(sampled, 0, "cpu")
             train = actor.logprobs(batch, micro_batch_size=4, temperature=0.8)["logprobs"]
             diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
-            out[(name, arch)] = {"dp": dp, "greedy": [r.response_ids for r in greedy], "diff": float(diff),
+            ranks = [dist.get_process_group_ranks(g) for g in (groups.tp, groups.ep, groups.etp)]
+            out[(name, arch)] = {"dp": dp, "groups": ranks, "slot": getattr(engine.stage.ep, "slot", None), "greedy": [r.response_ids for r in greedy], "diff": float(diff),
                                  "sampled": [r.response_ids for r in sampled],
                                  "experts": [r.expert_ids.tolist() for r in greedy],
                                  "prompt_experts": [r.prompt_expert_ids.tolist() for r in greedy]}
@@ -101,6 +105,24 @@ def runs(ckpts):
 
 CASES = [(name, arch) for name in ("tp2", "tp2ep2etp1") for arch in ARCHS]
 CASES += [(name, "Qwen3MoeForCausalLM") for name in ("tp2ep2", "tp2ep4etp1")]
+
+
+# megatron-core's groups (tp, ep, etp ranks) and the EP slot whose copy of the rows is routed, by rank
+GROUPS = {
+    "tp2": [([0, 1], [0], [0, 1], None), ([0, 1], [1], [0, 1], None)],
+    "tp2ep2etp1": [([0, 1], [0, 1], [0], 0), ([0, 1], [0, 1], [1], 0)],
+    "tp2ep2": [([0, 1], [0, 2], [0, 1], 0), ([0, 1], [1, 3], [0, 1], 0),
+               ([2, 3], [0, 2], [2, 3], 1), ([2, 3], [1, 3], [2, 3], 1)],
+    "tp2ep4etp1": [([0, 1], [0, 1, 2, 3], [0], 0), ([0, 1], [0, 1, 2, 3], [1], 0),
+                   ([2, 3], [0, 1, 2, 3], [2], 2), ([2, 3], [0, 1, 2, 3], [3], 2)],
+}
+
+
+@pytest.mark.parametrize("layout", list(GROUPS))
+def test_group_layout(runs, layout):
+    """ETP = TP: the expert-tensor group is the TP group; an EP group's TP peers share one slot."""
+    got = [(*r["groups"], r["slot"]) for r in runs[(layout, "Qwen3MoeForCausalLM")]]
+    assert got == [tuple(g) for g in GROUPS[layout]]
 
 
 def _tp1(runs, arch, dp):

@@ -34,8 +34,9 @@ all-reduce over ETP (:class:`MoeSums`). The shared expert is a dense MLP split o
 columns, fc2 by rows, its gate replicated): its output is a partial sum over TP; where ETP = TP one
 all-reduce completes routed + shared. ETP must divide TP (its ranks then lie in one TP group and hold
 the same rows); megarl/config_checks/moe.py refuses other layouts. An EP group may hold TP peers
-(ETP < TP: TP2 x EP2 x ETP1 on 2 ranks has EP = TP): their rows arrive once per peer in the gather,
-and only the first peer's copy (``EpStep.slot``) is routed to experts, so each row counts once. A TP
+(ETP < TP: TP2 x EP2 x ETP1 on 2 ranks has EP = TP): their rows arrive once per peer in the gather;
+only the first peer's copy (``EpStep.slot``) is routed to experts and every peer reads its output
+there (each copy's own slot would sum right too, at tp / etp times the expert work). A TP
 group's ranks are always in the same state (same scheduler, same steps), so a TP group that is done
 runs its idle steps together and the idle steps need only the EP exchange.
 """
