@@ -73,7 +73,21 @@ def _job(rank, ckpts, layouts):
                                  "sampled": [r.response_ids for r in sampled],
                                  "experts": [r.expert_ids.tolist() for r in greedy],
                                  "prompt_experts": [r.prompt_expert_ids.tolist() for r in greedy]}
+    if dist.get_world_size() == 2:
+        out["etp_over_dp"] = _etp_across_dp_error()
     return out
+
+
+def _etp_across_dp_error() -> str:
+    """moe_sums' error at TP1 x ETP2: the expert-tensor ranks are DP peers holding different rows."""
+    from megarl.distributed import build_parallel_groups
+    from megarl.rollout.moe_step import moe_sums
+
+    try:
+        moe_sums(build_parallel_groups(tp=1, ep=1, etp=2))
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +115,13 @@ def runs(ckpts):
     qwen3 = {"Qwen3MoeForCausalLM": ckpts[0]["Qwen3MoeForCausalLM"]}
     four = spawn(_job, 4, qwen3, ["tp2ep2", "tp2ep4etp1"])
     return {key: [r[key] for r in ranks] for ranks in (two, four) for key in ranks[0]}
+
+
+def test_etp_across_dp_is_refused(runs):
+    """The engine refuses expert-TP ranks outside one TP group (check_moe_rollout says so first)."""
+    assert runs["etp_over_dp"] == ["the rollout engine splits experts over expert-tensor ranks [0, 1], which must "
+                                   "lie in the TP group [r]: parallel.etp=2 must divide parallel.tp=1"
+                                   .replace("[r]", f"[{r}]") for r in (0, 1)]
 
 
 CASES = [(name, arch) for name in ("tp2", "tp2ep2etp1") for arch in ARCHS]
