@@ -18,7 +18,9 @@ forward (eval mode: megatron-core trains MoE under TP only with sequence paralle
 (fp32, 1e-5); the expert ids the engine records (R3) must equal those ``transformers``' router picks and
 those the TP1 engine recorded for the same prompts (tp1, 2 processes, DP2), and the sampled tokens equal TP1's.
 Each layout's groups (megatron-core's tp / ep / etp ranks) and each rank's EP slot are checked exactly.
-Not covered: bf16, the GroupedMLP layout (CUDA bf16), CUDA graphs, pipeline parallelism with TP.
+And in bf16 at TP2, megatron-core's GroupedMLP (the CUDA bf16 experts module; torch._grouped_mm runs on
+CPU too) against the per-expert module: log-probs == training up to bf16 rounding, the same samples.
+Not covered: CUDA graphs, pipeline parallelism with TP, transformer-engine's TEGroupedMLP.
 """
 import pytest
 import torch
@@ -176,3 +178,43 @@ def test_recorded_experts_match_tp1_and_transformers(runs, ckpts, layout, arch):
 def test_samples_as_tp1(runs, layout, arch):
     for r in runs[(layout, arch)]:
         assert r["sampled"] == _tp1(runs, arch, r["dp"])["sampled"]
+
+
+# ---------------------------------------------------------------- GroupedMLP (the CUDA bf16 experts) at TP2
+def _grouped_job(rank, ckpt):
+    """bf16 at TP2 (expert-TP 2): per experts module, the engine's sampled tokens and the largest gap between
+    its log-probs and the training forward's."""
+    import dataclasses
+
+    import megarl.roles.build as build
+    from megarl.distributed import init_distributed
+    from megarl.rollout.engine import SamplingParams, sample_requests
+    from megarl.rollout.native import EngineOptions, NativeEngine
+    from megarl.trainer.rollout import to_sample_batch
+
+    init_distributed()
+    plain, out = build.model_options, {}
+    for kind in ("sequential", "grouped"):  # no config key picks the module: the builder's options are patched
+        build.model_options = lambda *a, **k: dataclasses.replace(plain(*a, **k), params_dtype="bf16",
+                                                                  moe_experts=kind)
+        actor, groups = _actor(ckpt, 2, 1, None)
+        engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0,
+                              EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001))
+        sampled = engine.generate(sample_requests(PROMPTS[0], 2, 100, MAX_NEW[0]), SamplingParams(temperature=0.8))
+        batch = to_sample_batch(sampled, 0, "cpu")
+        train = actor.logprobs(batch, micro_batch_size=4, temperature=0.8)["logprobs"].float()
+        gap = ((train - batch.rollout_logprobs.float()).abs() * batch.response_mask).max()
+        out[kind] = {"module": type(actor.module.decoder.layers[0].mlp.experts).__name__, "gap": float(gap),
+                     "sampled": [r.response_ids for r in sampled]}
+    return out
+
+
+def test_grouped_experts_at_tp2(ckpts):
+    """megatron-core's GroupedMLP (weight1 / weight2, read as (E, 2F/etp, h) / (E, h, F/etp) views) at TP2 in
+    bf16, Qwen2-MoE: the engine's log-probs equal the training forward's up to bf16 rounding (the per-expert
+    module shows the same ~0.02; a gate / up or shard mix-up moves them by O(1)), and it samples the same
+    tokens as the engine over the per-expert module."""
+    for r in spawn(_grouped_job, 2, ckpts[0]["Qwen2MoeForCausalLM"]):
+        assert [r[k]["module"] for k in ("sequential", "grouped")] == ["SequentialMLP", "GroupedMLP"]
+        assert r["grouped"]["gap"] <= 0.06 and r["sequential"]["gap"] <= 0.06
+        assert r["grouped"]["sampled"] == r["sequential"]["sampled"]
