@@ -5,7 +5,7 @@ the ones tests/test_rollout_moe.py builds) are loaded into the actor at
 - tp2 (2 processes): attention over TP2; every expert on both ranks, its FFN split over expert-TP 2
   (= the TP group), the routed and shared experts' partial sums all-reduced once over TP;
 - tp2ep2etp1 (2 processes): 2 whole experts a rank, the EP group = the TP group: both ranks hold the
-  same rows, only the first one's copy is routed (``EpStep.slot``), the shared expert reduced over TP;
+  same rows, so no rows are exchanged: each adds its experts' share, routed + shared all-reduced over TP;
 - tp2ep2 (4 processes, Qwen3-MoE): TP groups {0, 1}, {2, 3} (the DP ranks), EP groups {0, 2}, {1, 3},
   expert-TP groups = the TP groups: rows gathered over EP, partials summed over EP, then over TP. DP rank 1
   gets shorter prompts than DP rank 0, so ranks 2 and 3 run out of work first and serve ranks 0 and 1's
@@ -133,7 +133,7 @@ CASES += [(name, "Qwen3MoeForCausalLM") for name in ("tp2ep2", "tp2ep4etp1")]
 # megatron-core's groups (tp, ep, etp ranks) and the EP slot whose copy of the rows is routed, by rank
 GROUPS = {
     "tp2": [([0, 1], [0], [0, 1], None), ([0, 1], [1], [0, 1], None)],
-    "tp2ep2etp1": [([0, 1], [0, 1], [0], 0), ([0, 1], [0, 1], [1], 0)],
+    "tp2ep2etp1": [([0, 1], [0, 1], [0], None), ([0, 1], [0, 1], [1], None)],  # EP inside TP: no EpStep
     "tp2ep2": [([0, 1], [0, 2], [0, 1], 0), ([0, 1], [1, 3], [0, 1], 0),
                ([2, 3], [0, 2], [2, 3], 1), ([2, 3], [1, 3], [2, 3], 1)],
     "tp2ep4etp1": [([0, 1], [0, 1, 2, 3], [0], 0), ([0, 1], [0, 1, 2, 3], [1], 0),

@@ -34,9 +34,12 @@ all-reduce over ETP (:class:`MoeSums`). The shared expert is a dense MLP split o
 columns, fc2 by rows, its gate replicated): its output is a partial sum over TP; where ETP = TP one
 all-reduce completes routed + shared. ETP must divide TP (its ranks then lie in one TP group and hold
 the same rows); megarl/config_checks/moe.py refuses other layouts. An EP group may hold TP peers
-(ETP < TP: TP2 x EP2 x ETP1 on 2 ranks has EP = TP): their rows arrive once per peer in the gather;
-only the first peer's copy (``EpStep.slot``) is routed to experts and every peer reads its output
-there (each copy's own slot would sum right too, at tp / etp times the expert work). A TP
+(ETP < TP). Inside one TP group (TP2 x EP2 x ETP1 on 2 ranks: EP = TP) its ranks already hold the same
+rows: each adds its experts' share and the shares are all-reduced like a TP partial, no rows
+exchanged, no lockstep (CUDA graphs stay on). Across TP groups (TP2 x EP4 x ETP1 on 4 ranks) a TP
+group's rows arrive once per peer in the gather; only the first peer's copy (``EpStep.slot``) is
+routed to experts and every peer reads its output there (each copy's own slot would sum right too,
+at tp / etp times the expert work). A TP
 group's ranks are always in the same state (same scheduler, same steps), so a TP group that is done
 runs its idle steps together and the idle steps need only the EP exchange.
 """
@@ -147,20 +150,20 @@ def shared_expert(h: torch.Tensor, mw: MoeWeights) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MoeSums:
-    """The all-reduces that complete an MoE layer's output at this layout (None: nothing to sum)."""
+    """The all-reduces that complete an MoE layer's output at this layout (none where nothing is split)."""
 
-    routed: Optional[dist.ProcessGroup]  # the expert-tensor group (etp > 1): the experts' F-shard partials
+    routed: tuple  # groups the routed experts' partials are summed over, in turn (expert-TP; EP inside TP)
     shared: Optional[dist.ProcessGroup]  # the TP group (tp > 1): the shared expert's partial
 
     def complete(self, routed: torch.Tensor, shared: Optional[torch.Tensor]) -> torch.Tensor:
-        """(T, h) partials -> (T, h) the layer's output: routed + shared, each summed over its group."""
-        if shared is not None and self.routed is self.shared:  # ETP = TP (or both 1): one all-reduce
+        """(T, h) partials -> (T, h) the layer's output: routed + shared, each summed over its groups."""
+        if shared is not None and self.routed == (self.shared,):  # routed over exactly TP: one all-reduce
             out = routed + shared
-            if self.routed is not None:
-                dist.all_reduce(out, group=self.routed)
+            if self.shared is not None:
+                dist.all_reduce(out, group=self.shared)
             return out
-        if self.routed is not None:
-            dist.all_reduce(routed, group=self.routed)
+        for group in self.routed:
+            dist.all_reduce(routed, group=group)
         if shared is None:
             return routed
         if self.shared is not None:
@@ -168,26 +171,39 @@ class MoeSums:
         return routed + shared
 
 
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def ep_inside_tp(groups) -> bool:
+    """Every rank of the EP group is a TP peer (TP2 x EP2 x ETP1 on 2 ranks): they hold the same rows, so
+    no rows are exchanged and no lockstep is needed; the experts' shares are summed like a TP partial."""
+    return groups.ep_size > 1 and set(_ranks(groups.ep)) <= set(_ranks(groups.tp))
+
+
 def moe_sums(groups) -> MoeSums:
     """The :class:`MoeSums` of ``groups``; raises unless the expert-tensor group lies in the TP group."""
     tp = groups.tp if groups.tp_size > 1 else None
-    if groups.etp_size == 1:
-        return MoeSums(None, tp)
-    etp_ranks, tp_ranks = dist.get_process_group_ranks(groups.etp), dist.get_process_group_ranks(groups.tp)
-    if etp_ranks == tp_ranks:
-        return MoeSums(tp, tp)
-    if not set(etp_ranks) <= set(tp_ranks):
-        raise ValueError(f"the rollout engine splits experts over expert-tensor ranks {etp_ranks}, which must lie in "
-                         f"the TP group {tp_ranks}: parallel.etp={groups.etp_size} must divide "
-                         f"parallel.tp={groups.tp_size}")
-    return MoeSums(groups.etp, tp)
+    routed = []
+    if groups.etp_size > 1:
+        etp_ranks, tp_ranks = _ranks(groups.etp), _ranks(groups.tp)
+        if not set(etp_ranks) <= set(tp_ranks):
+            raise ValueError(f"the rollout engine splits experts over expert-tensor ranks {etp_ranks}, which must "
+                             f"lie in the TP group {tp_ranks}: parallel.etp={groups.etp_size} must divide "
+                             f"parallel.tp={groups.tp_size}")
+        routed.append(groups.etp)
+    if ep_inside_tp(groups):
+        routed.append(groups.ep)
+    if len(routed) == 1 and _ranks(routed[0]) == _ranks(groups.tp):
+        routed = [tp]  # the TP group itself (ETP = TP, or EP = TP at ETP 1)
+    return MoeSums(tuple(routed), tp)
 
 
 def rows_slot(groups) -> int:
     """The EP slot whose rows this rank's experts compute for its TP group: the first EP rank that is a TP
     peer of this one (itself, unless the EP group holds TP peers)."""
-    tp_ranks = set(dist.get_process_group_ranks(groups.tp))
-    return next(i for i, r in enumerate(dist.get_process_group_ranks(groups.ep)) if r in tp_ranks)
+    tp_ranks = set(_ranks(groups.tp))
+    return next(i for i, r in enumerate(_ranks(groups.ep)) if r in tp_ranks)
 
 
 class EpStep:
@@ -201,8 +217,8 @@ class EpStep:
 
     @classmethod
     def of(cls, groups, num_experts: int) -> Optional["EpStep"]:
-        """The lockstep of ``groups``' EP group (None at EP 1)."""
-        if groups.ep_size == 1:
+        """The lockstep of ``groups``' EP group (None at EP 1 or with EP inside TP: `ep_inside_tp`)."""
+        if groups.ep_size == 1 or ep_inside_tp(groups):
             return None
         return cls(groups.ep, groups.ep_size, groups.ep_rank, num_experts, rows_slot(groups))
 
@@ -232,7 +248,7 @@ class EpStep:
 
 
 def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None,
-            sums: MoeSums = MoeSums(None, None)) -> torch.Tensor:
+            sums: MoeSums = MoeSums((), None)) -> torch.Tensor:
     """(T, h) -> (T, h): routed experts (+ the shared expert), partials summed by ``sums``. ``record``
     collects the (T, k) ids."""
     weights, ids = route(h, mw)

@@ -164,7 +164,7 @@ class StageForward:
         # EP > 1: the group's ranks run their MoE layers in lockstep (moe_step.EpStep); TP / ETP > 1: the
         # experts' partial sums are all-reduced (moe_step.MoeSums)
         self.ep = EpStep.of(groups, cfg.num_moe_experts) if moe else None
-        self.moe_sums = moe_sums(groups) if moe else MoeSums(None, None)
+        self.moe_sums = moe_sums(groups) if moe else MoeSums((), None)
         self.first, self.last = groups.is_first_stage, groups.is_last_stage
         self.embedding = module.embedding.word_embeddings if self.first else None
         self.final_norm = module.decoder.final_layernorm.weight if self.last else None
