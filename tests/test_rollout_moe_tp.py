@@ -48,12 +48,12 @@ def _actor(ckpt, tp, ep, etp):
 
 
 def _job(rank, ckpts, layouts):
+    import torch.distributed as dist
+
     from megarl.distributed import init_distributed
     from megarl.rollout.engine import SamplingParams, sample_requests
     from megarl.rollout.native import EngineOptions, NativeEngine
     from megarl.trainer.rollout import to_sample_batch
-
-    import torch.distributed as dist
 
     init_distributed()
     out = {}
@@ -71,7 +71,8 @@ def _job(rank, ckpts, layouts):
             train = actor.logprobs(batch, micro_batch_size=4, temperature=0.8)["logprobs"]
             diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
             ranks = [dist.get_process_group_ranks(g) for g in (groups.tp, groups.ep, groups.etp)]
-            out[(name, arch)] = {"dp": dp, "groups": ranks, "slot": getattr(engine.stage.ep, "slot", None), "greedy": [r.response_ids for r in greedy], "diff": float(diff),
+            out[(name, arch)] = {"dp": dp, "groups": ranks, "slot": getattr(engine.stage.ep, "slot", None),
+                                 "greedy": [r.response_ids for r in greedy], "diff": float(diff),
                                  "sampled": [r.response_ids for r in sampled],
                                  "experts": [r.expert_ids.tolist() for r in greedy],
                                  "prompt_experts": [r.prompt_expert_ids.tolist() for r in greedy]}
