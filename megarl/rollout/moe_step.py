@@ -39,9 +39,8 @@ rows: each adds its experts' share and the shares are all-reduced like a TP part
 exchanged, no lockstep (CUDA graphs stay on). Across TP groups (TP2 x EP4 x ETP1 on 4 ranks) a TP
 group's rows arrive once per peer in the gather; only the first peer's copy (``EpStep.slot``) is
 routed to experts and every peer reads its output there (each copy's own slot would sum right too,
-at tp / etp times the expert work). A TP
-group's ranks are always in the same state (same scheduler, same steps), so a TP group that is done
-runs its idle steps together and the idle steps need only the EP exchange.
+at tp / etp times the expert work). A TP group's ranks are always in the same state (same scheduler,
+same steps), so a TP group that is done runs its idle steps together, which need only the EP exchange.
 """
 from __future__ import annotations
 
@@ -235,7 +234,7 @@ class EpStep:
         rows = h.new_zeros(n, h.shape[1])
         rows[:t] = h
         routing = torch.full((n, 2 * mw.topk), float(self.num_experts), dtype=torch.float32, device=h.device)
-        if self.slot == self.rank:  # a TP peer's copy (slot elsewhere) goes to no expert: counted once
+        if self.slot == self.rank:  # a TP peer's copy (slot elsewhere) goes to no expert: computed once
             routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
         all_rows = h.new_empty(self.size * n, h.shape[1])
         all_routing = routing.new_empty(self.size * n, 2 * mw.topk)

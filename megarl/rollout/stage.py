@@ -161,8 +161,8 @@ class StageForward:
         moe = [lw.moe for lw in self.layers if lw.moe is not None]
         self.has_moe, self.num_experts = bool(moe), cfg.num_moe_experts or 0
         self.moe_ids: Optional[list] = None  # a list: each MoE layer's (T, k) expert ids of the step append
-        # EP > 1: the group's ranks run their MoE layers in lockstep (moe_step.EpStep); TP / ETP > 1: the
-        # experts' partial sums are all-reduced (moe_step.MoeSums)
+        # EP over several TP groups: the group's ranks run their MoE layers in lockstep (moe_step.EpStep);
+        # TP / ETP > 1: the experts' partial sums are all-reduced (moe_step.MoeSums)
         self.ep = EpStep.of(groups, cfg.num_moe_experts) if moe else None
         self.moe_sums = moe_sums(groups) if moe else MoeSums((), None)
         self.first, self.last = groups.is_first_stage, groups.is_last_stage
