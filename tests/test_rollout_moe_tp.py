@@ -6,10 +6,11 @@ the ones tests/test_rollout_moe.py builds) are loaded into the actor at
   (= the TP group), the routed and shared experts' partial sums all-reduced once over TP;
 - tp2ep2etp1 (2 processes): 2 whole experts a rank, the EP group = the TP group: both ranks hold the
   same rows, so no rows are exchanged: each adds its experts' share, routed + shared all-reduced over TP;
-- tp2ep2 (4 processes, Qwen3-MoE): TP groups {0, 1}, {2, 3} (the DP ranks), EP groups {0, 2}, {1, 3},
-  expert-TP groups = the TP groups: rows gathered over EP, partials summed over EP, then over TP. DP rank 1
-  gets shorter prompts than DP rank 0, so ranks 2 and 3 run out of work first and serve ranks 0 and 1's
-  rows with their experts (idle steps, EP collectives only) while 0 and 1 keep their TP collectives;
+- tp2ep2 (4 processes, Qwen3-MoE and Qwen2-MoE): TP groups {0, 1}, {2, 3} (the DP ranks), EP groups
+  {0, 2}, {1, 3}, expert-TP groups = the TP groups: rows gathered over EP, partials summed over EP, then
+  over TP (with the shared expert's TP partial, one all-reduce). DP rank 1 gets shorter prompts than
+  DP rank 0, so ranks 2 and 3 run out of work first and serve ranks 0 and 1's rows with their experts
+  (idle steps, EP collectives only) while 0 and 1 keep their TP collectives;
 - tp2ep4etp1 (4 processes, Qwen3-MoE): one expert a rank, the EP group all four ranks, which hold two
   row sets: slots 1 and 3 are TP copies of slots 0 and 2, routed nowhere.
 Each DP rank generates its prompts; greedy responses must equal ``transformers`` ``generate`` on each
@@ -28,6 +29,8 @@ import torch
 from dist_helpers import spawn
 from test_rollout_moe import ARCHS, MAX_NEW, PROMPTS, hf_experts
 
+CASES = [(name, arch) for name in ("tp2", "tp2ep2etp1") for arch in ARCHS]  # 2 processes
+CASES += [("tp2ep2", "Qwen3MoeForCausalLM"), ("tp2ep2", "Qwen2MoeForCausalLM"), ("tp2ep4etp1", "Qwen3MoeForCausalLM")]
 LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "tp2ep2etp1": (2, 2, 1),  # (tp, ep, etp)
            "tp2ep2": (2, 2, None), "tp2ep4etp1": (2, 4, 1)}
 
@@ -47,7 +50,7 @@ def _actor(ckpt, tp, ep, etp):
     return build_actor(cfg, groups, optimizer_steps=1), groups
 
 
-def _job(rank, ckpts, layouts):
+def _job(rank, ckpts, cases):
     import torch.distributed as dist
 
     from megarl.distributed import init_distributed
@@ -57,25 +60,24 @@ def _job(rank, ckpts, layouts):
 
     init_distributed()
     out = {}
-    for name in layouts:
-        for arch, ckpt in ckpts.items():
-            actor, groups = _actor(ckpt, *LAYOUTS[name])
-            options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001,
-                                    record_experts=True)
-            engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)
-            dp = groups.dp_rank
-            prompts = PROMPTS[dp]
-            greedy = engine.generate(sample_requests(prompts, 1, 0, MAX_NEW[dp]), SamplingParams(temperature=0.0))
-            sampled = engine.generate(sample_requests(prompts, 2, 100, MAX_NEW[dp]), SamplingParams(temperature=0.8))
-            batch = to_sample_batch(sampled, 0, "cpu")
-            train = actor.logprobs(batch, micro_batch_size=4, temperature=0.8)["logprobs"]
-            diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
-            ranks = [dist.get_process_group_ranks(g) for g in (groups.tp, groups.ep, groups.etp)]
-            out[(name, arch)] = {"dp": dp, "groups": ranks, "slot": getattr(engine.stage.ep, "slot", None),
-                                 "greedy": [r.response_ids for r in greedy], "diff": float(diff),
-                                 "sampled": [r.response_ids for r in sampled],
-                                 "experts": [r.expert_ids.tolist() for r in greedy],
-                                 "prompt_experts": [r.prompt_expert_ids.tolist() for r in greedy]}
+    for name, arch in cases:
+        actor, groups = _actor(ckpts[arch], *LAYOUTS[name])
+        options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.001,
+                                record_experts=True)
+        engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)
+        dp = groups.dp_rank
+        prompts = PROMPTS[dp]
+        greedy = engine.generate(sample_requests(prompts, 1, 0, MAX_NEW[dp]), SamplingParams(temperature=0.0))
+        sampled = engine.generate(sample_requests(prompts, 2, 100, MAX_NEW[dp]), SamplingParams(temperature=0.8))
+        batch = to_sample_batch(sampled, 0, "cpu")
+        train = actor.logprobs(batch, micro_batch_size=4, temperature=0.8)["logprobs"]
+        diff = ((train - batch.rollout_logprobs).abs() * batch.response_mask).max()
+        ranks = [dist.get_process_group_ranks(g) for g in (groups.tp, groups.ep, groups.etp)]
+        out[(name, arch)] = {"dp": dp, "groups": ranks, "slot": getattr(engine.stage.ep, "slot", None),
+                             "greedy": [r.response_ids for r in greedy], "diff": float(diff),
+                             "sampled": [r.response_ids for r in sampled],
+                             "experts": [r.expert_ids.tolist() for r in greedy],
+                             "prompt_experts": [r.prompt_expert_ids.tolist() for r in greedy]}
     if dist.get_world_size() == 2:
         out["etp_over_dp"] = _etp_across_dp_error()
     return out
@@ -114,9 +116,8 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(ckpts):
     """(layout, arch) -> per rank results."""
-    two = spawn(_job, 2, ckpts[0], ["tp1", "tp2", "tp2ep2etp1"])
-    qwen3 = {"Qwen3MoeForCausalLM": ckpts[0]["Qwen3MoeForCausalLM"]}
-    four = spawn(_job, 4, qwen3, ["tp2ep2", "tp2ep4etp1"])
+    two = spawn(_job, 2, ckpts[0], [(name, arch) for name in ("tp1", "tp2", "tp2ep2etp1") for arch in ARCHS])
+    four = spawn(_job, 4, ckpts[0], CASES[-3:])
     return {key: [r[key] for r in ranks] for ranks in (two, four) for key in ranks[0]}
 
 
@@ -127,8 +128,6 @@ def test_etp_across_dp_is_refused(runs):
                                    .replace("[r]", f"[{r}]") for r in (0, 1)]
 
 
-CASES = [(name, arch) for name in ("tp2", "tp2ep2etp1") for arch in ARCHS]
-CASES += [(name, "Qwen3MoeForCausalLM") for name in ("tp2ep2", "tp2ep4etp1")]
 
 
 # megatron-core's groups (tp, ep, etp ranks) and the EP slot whose copy of the rows is routed, by rank
