@@ -360,7 +360,7 @@ class PlacementConfig:
     """Which ranks generate and which train when trainer.mode=async (the last rollout_ranks ranks generate)."""
 
     rollout_ranks: int = opt(1, "ranks that only generate, each with its own copy of the policy (trainer.mode=async); the other ranks train")
-    rollout_tp: int = opt(1, "tensor-parallel size of the rollout ranks' policy copy; divides rollout_ranks (trainer.mode=async); the copy has no PP, EP (every expert; MoE at rollout_tp=1) or LoRA adapters (it receives W + s B A)")
+    rollout_tp: int = opt(1, "tensor-parallel size of the rollout ranks' policy copy; divides rollout_ranks (trainer.mode=async); the copy has no PP, EP (every expert, split over rollout_tp) or LoRA adapters (it receives W + s B A)")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The async weight push: the weights reaching a rollout rank equal the trainer's bitwise.
 
-Ranks: the last ``rollout_tp`` generate (one rollout replica, EP 1, no PP) and the others train at
+Ranks: the last ``rollout_tp`` generate (one rollout replica, EP 1, no PP; an MoE copy at TP2 splits each
+expert over expert-TP 2, cut from the pushed tensors by the loader) and the others train at
 the layout under test: TP1, TP2, PP2 (two senders, one per stage, each its own stage's buckets),
 EP2 (each rank 2 of the 4 routed experts; the push gathers the others over EP; also megatron-core's
 GroupedMLP in bf16, all local experts in one tensor, received by a bf16 SequentialMLP copy, and the
@@ -135,6 +136,7 @@ CASES = {  # name -> (architecture, training layout, rollout TP)
     "qwen2moe_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1}, 1),
     "qwen2moe_grouped_bf16_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": "train"}, 1),
     "qwen2moe_bf16_ep2_to_grouped": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": "rollout"}, 1),
+    "qwen3moe_ep2_to_tp2": ("Qwen3MoeForCausalLM", {"ep": 2, "etp": 1}, 2),
     "qwen3moe_tp2_etp2": ("Qwen3MoeForCausalLM", {"tp": 2, "etp": 2}, 1),
     "llama_lora_tp2": ("LlamaForCausalLM", {"tp": 2, "lora": "dense"}, 1),
     "qwen2moe_lora_experts_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "lora": "experts"}, 1),
