@@ -1,0 +1,201 @@
+"""LoRA on GroupedMLP experts (megarl/models/lora_grouped.py): grouped GEMMs == the per-expert loop == SequentialMLP.
+
+One process: :func:`grouped_lora` (two ``torch._grouped_mm`` launches) equals its loop reference
+:func:`grouped_lora_ref`, forward and gradients, on ragged expert groups (3, 0, 7, 1 rows), in
+fp32 (1e-5) and bf16 (bf16 rounding of products of size ~1: 3e-2), at ranks whose rows break
+``_grouped_mm``'s 16-byte stride rule (bf16 r = 3, 4; fp32 r = 3), padded inside with zeros.
+
+Two processes, EP2, fp32 (megarl runs GroupedMLP in any dtype ``torch._grouped_mm`` takes, so the
+comparison is exact up to fp32 reordering): the tiny Qwen2-MoE built with SequentialMLP and with
+GroupedMLP from the same HF checkpoint, rank-3 adapters on every linear, experts included, B filled
+with the same non-zero values per global expert:
+- the adapters' initial A are equal by global expert (same streams), and the adapted logits and a
+  loss's adapter gradients are equal (1e-5): expert e's stacked slices act as SequentialMLP's
+  expert e's linears;
+- ``merged_lora`` gives the adapted logits (W + s B A, 1e-5) and restores weight1 / weight2 bitwise;
+- a model checkpoint of the grouped model loads into the sequential one: adapters equal exactly.
+Not covered: expert-TP > 1, bf16 models (the dtype only changes rounding, the GEMM path is the same).
+"""
+import pytest
+import torch
+
+from dist_helpers import spawn
+
+OPTS = dict(rank=3, alpha=6.0, seed=5)
+
+
+class _OneRank:
+    """A process group of size 1 (expert-TP 1)."""
+
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("dtype,rank", [(torch.float32, 3), (torch.float32, 8), (torch.bfloat16, 3),
+                                        (torch.bfloat16, 4), (torch.bfloat16, 16)])
+def test_grouped_lora_matches_loop(dtype, rank):
+    from megarl.models.lora_grouped import GroupedAdapter, grouped_lora_ref, padded_rank
+    from megarl.models.moe import grouped_gemm_torch
+
+    gen = torch.Generator().manual_seed(rank)
+    sizes = torch.tensor([3, 0, 7, 1])
+    x = torch.randn(11, 16, generator=gen).to(dtype).requires_grad_(True)
+    a = torch.randn(4, rank, 16, generator=gen).to(dtype)
+    b = torch.randn(4, 24, rank, generator=gen).to(dtype)
+    adapter = GroupedAdapter("linear_fc1", a.clone(), b.clone(), 0.5, _OneRank(), False)
+    assert adapter.factors()[0].shape[1] == padded_rank(rank, x.element_size())
+    got = adapter(x, sizes, grouped_gemm_torch)
+    g = torch.randn(got.shape, generator=gen).to(dtype)
+    (got.float() * g.float()).sum().backward()
+    x_ref, a_ref, b_ref = (t.detach().clone().requires_grad_(True) for t in (x, a, b))
+    want = grouped_lora_ref(x_ref, a_ref, b_ref, sizes, 0.5)
+    (want.float() * g.float()).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for mine, ref in ((got, want), (x.grad, x_ref.grad), (adapter.lora_a.grad, a_ref.grad),
+                      (adapter.lora_b.grad, b_ref.grad)):
+        assert mine.shape == ref.shape
+        assert ((mine.float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= tol
+    assert adapter.lora_a.grad[1].abs().max() == 0  # expert 1 had no rows
+
+
+def test_padded_rank():
+    from megarl.models.lora_grouped import padded_rank
+
+    assert [padded_rank(r, 4) for r in (1, 3, 4, 5)] == [4, 4, 4, 8]
+    assert [padded_rank(r, 2) for r in (1, 4, 8, 9)] == [8, 8, 8, 16]
+
+
+def _by_expert(model, groups, grads: bool) -> dict:
+    """{"L.E.fc1.lora_a": tensor} of every expert adapter of the EP group (E global), params or grads."""
+    import torch.distributed as dist
+
+    local = {}
+    for name, p in model.named_parameters():
+        if ".mlp.experts." not in name or "lora_" not in name:
+            continue
+        value = (p.grad if grads else p).detach().clone()
+        parts = name.split(".")
+        layer, factor = parts[2], parts[-1]
+        if "local_experts" in parts:  # SequentialMLP: ...experts.local_experts.I.linear_fcK.lora_x
+            i, kind = int(parts[parts.index("local_experts") + 1]), parts[-2][len("linear_"):]
+            local[f"{layer}.{groups.ep_rank * 2 + i}.{kind}.{factor}"] = value
+        else:  # GroupedMLP: ...experts.lora_fcK.lora_x, (E_local, ...)
+            kind = parts[-2][len("lora_"):]
+            for i, v in enumerate(value):
+                local[f"{layer}.{groups.ep_rank * 2 + i}.{kind}.{factor}"] = v
+    every = [None] * groups.ep_size
+    dist.all_gather_object(every, local, group=groups.ep)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def _fill_b(model, groups):
+    """B of expert e (global) from its own stream, in whichever layout the model stores it."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not (".mlp.experts." in name and name.endswith("lora_b")):
+                continue
+            parts = name.split(".")
+            layer, kind = int(parts[2]), parts[-2][-1]
+            stacked = "local_experts" not in parts
+            experts = range(p.shape[0]) if stacked else [int(parts[parts.index("local_experts") + 1])]
+            for i in experts:
+                g = torch.Generator().manual_seed(1000 * layer + 10 * (groups.ep_rank * 2 + i) + int(kind))
+                value = torch.randn(p.shape[1:] if stacked else p.shape, generator=g) * 0.05
+                (p[i] if stacked else p).copy_(value)
+        for name, p in model.named_parameters():  # the other adapters: non-zero too, same on every layout
+            if name.endswith("lora_b") and ".mlp.experts." not in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+
+
+def _module_job(rank, src, ckpt_dir):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.models import ModelOptions, build_gpt_model, load_hf_checkpoint, read_hf_config
+    from megarl.models.lora import LoraOptions, adapters_off, apply_lora, merged_lora
+    from megarl.models.mcore_ckpt import load_mcore, save_mcore
+
+    init_distributed()
+    groups = build_parallel_groups(ep=2, etp=1)
+    info = read_hf_config(src)
+    ids, pos = (torch.arange(14).reshape(2, 7) * 37 + 5) % 300, torch.arange(7).expand(2, 7)
+    out, models = {}, {}
+    for kind in ("sequential", "grouped"):
+        model_parallel_cuda_manual_seed(0)
+        model = build_gpt_model(info, groups, ModelOptions(moe_experts=kind))
+        load_hf_checkpoint(model, src, info, groups)
+        apply_lora(model, LoraOptions(experts=True, **OPTS))
+        out[f"{kind}_a"] = _by_expert(model, groups, grads=False)
+        _fill_b(model, groups)
+        logits = model(ids, pos, None, runtime_gather_output=True)[..., :info.vocab_size]  # (2, 7, V)
+        (logits * torch.linspace(-1, 1, logits.numel()).reshape(logits.shape)).sum().backward()
+        out[f"{kind}_logits"], out[f"{kind}_grads"] = logits.detach(), _by_expert(model, groups, grads=True)
+        models[kind] = model
+    grouped = models["grouped"]
+    before = {n: p.detach().clone() for n, p in grouped.named_parameters()}
+    with torch.no_grad(), merged_lora(grouped) as merged:
+        assert len(merged.grouped) == 2
+        out["merged_logits"] = grouped(ids, pos, None, runtime_gather_output=True)[..., :info.vocab_size]
+    with torch.no_grad(), adapters_off(grouped):
+        out["base_logits"] = grouped(ids, pos, None, runtime_gather_output=True)[..., :info.vocab_size]
+    out["restored"] = all(torch.equal(p, before[n]) for n, p in grouped.named_parameters())
+    save_mcore(grouped, info, groups, ckpt_dir)
+    sequential = models["sequential"]
+    with torch.no_grad():
+        for n, p in sequential.named_parameters():
+            if "lora_" in n:
+                p.zero_()
+    load_mcore(sequential, groups, ckpt_dir)
+    out["loaded"], out["saved"] = _by_expert(sequential, groups, False), _by_expert(grouped, groups, False)
+    return _numpy(out) if rank == 0 else None
+
+
+def _numpy(obj):
+    """Tensors -> numpy arrays (tensors do not outlive the worker through the result queue)."""
+    if isinstance(obj, dict):
+        return {k: _numpy(v) for k, v in obj.items()}
+    return obj.float().numpy() if torch.is_tensor(obj) else obj
+
+
+def _torch(obj):
+    if isinstance(obj, dict):
+        return {k: _torch(v) for k, v in obj.items()}
+    return torch.from_numpy(obj) if hasattr(obj, "dtype") and not isinstance(obj, bool) else obj
+
+
+@pytest.fixture(scope="module")
+def module_run(tmp_path_factory):
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("lora_grouped")
+    make_tiny_checkpoint(str(root / "hf"), "Qwen2MoeForCausalLM", seed=5)
+    return _torch(spawn(_module_job, 2, str(root / "hf"), str(root / "mcore"))[0])
+
+
+def test_grouped_equals_sequential_forward_and_grads(module_run):
+    run = module_run
+    assert len(run["grouped_a"]) == 2 * 4 * 2 * 2  # layers x global experts x fc1, fc2 x A, B
+    for name, a in run["sequential_a"].items():
+        assert torch.equal(run["grouped_a"][name], a), name
+    gap = (run["grouped_logits"] - run["sequential_logits"]).abs().max().item()
+    assert gap <= 1e-5
+    assert (run["grouped_logits"] - run["base_logits"]).abs().max().item() > 1e-2  # the adapters matter
+    assert set(run["grouped_grads"]) == set(run["sequential_grads"])
+    for name, g in run["sequential_grads"].items():
+        assert g.abs().max() > 0, name
+        assert (run["grouped_grads"][name] - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+def test_merged_grouped_weights_give_the_adapted_logits(module_run):
+    assert module_run["restored"]
+    assert (module_run["merged_logits"] - module_run["grouped_logits"]).abs().max().item() <= 1e-5
+
+
+def test_grouped_checkpoint_loads_into_sequential(module_run):
+    loaded, saved = module_run["loaded"], module_run["saved"]
+    assert set(loaded) == set(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
