@@ -184,8 +184,11 @@ def _attach(name: str, linear, index: int, opts: LoraOptions) -> Adapter:
         p.allreduce = getattr(linear.weight, "allreduce", True)
     adapter = Adapter(name, column, linear.lora_a, linear.lora_b, opts.alpha / opts.rank, group)
     linear.lora_scale, linear.lora_enabled = adapter.scale, True
-    region = copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region
-    linear.register_forward_hook(functools.partial(_lora_hook, region))
+    if getattr(linear, "explicit_expert_comm", False):  # a routed expert's: the dispatcher sums over expert-TP
+        linear.register_forward_hook(functools.partial(_expert_lora_hook, column))
+    else:
+        region = copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region
+        linear.register_forward_hook(functools.partial(_lora_hook, region))
     gated = name.endswith("linear_fc1") and linear.config.gated_linear_unit
     linear.sharded_state_dict = types.MethodType(_sharded_with_lora(type(linear).sharded_state_dict, column, gated),
                                                  linear)
@@ -199,6 +202,23 @@ def _lora_hook(region, linear, inputs, output):
     out, bias = output
     h = region(F.linear(inputs[0], linear.lora_a), group=linear.tp_group)
     return out + linear.lora_scale * F.linear(h, linear.lora_b), bias
+
+
+def _expert_lora_hook(column: bool, linear, inputs, output):
+    """A routed expert's linear under expert-TP: its input is replicated (fc1) or split (fc2) over
+    expert-TP and its output is a partial sum the token dispatcher adds up, so no activation is
+    communicated: fc1 adds its columns s (x A^T) B_local^T, fc2 its partial s (x_local A_local^T) B^T.
+    The replicated factor (fc1's A, fc2's B) gets its per-rank partial gradients summed over
+    expert-TP (``copy_to_tensor_model_parallel_region``), as megarl/models/lora_grouped.py does."""
+    if not linear.lora_enabled:
+        return output
+    out, bias = output
+    a, b = linear.lora_a, linear.lora_b
+    if column:
+        a = copy_to_tensor_model_parallel_region(a, group=linear.tp_group)
+    else:
+        b = copy_to_tensor_model_parallel_region(b, group=linear.tp_group)
+    return out + linear.lora_scale * F.linear(F.linear(inputs[0], a), b), bias
 
 
 def _sharded_with_lora(base_fn, column: bool, gated: bool):
