@@ -5,16 +5,21 @@ One process: :func:`grouped_lora` (two ``torch._grouped_mm`` launches) equals it
 fp32 (1e-5) and bf16 (bf16 rounding of products of size ~1: 3e-2), at ranks whose rows break
 ``_grouped_mm``'s 16-byte stride rule (bf16 r = 3, 4; fp32 r = 3), padded inside with zeros.
 
-Two processes, EP2, fp32 (megarl runs GroupedMLP in any dtype ``torch._grouped_mm`` takes, so the
-comparison is exact up to fp32 reordering): the tiny Qwen2-MoE built with SequentialMLP and with
-GroupedMLP from the same HF checkpoint, rank-3 adapters on every linear, experts included, B filled
-with the same non-zero values per global expert:
+Two processes, fp32 (megarl runs GroupedMLP in any dtype ``torch._grouped_mm`` takes, so the
+comparison is exact up to fp32 reordering), at EP2 (2 experts per rank) and at expert-TP 2 (tp 1,
+each expert's FFN split in two): the tiny Qwen2-MoE built with SequentialMLP and with GroupedMLP
+from the same HF checkpoint, rank-3 adapters on every linear, experts included, every B filled
+with non-zero values drawn whole per (layer, global expert, linear):
 - the adapters' initial A are equal by global expert (same streams), and the adapted logits and a
   loss's adapter gradients are equal (1e-5): expert e's stacked slices act as SequentialMLP's
   expert e's linears;
+- EP2 and expert-TP 2 give the same logits (1e-5), for both modules: under expert-TP the experts'
+  outputs are partial sums the dispatcher adds, and the adapters add theirs the same way;
 - ``merged_lora`` gives the adapted logits (W + s B A, 1e-5) and restores weight1 / weight2 bitwise;
-- a model checkpoint of the grouped model loads into the sequential one: adapters equal exactly.
-Not covered: expert-TP > 1, bf16 models (the dtype only changes rounding, the GEMM path is the same).
+- a model checkpoint of the grouped model loads into the sequential one: adapters equal exactly
+  (fc1's B as [gate | up] halves over expert-TP).
+Not covered: bf16 models (the dtype only changes rounding, the GEMM path is the same), the grouped
+GEMMs on a GPU.
 """
 import pytest
 import torch
@@ -68,8 +73,16 @@ def test_padded_rank():
     assert [padded_rank(r, 2) for r in (1, 4, 8, 9)] == [8, 8, 8, 16]
 
 
+LAYOUTS = {"ep2": dict(ep=2, etp=1), "etp2": dict(ep=1, etp=2)}  # 2 experts per rank | each expert split in 2
+
+
+def _global_expert(groups, i: int) -> int:
+    return groups.ep_rank * (4 // groups.ep_size) + i
+
+
 def _by_expert(model, groups, grads: bool) -> dict:
-    """{"L.E.fc1.lora_a": tensor} of every expert adapter of the EP group (E global), params or grads."""
+    """{"L.E.fc1.lora_a": tensor} of every expert adapter of the EP group (E global; this expert-TP
+    rank's shard), params or grads."""
     import torch.distributed as dist
 
     local = {}
@@ -81,36 +94,48 @@ def _by_expert(model, groups, grads: bool) -> dict:
         layer, factor = parts[2], parts[-1]
         if "local_experts" in parts:  # SequentialMLP: ...experts.local_experts.I.linear_fcK.lora_x
             i, kind = int(parts[parts.index("local_experts") + 1]), parts[-2][len("linear_"):]
-            local[f"{layer}.{groups.ep_rank * 2 + i}.{kind}.{factor}"] = value
+            local[f"{layer}.{_global_expert(groups, i)}.{kind}.{factor}"] = value
         else:  # GroupedMLP: ...experts.lora_fcK.lora_x, (E_local, ...)
             kind = parts[-2][len("lora_"):]
             for i, v in enumerate(value):
-                local[f"{layer}.{groups.ep_rank * 2 + i}.{kind}.{factor}"] = v
+                local[f"{layer}.{_global_expert(groups, i)}.{kind}.{factor}"] = v
     every = [None] * groups.ep_size
     dist.all_gather_object(every, local, group=groups.ep)
     return {k: v for part in every for k, v in part.items()}
 
 
+def _global_b(name: str, shape, expert: int, groups) -> torch.Tensor:
+    """This rank's shard of a B drawn whole per (layer, global expert, fc): fc1's (2F, r) as this
+    expert-TP rank's [gate | up] rows, fc2's (h, r) replicated."""
+    parts = name.split(".")
+    layer, fc1 = int(parts[2]), parts[-2].endswith("fc1")
+    rows = shape[0] * (groups.etp_size if fc1 else 1)
+    g = torch.Generator().manual_seed(1000 * layer + 10 * expert + int(fc1))
+    full = torch.randn(rows, shape[1], generator=g) * 0.05
+    if not fc1:
+        return full
+    gate, up = full.chunk(2)
+    return torch.cat([gate.chunk(groups.etp_size)[groups.etp_rank], up.chunk(groups.etp_size)[groups.etp_rank]])
+
+
 def _fill_b(model, groups):
-    """B of expert e (global) from its own stream, in whichever layout the model stores it."""
+    """Every B non-zero, a function of the whole model (not of the layout or the experts module)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not (".mlp.experts." in name and name.endswith("lora_b")):
+            if not name.endswith("lora_b"):
                 continue
             parts = name.split(".")
-            layer, kind = int(parts[2]), parts[-2][-1]
-            stacked = "local_experts" not in parts
-            experts = range(p.shape[0]) if stacked else [int(parts[parts.index("local_experts") + 1])]
-            for i in experts:
-                g = torch.Generator().manual_seed(1000 * layer + 10 * (groups.ep_rank * 2 + i) + int(kind))
-                value = torch.randn(p.shape[1:] if stacked else p.shape, generator=g) * 0.05
-                (p[i] if stacked else p).copy_(value)
-        for name, p in model.named_parameters():  # the other adapters: non-zero too, same on every layout
-            if name.endswith("lora_b") and ".mlp.experts." not in name:
+            if ".mlp.experts.lora_" in name:  # GroupedMLP: (E_local, out, r)
+                for i in range(p.shape[0]):
+                    p[i].copy_(_global_b(name, p.shape[1:], _global_expert(groups, i), groups))
+            elif "local_experts" in parts:
+                p.copy_(_global_b(name, p.shape, _global_expert(groups, int(parts[parts.index("local_experts") + 1])),
+                                  groups))
+            else:  # attention, shared expert: TP 1 here, the same on every rank
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
 
 
-def _module_job(rank, src, ckpt_dir):
+def _module_job(rank, src, ckpt_dir, layout):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.distributed import build_parallel_groups, init_distributed
@@ -119,7 +144,7 @@ def _module_job(rank, src, ckpt_dir):
     from megarl.models.mcore_ckpt import load_mcore, save_mcore
 
     init_distributed()
-    groups = build_parallel_groups(ep=2, etp=1)
+    groups = build_parallel_groups(**LAYOUTS[layout])
     info = read_hf_config(src)
     ids, pos = (torch.arange(14).reshape(2, 7) * 37 + 5) % 300, torch.arange(7).expand(2, 7)
     out, models = {}, {}
@@ -167,21 +192,22 @@ def _torch(obj):
 
 
 @pytest.fixture(scope="module")
-def module_run(tmp_path_factory):
+def module_runs(tmp_path_factory):
     from megarl.models.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("lora_grouped")
     make_tiny_checkpoint(str(root / "hf"), "Qwen2MoeForCausalLM", seed=5)
-    return _torch(spawn(_module_job, 2, str(root / "hf"), str(root / "mcore"))[0])
+    return {layout: _torch(spawn(_module_job, 2, str(root / "hf"), str(root / f"mcore_{layout}"), layout)[0])
+            for layout in LAYOUTS}
 
 
-def test_grouped_equals_sequential_forward_and_grads(module_run):
-    run = module_run
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grouped_equals_sequential_forward_and_grads(module_runs, layout):
+    run = module_runs[layout]
     assert len(run["grouped_a"]) == 2 * 4 * 2 * 2  # layers x global experts x fc1, fc2 x A, B
     for name, a in run["sequential_a"].items():
         assert torch.equal(run["grouped_a"][name], a), name
-    gap = (run["grouped_logits"] - run["sequential_logits"]).abs().max().item()
-    assert gap <= 1e-5
+    assert (run["grouped_logits"] - run["sequential_logits"]).abs().max().item() <= 1e-5
     assert (run["grouped_logits"] - run["base_logits"]).abs().max().item() > 1e-2  # the adapters matter
     assert set(run["grouped_grads"]) == set(run["sequential_grads"])
     for name, g in run["sequential_grads"].items():
@@ -189,13 +215,24 @@ def test_grouped_equals_sequential_forward_and_grads(module_run):
         assert (run["grouped_grads"][name] - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), name
 
 
-def test_merged_grouped_weights_give_the_adapted_logits(module_run):
-    assert module_run["restored"]
-    assert (module_run["merged_logits"] - module_run["grouped_logits"]).abs().max().item() <= 1e-5
+def test_expert_tp_gives_the_expert_parallel_model(module_runs):
+    """The same adapters (A by stream, B drawn whole) at EP2 and at expert-TP 2: the same logits, with
+    either experts module (the fc2 partial sums and the replicated factors' gradients over expert-TP)."""
+    ep2, etp2 = module_runs["ep2"], module_runs["etp2"]
+    for kind in ("sequential", "grouped"):
+        assert (etp2[f"{kind}_logits"] - ep2[f"{kind}_logits"]).abs().max().item() <= 1e-5, kind
 
 
-def test_grouped_checkpoint_loads_into_sequential(module_run):
-    loaded, saved = module_run["loaded"], module_run["saved"]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_merged_grouped_weights_give_the_adapted_logits(module_runs, layout):
+    run = module_runs[layout]
+    assert run["restored"]
+    assert (run["merged_logits"] - run["grouped_logits"]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grouped_checkpoint_loads_into_sequential(module_runs, layout):
+    loaded, saved = module_runs[layout]["loaded"], module_runs[layout]["saved"]
     assert set(loaded) == set(saved)
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), name
