@@ -3,7 +3,7 @@
 One step: generate -> score -> old/ref log-probs and values -> advantages
 -> critic and actor updates -> weights to the engine -> metrics, checkpoint.
 SIGTERM / SIGINT: the run finishes its step, saves a checkpoint and exits 0 (resume continues it).
-trainer.mode=async: the last placement.rollout_ranks ranks only generate (megarl/trainer/async_rollout.py);
+trainer.mode=async: the last placement.rollout_ranks ranks only generate and score (megarl/trainer/async_rollout.py);
 the others run this loop on their batches and push the weights after each update.
 """
 import os

@@ -378,7 +378,7 @@ class TrainerConfig:
     """The loop, logging and checkpoints."""
 
     steps: int = opt(20, "PPO steps")
-    mode: Literal["sync", "async"] = opt("sync", "sync: every rank generates then trains (colocated); async: placement.rollout_ranks ranks generate while the others train, weights pushed after each update (async.*)")
+    mode: Literal["sync", "async"] = opt("sync", "sync: every rank generates then trains (colocated); async: placement.rollout_ranks ranks generate and score (reward model, ReMax baseline, DAPO rounds included) while the others train, weights pushed after each update (async.*)")
     run_dir: str = opt("runs/default", "config.yaml, metrics.jsonl, TensorBoard events, checkpoints and exports go here; default: runs/<the yaml file's name> (runs/default without a yaml)")
     seed: int = opt(42, "model-init and dropout seed")
     save_every: int = opt(0, "checkpoint every N steps; 0: only at the end (if save_last)")

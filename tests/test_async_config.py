@@ -50,3 +50,35 @@ def test_async_key_spelling():
     assert "async.max_staleness = 1" in p.stdout and "[async]" in p.stdout
     bad = _ppo(2, "async.max_stalenes=1")
     assert bad.returncode == 2 and bad.stderr.startswith("config error: unknown key 'async.max_stalenes'")
+
+
+def _validated(*overrides):
+    from megarl.cli import load_config
+    from megarl.config import Config
+    from megarl.config_checks import validate
+
+    cfg = load_config([str(ROOT / "yaml" / "tiny_async.yaml"), *overrides], Config)
+    validate(cfg, 2)
+    return cfg
+
+
+@pytest.mark.parametrize("overrides", [
+    ["reward.model.path=megarl/assets/tiny/sft"],  # the rollout ranks build and run it (async_rollout.py)
+    ["algorithm.dapo.dynamic_sampling=true", "algorithm.dapo.max_rounds=2"],
+    ["algorithm.advantage=remax", "reward.model.path=megarl/assets/tiny/sft"],
+])
+def test_scoring_and_sampling_options_pass_in_async(overrides):
+    """A reward model, dynamic sampling and ReMax's greedy baseline run on the rollout ranks."""
+    assert _validated(*overrides).trainer.mode == "async"
+
+
+@pytest.mark.parametrize("overrides, key, why", [
+    (["rollout.partial=true"], "rollout.partial", "the rollout ranks generate whole batches"),
+    (["trainer.rollout_only=true"], "trainer.replay_rollouts / rollout_only", "each half already runs alone"),
+])
+def test_still_refused_in_async(overrides, key, why):
+    from megarl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _validated(*overrides)
+    assert str(e.value) == f"{key} is not supported with trainer.mode=async ({why}); unset it or use trainer.mode=sync"

@@ -54,6 +54,8 @@ class RunOptions:
 class ModelRole:
     """A model stage on this rank, trainable or frozen."""
 
+    oom_group = None  # the ranks that agree on a forward's out-of-memory retry (None: every rank)
+
     def __init__(self, name: str, module, groups: ParallelGroups, info,
                  trainable: Optional[Trainable] = None, options: RunOptions = RunOptions(),
                  replay: Optional[ReplayRouters] = None):
@@ -148,7 +150,7 @@ class ModelRole:
                 results, oom = caught_oom(lambda: self.run([mine.select(i) for i in index], head, forward_only=True))
         finally:
             self.module.train(was_training)
-        if any_rank(oom):
+        if any_rank(oom, self.oom_group):
             raise OutOfMemoryAgreed()
         return index, results
 

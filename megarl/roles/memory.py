@@ -36,11 +36,11 @@ class PhaseOutOfMemory(UserInputError):
     kind = "out of memory"
 
 
-def any_rank(flag: bool) -> bool:
-    """The OR of ``flag`` over every rank (one MAX all-reduce)."""
+def any_rank(flag: bool, group=None) -> bool:
+    """The OR of ``flag`` over every rank of ``group`` (None: the world; one MAX all-reduce)."""
     t = torch.tensor([float(flag)], device=device())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 

@@ -57,6 +57,13 @@ class Critic(ModelRole):
 class RewardModel(ModelRole):
     """Scores whole responses: the value head at the last real token."""
 
+    @property
+    def oom_group(self):
+        """A model replica's ranks (TP x PP): scoring runs where samples are, not on every rank at once
+        (DAPO's later rounds score only on the ranks still short), and its shapes are the same on every
+        rank of a replica (CP ranks hold equal slices), so they run out of memory together."""
+        return self.groups.collection.mp
+
     def scores(self, batch: SampleBatch, micro_batch_size: int) -> torch.Tensor:
         def head(mb: SampleBatch, out):
             score = mb.model_inputs.at_last_token(out[..., 0].float())  # (b,)

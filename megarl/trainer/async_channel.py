@@ -28,6 +28,8 @@ class QueuedBatch:
     version: int  # policy version that sampled it: the weights after this many updates
     rollout: Rollout  # scored (rewards and shaping applied on the rollout ranks)
     engine_stats: dict[str, float] = field(default_factory=dict)  # the rollout engine's counters of this batch
+    step_metrics: dict[str, float] = field(default_factory=dict)  # the same on every replica (dapo/*: summed)
+    sampler_state: dict | None = None  # the prompt sampler after this batch's prompts (dynamic sampling: rounds)
 
 
 @dataclass

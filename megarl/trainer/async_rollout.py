@@ -13,10 +13,29 @@ is never used: the rank waits instead (``async/rollout_waits``). The training ra
 after every update; ``version >= k - queue_size + 1`` also means the trainer has taken batch
 ``k - queue_size``, so at most ``queue_size`` batches are in flight. With ``max_staleness=0`` batch k
 is sampled by the weights after k updates, exactly as in synchronous training.
+
+Rewards are computed here, on the rollout ranks, not by the trainer after the queue: a reward
+model (``reward.model.path``) is built beside the policy copy at the rollout layout (TP
+``placement.rollout_tp``, frozen, resident on the device as in the synchronous run) and scores each
+batch right after the engine released its memory, like the synchronous step. Three reasons: DAPO's
+dynamic sampling must know the scores to decide whether to generate another round, and rounds are
+generated here; ReMax's greedy baseline is a generation too; and the training ranks keep their
+device memory and their time for the update while the queue carries (B,) scores. Only the rollout
+ranks build the reward model in async mode (the training ranks hold no copy). Its out-of-memory
+retries are agreed within one rollout replica (:class:`~megarl.roles.value.RewardModel`), so a
+replica that is already full in a dynamic-sampling round need not score alongside the others.
+
+Dynamic sampling (``algorithm.dapo.dynamic_sampling``) runs the synchronous rounds
+(:func:`megarl.trainer.dapo.sample_until_full`: the same seeds, cap and counts); the rollout
+replicas agree on each round among themselves (their data-parallel group of the rollout sub-world),
+as the synchronous DP ranks do. The batch carries the dapo/* counts and the prompt sampler's
+position after its rounds, which the training ranks adopt (their checkpoints then resume the
+rollout ranks at the right prompt).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 from types import SimpleNamespace
 
@@ -27,13 +46,13 @@ from megarl.data.build import build_train_data
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
 from megarl.distributed.placement import Placement
-from megarl.roles.build import build_module
+from megarl.roles.build import build_module, build_reward_model
 from megarl.rollout.factory import build_engine
 from megarl.trainer.async_channel import BATCH_TAG, START_TAG, Outbox, QueuedBatch, recv_object, rollout_to, \
     send_object
-from megarl.trainer.dapo import score_and_shape
-from megarl.trainer.ppo import rollout_seed, sampling_params
-from megarl.trainer.rollout import generate_rollout
+from megarl.trainer.dapo import sample_until_full, score_and_shape
+from megarl.trainer.ppo import greedy_baseline, rollout_seed, sampling_params
+from megarl.trainer.rollout import Rollout, generate_rollout
 from megarl.trainer.scoring import build_reward
 from megarl.trainer.weight_push import WeightReceiver
 
@@ -66,7 +85,9 @@ class RolloutWorker:
         stops = [] if cfg.rollout.ignore_eos else ([eos] if eos is not None else []) + list(cfg.rollout.stop_token_ids)
         self.engine = build_engine(cfg, SimpleNamespace(module=module, info=info), g, self.tokenizer, stops,
                                    self.pad_id)
-        self.reward = build_reward(cfg.reward, None, cfg.trainer.run_dir)
+        self.rm = build_reward_model(cfg, g) if cfg.reward.model.path else None  # at the rollout layout
+        rm_scorer = (lambda b: self.rm.scores(b, cfg.reward.model.micro_batch_size)) if self.rm else None
+        self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir)
         self.device = device()
         ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
         self.targets = [r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank]
@@ -107,18 +128,35 @@ class RolloutWorker:
         return version
 
     def _generate(self, step: int, version: int, waits: int) -> QueuedBatch:
-        cfg, r = self.cfg, self.cfg.rollout
-        prompts = self.sampler.next_batch(self.train_set)
-        self.engine.resume_memory()
-        rollout = generate_rollout(self.engine, prompts, sampling_params(cfg), self.tokenizer, self.pad_id,
-                                   self.device, n=r.n, seed=rollout_seed(cfg, step, self.groups.dp_rank),
-                                   max_new_tokens=r.max_new_tokens)
-        self.engine.release_memory()
-        rollout.batch.policy_version = version
-        rollout.metrics.update(score_and_shape(self.reward, rollout, cfg.algorithm.dapo, r.max_new_tokens))
+        """Batch ``step``: generated with weights ``version``, scored and shaped (dynamic sampling: by rounds)."""
+        cfg, g = self.cfg, self.groups
+        seed, step_metrics = rollout_seed(cfg, step, g.dp_rank), {}
+        sample = functools.partial(self._sample, version=version)  # (prompts, seed) -> Rollout
+        if cfg.algorithm.dapo.dynamic_sampling:
+            dp = g.dp if g.dp_size > 1 else None
+            rollout, step_metrics = sample_until_full(cfg, self.reward, lambda: self.sampler.next_batch(self.train_set),
+                                                      sample, seed, g.dp_size, dp)
+        else:
+            rollout = sample(self.sampler.next_batch(self.train_set), seed)
+            rollout.metrics.update(score_and_shape(self.reward, rollout, cfg.algorithm.dapo,
+                                                   cfg.rollout.max_new_tokens))
         stats = dict(self.engine.stats)
         stats["async/rollout_waits"] = float(waits)
-        return QueuedBatch(step=step, version=version, rollout=rollout_to(rollout, "cpu"), engine_stats=stats)
+        return QueuedBatch(step=step, version=version, rollout=rollout_to(rollout, "cpu"), engine_stats=stats,
+                           step_metrics=step_metrics, sampler_state=self.sampler.state_dict())
+
+    def _sample(self, prompts, seed: int, version: int) -> Rollout:
+        """``prompts`` generated ``rollout.n`` times each from ``seed`` (ReMax: and greedily once, scored)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        self.engine.resume_memory()
+        rollout = generate_rollout(self.engine, prompts, sampling_params(cfg), self.tokenizer, self.pad_id,
+                                   self.device, n=r.n, seed=seed, max_new_tokens=r.max_new_tokens)
+        rollout.batch.policy_version = version
+        if cfg.algorithm.advantage == "remax":
+            greedy_baseline(cfg, self.engine, self.reward, prompts, rollout, self.tokenizer, self.pad_id,
+                            self.device)
+        self.engine.release_memory()
+        return rollout
 
     def _send(self, batch: QueuedBatch) -> None:
         if self.sends:

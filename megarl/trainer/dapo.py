@@ -17,6 +17,7 @@ honest learning curve); the trained batch is the filtered one.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -106,27 +107,38 @@ def dapo_counts(counts: dict[str, float], dp_group) -> dict[str, float]:
     return out
 
 
-def dynamic_sampling_rollout(tr) -> Rollout:
-    """This step's batch by dynamic sampling (module docstring), scored and shaped; the dapo/* counts
-    of the whole batch go to ``tr.metrics`` and the score metrics of every generated sample to the
-    rollout's."""
-    cfg, d = tr.cfg, tr.cfg.algorithm.dapo
-    dp = tr.groups.dp if tr.groups.dp_size > 1 else None
-    scored: dict[str, float] = {}
+def sample_until_full(cfg, reward, next_prompts: Callable[[], list], generate: Callable[[list, int], Rollout],
+                      seed: int, dp_size: int, dp_group, timer=None) -> tuple[Rollout, dict[str, float]]:
+    """One step's batch by dynamic sampling (module docstring), scored and shaped, and the dapo/*
+    counts of the whole batch (summed over ``dp_group``, the ranks that agree on the rounds).
+
+    ``next_prompts()`` draws this rank's next prompts; ``generate(prompts, seed)`` samples them;
+    round k uses ``seed + k * ROUND_SEED_STRIDE``. The score metrics of every generated sample go to
+    the returned rollout's metrics. The synchronous trainer and the asynchronous rollout ranks both
+    build their batches here."""
+    d, scored = cfg.algorithm.dapo, {}
 
     def draw(k: int, wanted: bool) -> Optional[Rollout]:
-        prompts = tr.sampler.next_batch(tr.train_set)
+        prompts = next_prompts()
         if not wanted:
             return None
-        rollout = tr.generate_prompts(prompts, tr.sampling_seed() + k * ROUND_SEED_STRIDE)
-        with tr.timer("reward"):
-            for key, value in score_and_shape(tr.reward, rollout, d, cfg.rollout.max_new_tokens).items():
+        rollout = generate(prompts, seed + k * ROUND_SEED_STRIDE)
+        with timer("reward") if timer is not None else contextlib.nullcontext():
+            for key, value in score_and_shape(reward, rollout, d, cfg.rollout.max_new_tokens).items():
                 cumulative = key == "reward/cache/fallbacks"  # since the start; hits and misses are per call
                 scored[key] = value if cumulative else scored.get(key, 0.0) + value
         return rollout
 
-    rollout, counts = fill_batch(draw, cfg.data.batch_size // tr.groups.dp_size, d.max_rounds,
-                                 lambda short: any_rank_short(short, dp))
+    rollout, counts = fill_batch(draw, cfg.data.batch_size // dp_size, d.max_rounds,
+                                 lambda short: any_rank_short(short, dp_group))
     rollout.metrics.update(scored)
-    tr.metrics.update(dapo_counts(counts, dp))
+    return rollout, dapo_counts(counts, dp_group)
+
+
+def dynamic_sampling_rollout(tr) -> Rollout:
+    """The synchronous trainer's batch by :func:`sample_until_full`; its dapo/* counts go to ``tr.metrics``."""
+    dp = tr.groups.dp if tr.groups.dp_size > 1 else None
+    rollout, counts = sample_until_full(tr.cfg, tr.reward, lambda: tr.sampler.next_batch(tr.train_set),
+                                        tr.generate_prompts, tr.sampling_seed(), tr.groups.dp_size, dp, tr.timer)
+    tr.metrics.update(counts)
     return rollout

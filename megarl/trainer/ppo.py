@@ -58,6 +58,17 @@ def rollout_seed(cfg: Config, step: int, dp_rank: int) -> int:
     return (cfg.rollout.seed * 1_000_003 + step) * 1009 + dp_rank
 
 
+def greedy_baseline(cfg: Config, engine, reward, prompts, rollout: Rollout, tokenizer, pad_id: int,
+                    device) -> None:
+    """ReMax: each prompt's greedy response scored, as ``rollout.batch.greedy_scores`` (one per sample)."""
+    r = cfg.rollout
+    params = SamplingParams(temperature=0.0, stop_token_ids=tuple(r.stop_token_ids))
+    greedy = generate_rollout(engine, prompts, params, tokenizer, pad_id, device, n=1, seed=0,
+                              max_new_tokens=r.max_new_tokens)  # greedy: seed unused
+    score_rollout(reward, greedy)
+    rollout.batch.greedy_scores = greedy.scores.repeat_interleave(r.n)
+
+
 def _kl_controller(cfg: Config):
     a = cfg.algorithm
     if a.kl_controller == "adaptive":
@@ -87,7 +98,8 @@ class PPOTrainer:
             cfg.data.batch_size * cfg.rollout.n // cfg.actor.mini_batch_size)
         self._build_roles()
         rm_scorer = (lambda b: self.rm.scores(b, cfg.reward.model.micro_batch_size)) if self.rm else None
-        self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir)
+        sync = cfg.trainer.mode == "sync"  # async: the rollout ranks score (megarl/trainer/async_rollout.py)
+        self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir) if sync else None
         self.kl_ctl = _kl_controller(cfg)
         self.checkpointer = Checkpointer(cfg.trainer.run_dir, cfg.trainer.keep_last,
                                          Layout.of(g, cfg.parallel.distributed_optimizer), cfg.trainer.seed,
@@ -134,7 +146,7 @@ class PPOTrainer:
         if uses_critic(cfg):
             with stage(f"loading the critic from {cfg.critic.path or cfg.model.path}", say):
                 self.critic = build_critic(cfg, g, self.optimizer_steps)
-        if cfg.reward.model.path:
+        if cfg.reward.model.path and cfg.trainer.mode == "sync":  # async: the rollout ranks build it
             with stage(f"loading the reward model from {cfg.reward.model.path}", say):
                 self.rm = build_reward_model(cfg, g)
         with stage(f"starting {engine_title(cfg)}", say):
@@ -206,12 +218,13 @@ class PPOTrainer:
         return rollout
 
     def _queued_rollout(self) -> Rollout:
-        """This step's batch from the rollout ranks; the sampler moves on as theirs did (for checkpoints)."""
+        """This step's batch from the rollout ranks; the sampler stands where theirs did after it (for checkpoints)."""
         with self.timer("rollout_wait"):
             queued = self.pipeline.next_batch(self.step)
-        self.sampler.next_batch(self.train_set)
+        self.sampler.load_state_dict(queued.sampler_state)  # dynamic sampling drew a round's prompts or more
         rollout = rollout_to(queued.rollout, self.device)
         self.rollout_stats = dict(queued.engine_stats)
+        self.metrics.update(queued.step_metrics)
         rollout.metrics.update(response_metrics(rollout))
         return rollout
 
@@ -230,13 +243,8 @@ class PPOTrainer:
         return rollout
 
     def _greedy_baseline(self, prompts, rollout: Rollout) -> None:
-        """ReMax: the score of each prompt's greedy response, per sample."""
-        r = self.cfg.rollout
-        params = SamplingParams(temperature=0.0, stop_token_ids=tuple(r.stop_token_ids))
-        greedy = generate_rollout(self.engine, prompts, params, self.tokenizer, self.pad_id, self.device,
-                                  n=1, seed=0, max_new_tokens=r.max_new_tokens)  # greedy: seed unused
-        score_rollout(self.reward, greedy)
-        rollout.batch.greedy_scores = greedy.scores.repeat_interleave(r.n)
+        greedy_baseline(self.cfg, self.engine, self.reward, prompts, rollout, self.tokenizer, self.pad_id,
+                        self.device)
 
     def score(self, rollout: Rollout) -> None:
         """Rewards and DAPO's overlong shaping (kept as they are for replayed rollouts that carry
