@@ -19,7 +19,8 @@ rank all 4 experts) and EP2 (2 experts per rank):
   update 1 exactly;
 - the native engine's sampled log-probs equal the training forward's (1e-5) and its greedy tokens
   are the training forward's argmax: expert adapters merged into its stacked expert copy (for
-  GroupedMLP too, which otherwise runs on views), the shared expert's run unmerged;
+  GroupedMLP too, which otherwise runs on views: a GroupedMLP run without expert adapters checks
+  that path), the shared expert's run unmerged;
 - the HF export (adapters merged, W + s B A) loads in ``transformers`` and gives the adapted
   model's logits (1e-5).
 Not covered: resuming the optimizer at another EP size (megatron-core chains a separate expert
@@ -175,6 +176,7 @@ def _job(rank, ckpt, ep, experts, run_dir, resume=False, ep2_step1=None, kind="a
 
 
 GROUPED1, GROUPED2 = (1, True, "grouped"), (2, True, "grouped")  # model.moe_experts=grouped (GroupedMLP, fp32)
+GROUPED_PLAIN = (2, False, "grouped")  # experts without adapters: the engine runs on views of weight1 / weight2
 
 
 def _dir(key) -> str:
@@ -196,13 +198,13 @@ def runs(ckpt, tmp_path_factory):
     ep2_step1 = str(root / "ep2_True" / "checkpoints" / "step_000001" / "actor")
     out = {key: spawn(_job, 2, ckpt, key[0], key[1], str(root / _dir(key)), False,
                       ep2_step1 if key[0] == 1 else None, key[2] if len(key) > 2 else "auto")[0]
-           for key in ((2, True), (1, True), (2, False), GROUPED2, GROUPED1)}
+           for key in ((2, True), (1, True), (2, False), GROUPED2, GROUPED1, GROUPED_PLAIN)}
     out["resumed"] = spawn(_job, 2, ckpt, 2, True, str(root / "ep2_True"), True)[0]
     out["dirs"] = root
     return out
 
 
-@pytest.mark.parametrize("key", [(1, True), (2, True), (2, False), GROUPED1, GROUPED2])
+@pytest.mark.parametrize("key", [(1, True), (2, True), (2, False), GROUPED1, GROUPED2, GROUPED_PLAIN])
 def test_zero_b_is_the_base_model_and_updates_touch_adapters_only(runs, key):
     run = runs[key]
     assert run["init_is_base"]
@@ -230,6 +232,15 @@ def test_ep2_equals_ep1(runs, ep1_key, ep2_key):
         assert abs(ep2["adapters"][name] - value).max() <= 1e-6, name
 
 
+def test_grouped_experts_without_adapters_train_as_the_loop(runs):
+    """GroupedMLP (megarl's forward, fp32) under attention / shared-expert adapters: SequentialMLP's updates."""
+    plain, loop = runs[GROUPED_PLAIN], runs[(2, False)]
+    for loss in ("loss1", "loss2"):
+        assert plain[loss] == pytest.approx(loop[loss], abs=1e-6, rel=1e-6)
+    for name, value in loop["adapters"].items():
+        assert abs(plain["adapters"][name] - value).max() <= 1e-6, name
+
+
 def test_checkpoint_resumes_and_reshards_to_ep1(runs):
     """Resumed at EP2 (adapters and the expert / dense Adam states): update 2 as if never stopped, exactly.
     Read at EP1 (the model: each expert's adapters found by global index): update 1's adapters, exactly."""
@@ -244,7 +255,7 @@ def test_checkpoint_resumes_and_reshards_to_ep1(runs):
             assert (loaded[name] == value).all(), name
 
 
-@pytest.mark.parametrize("key", [(1, True), (2, True), (2, False), GROUPED1, GROUPED2])
+@pytest.mark.parametrize("key", [(1, True), (2, True), (2, False), GROUPED1, GROUPED2, GROUPED_PLAIN])
 def test_rollout_logprobs_match_training(runs, key):
     assert runs[key]["rollout_gap"] <= 1e-5
     assert runs[key]["greedy_mismatches"] == 0
