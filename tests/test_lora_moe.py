@@ -13,7 +13,7 @@ rank all 4 experts) and EP2 (2 experts per rank):
   every adapter, by global expert (1e-6). Each expert's A comes from its own (layer, global
   expert) stream and its adapters reduce over expert-DP, so the layouts draw and train the same
   numbers;
-- a checkpoint saved at EP2 after update 1 (adapters and Adam state) resumes at EP2, and update 2
+- a checkpoint saved at EP2 after update 1 (adapters and Adam state) resumes at EP2 (either module), and update 2
   gives the loss and adapters of the uninterrupted update 2 exactly; its model (the adapters, each
   expert's by global index) read at EP1, by SequentialMLP and by GroupedMLP, equals EP2's after
   update 1 exactly;
@@ -200,6 +200,7 @@ def runs(ckpt, tmp_path_factory):
                       ep2_step1 if key[0] == 1 else None, key[2] if len(key) > 2 else "auto")[0]
            for key in ((2, True), (1, True), (2, False), GROUPED2, GROUPED1, GROUPED_PLAIN)}
     out["resumed"] = spawn(_job, 2, ckpt, 2, True, str(root / "ep2_True"), True)[0]
+    out["resumed_grouped"] = spawn(_job, 2, ckpt, 2, True, str(root / _dir(GROUPED2)), True, None, "grouped")[0]
     out["dirs"] = root
     return out
 
@@ -244,10 +245,11 @@ def test_grouped_experts_without_adapters_train_as_the_loop(runs):
 def test_checkpoint_resumes_and_reshards_to_ep1(runs):
     """Resumed at EP2 (adapters and the expert / dense Adam states): update 2 as if never stopped, exactly.
     Read at EP1 (the model: each expert's adapters found by global index): update 1's adapters, exactly."""
-    ep2, resumed = runs[(2, True)], runs["resumed"]
-    assert resumed["loss2"] == ep2["loss2"]
-    for name, value in ep2["adapters"].items():
-        assert (resumed["adapters"][name] == value).all(), name
+    for ep2, resumed in ((runs[(2, True)], runs["resumed"]), (runs[GROUPED2], runs["resumed_grouped"])):
+        assert resumed["loss2"] == ep2["loss2"]
+        for name, value in ep2["adapters"].items():
+            assert (resumed["adapters"][name] == value).all(), name
+    ep2 = runs[(2, True)]
     for reader in ((1, True), GROUPED1):  # EP2 SequentialMLP's checkpoint read by either module at EP1
         loaded = runs[reader]["adapters_from_ep2"]
         assert set(loaded) == set(ep2["adapters1"])
