@@ -16,6 +16,7 @@ with non-zero values drawn whole per (layer, global expert, linear):
 - EP2 and expert-TP 2 give the same logits (1e-5), for both modules: under expert-TP the experts'
   outputs are partial sums the dispatcher adds, and the adapters add theirs the same way;
 - ``merged_lora`` gives the adapted logits (W + s B A, 1e-5) and restores weight1 / weight2 bitwise;
+  under it the HF weight stream (SGLang's) of GroupedMLP equals SequentialMLP's (1e-6);
 - a model checkpoint of the grouped model loads into the sequential one: adapters equal exactly
   (fc1's B as [gate | up] halves over expert-TP).
 Not covered: bf16 models (the dtype only changes rounding, the GEMM path is the same), the grouped
@@ -167,6 +168,7 @@ def _module_job(rank, src, ckpt_dir, layout):
     with torch.no_grad(), adapters_off(grouped):
         out["base_logits"] = grouped(ids, pos, None, runtime_gather_output=True)[..., :info.vocab_size]
     out["restored"] = all(torch.equal(p, before[n]) for n, p in grouped.named_parameters())
+    out["stream_gap"] = _stream_gap(models, groups, info)
     save_mcore(grouped, info, groups, ckpt_dir)
     sequential = models["sequential"]
     with torch.no_grad():
@@ -176,6 +178,20 @@ def _module_job(rank, src, ckpt_dir, layout):
     load_mcore(sequential, groups, ckpt_dir)
     out["loaded"], out["saved"] = _by_expert(sequential, groups, False), _by_expert(grouped, groups, False)
     return _numpy(out) if rank == 0 else None
+
+
+def _stream_gap(models, groups, info) -> float:
+    """Largest difference between the two modules' merged weight streams (SGLang's HF tensors), all experts."""
+    from megarl.models.lora import merged_lora
+    from megarl.rollout.weight_stream import iter_hf_tensors
+
+    streams = {}
+    for kind, model in models.items():
+        with torch.no_grad(), merged_lora(model):
+            streams[kind] = dict(iter_hf_tensors(model, groups, info))
+    assert set(streams["grouped"]) == set(streams["sequential"])
+    assert any(".experts.3.down_proj" in name for name in streams["grouped"])
+    return max((streams["grouped"][k] - t).abs().max().item() for k, t in streams["sequential"].items())
 
 
 def _numpy(obj):
@@ -225,8 +241,11 @@ def test_expert_tp_gives_the_expert_parallel_model(module_runs):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_merged_grouped_weights_give_the_adapted_logits(module_runs, layout):
+    """merged_lora: the adapted logits, weights restored, and the weight stream SGLang would get (every
+    expert's W + s B A under its HF name) equal to SequentialMLP's (fp32 rounding of the merge)."""
     run = module_runs[layout]
     assert run["restored"]
+    assert run["stream_gap"] <= 1e-6
     assert (run["merged_logits"] - run["grouped_logits"]).abs().max().item() <= 1e-5
 
 
