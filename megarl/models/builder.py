@@ -132,7 +132,10 @@ def layer_spec(info: ModelInfo, opts: ModelOptions) -> ModuleSpec:
     if uses_te(opts):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=info.qk_norm, **experts)
+        # TE's own grouped experts (TEGroupedMLP: one weight per expert, fc1 / fc2 in TE modules) are not
+        # what the loader, the engine and LoRA read; the legacy GroupedMLP is the same module as without TE
+        legacy = dict(moe_use_legacy_grouped_gemm=True) if experts.get("moe_grouped_gemm") else {}
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=info.qk_norm, **experts, **legacy)
     spec = get_gpt_layer_local_spec(qk_layernorm=info.qk_norm, normalization="RMSNorm", **experts)
     if opts.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
