@@ -7,7 +7,8 @@ EP2 (each rank 2 of the 4 routed experts; the push gathers the others over EP; a
 GroupedMLP in bf16, all local experts in one tensor, received by a bf16 SequentialMLP copy, and the
 reverse: a grouped rollout parameter needs every expert of its layer, which the trainer's per-expert
 parameters bring over several buckets: the receiver holds them until all have come), TP2 x expert-TP2
-(each expert's FFN split over 2 ranks), LoRA on TP2 and LoRA on the experts of EP2 (the rollout copy
+(each expert's FFN split over 2 ranks), LoRA on TP2 and on the experts of EP2 (SequentialMLP; GroupedMLP
+in bf16, stacked adapters) (the rollout copy
 has no adapters: it must receive W + s B A). The training ranks perturb their loaded weights (and the
 adapters, so B A is not 0), so the rollout's own copy, loaded from the same checkpoint, differs
 before the push (asserted); they push in small buckets (several per push, so bucket boundaries fall
@@ -135,6 +136,8 @@ CASES = {  # name -> (architecture, training layout, rollout TP)
     "qwen2_pp2": ("Qwen2ForCausalLM", {"pp": 2}, 1),
     "qwen2moe_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1}, 1),
     "qwen2moe_grouped_bf16_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": "train"}, 1),
+    "qwen2moe_grouped_lora_experts_bf16_ep2": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": "train",
+                                                                     "lora": "experts"}, 1),
     "qwen2moe_bf16_ep2_to_grouped": ("Qwen2MoeForCausalLM", {"ep": 2, "etp": 1, "grouped": "rollout"}, 1),
     "qwen3moe_ep2_to_tp2": ("Qwen3MoeForCausalLM", {"ep": 2, "etp": 1}, 2),
     "qwen3moe_tp2_etp2": ("Qwen3MoeForCausalLM", {"tp": 2, "etp": 2}, 1),

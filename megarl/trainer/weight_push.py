@@ -6,7 +6,7 @@ tensors it is made of (the exporter's ``merge_shards``: the layout every TP size
 experts are gathered over the expert-parallel and expert-TP groups too (the exporter's
 ``expert_hf_tensors``: every EP rank's experts, so the rollout copy, at EP 1, gets all of them), and
 a LoRA actor's adapted weights go out merged, W + s B A, rounded as an export rounds them
-(``merged_weight``: the rollout copy has no adapters). The stage's TP rank 0 packs those tensors
+(``adapted_weights``: the rollout copy has no adapters). The stage's TP rank 0 packs those tensors
 into flat buckets of at most ``async.bucket_mb`` (``megarl_kernels.bucket.pack``) and sends each
 bucket, after a small header naming its tensors, to every rollout rank. A rollout rank takes one
 push from every stage's sender (:func:`push_sources`), views each bucket as tensors (``unpack``, no
@@ -26,7 +26,7 @@ from megarl_kernels.bucket import bucket_layout, pack, unpack
 from megarl.distributed import device
 from megarl.models.exporter import expert_hf_tensors, merge_shards, tp_shards
 from megarl.models.loader import read_shard
-from megarl.models.lora import adapted_weights, merged_weight
+from megarl.models.lora import adapted_weights
 from megarl.models.weight_map import EXPERT_KINDS, model_rules
 from megarl.trainer.async_channel import BUCKET_TAG, HEADER_TAG, Outbox, recv_object, recv_tensor, send_object, \
     send_tensor
@@ -68,7 +68,7 @@ class WeightPusher:
         self.sends = self.gathers and groups.tp_rank == 0
         # routed experts: the sender's expert-data-parallel replica (its EP and expert-TP groups) holds them all
         self.gathers_experts = info.moe is not None and dist.get_rank(groups.edp) == 0
-        self.adapted = adapted_weights(model)  # LoRA: weight name -> its linear, sent merged
+        self.adapted = adapted_weights(model)  # LoRA: weight name -> its merged W + s B A (what is sent)
         self.outbox = Outbox()
 
     def push(self, version: int) -> dict[str, float]:
@@ -93,7 +93,7 @@ class WeightPusher:
         expert = rule.kind in EXPERT_KINDS
         if not (self.gathers_experts if expert else self.gathers):
             return {}
-        weight = merged_weight(self.adapted[name]) if name in self.adapted else param
+        weight = self.adapted[name]() if name in self.adapted else param
         if expert:
             tensors = expert_hf_tensors(rule, weight, self.groups)
             return tensors if self.sends else {}
