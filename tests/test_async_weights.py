@@ -7,9 +7,8 @@ EP2 (each rank 2 of the 4 routed experts; the push gathers the others over EP; a
 GroupedMLP in bf16, all local experts in one tensor, received by a bf16 SequentialMLP copy, and the
 reverse: a grouped rollout parameter needs every expert of its layer, which the trainer's per-expert
 parameters bring over several buckets: the receiver holds them until all have come), TP2 x expert-TP2
-(each expert's FFN split over 2 ranks), LoRA on TP2 and on the experts of EP2 (SequentialMLP; GroupedMLP
-in bf16, stacked adapters) (the rollout copy
-has no adapters: it must receive W + s B A). The training ranks perturb their loaded weights (and the
+(each expert's FFN split over 2 ranks), LoRA on TP2 and on the experts of EP2 (SequentialMLP, and
+GroupedMLP in bf16 with stacked adapters; the rollout copy has no adapters: it must receive W + s B A). The training ranks perturb their loaded weights (and the
 adapters, so B A is not 0), so the rollout's own copy, loaded from the same checkpoint, differs
 before the push (asserted); they push in small buckets (several per push, so bucket boundaries fall
 between parameters), and send, from each stage's
