@@ -215,3 +215,23 @@ def test_ppo_entry_exits_2_with_one_line(tmp_path, override, needle):
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("kind, legacy", [("grouped", True), ("sequential", None)])
+def test_te_spec_builds_the_grouped_module_megarl_reads(tmp_path, monkeypatch, kind, legacy):
+    """With transformer-engine, grouped experts are megatron-core's legacy GroupedMLP (weight1 / weight2,
+    what the loader, the engine and LoRA read), not TEGroupedMLP; the per-expert module stays as it is."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megarl.models import ModelOptions, builder, read_hf_config
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    make_tiny_checkpoint(str(tmp_path), "Qwen3MoeForCausalLM", seed=3)
+    seen = {}
+    monkeypatch.setattr(builder, "uses_te", lambda opts: True)
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec",
+                        lambda **kw: seen.update(kw) or "te-spec")
+    info = read_hf_config(str(tmp_path))
+    assert builder.layer_spec(info, ModelOptions(params_dtype="bf16", moe_experts=kind)) == "te-spec"
+    assert seen["moe_grouped_gemm"] == (kind == "grouped")
+    assert seen.get("moe_use_legacy_grouped_gemm") is legacy

@@ -13,9 +13,11 @@ and ``weight2`` (E * F, H): ``w13`` (E, 2F, H) and ``w2`` (E, H, F) are strided 
 copy. ``SequentialMLP`` (one ``MLP`` per expert, CPU / fp32) has no common storage, so its
 weights are stacked into engine-owned tensors by :meth:`MoeWeights.refresh`, which the engine
 calls at the start of every generate call (a copy of the experts, taken after the last update).
-LoRA (megarl/models/lora.py) on routed experts, which only SequentialMLP carries, is merged into
-that copy, W + s B A, as the HF export merges it; a shared expert's adapters run unmerged, as the
-dense MLP's (``shared_lora``).
+LoRA on routed experts (per-expert linears' adapters on SequentialMLP, megarl/models/lora.py;
+stacked ones on GroupedMLP, megarl/models/lora_grouped.py) is merged into such a copy, W + s B A
+rounded once as the HF export merges it: a GroupedMLP with adapters gets an engine-owned stacked
+copy too, views only without them. A shared expert's adapters run unmerged, as the dense MLP's
+(``shared_lora``).
 
 Expert parallelism (EP > 1): each rank holds experts [first, first + E_local). Every rank of the
 EP group routes its own rows, the group all-gathers the rows (padded to the group's largest row
@@ -51,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.models.lora_grouped import grouped_adapters, weight_deltas
 from megarl_kernels.fused_moe import fused_moe_local
 from megarl_kernels.swiglu import silu_mul
 
@@ -68,14 +71,19 @@ class MoeWeights:
     shared_fc1: Optional[torch.Tensor]  # (2 Fs, h)
     shared_fc2: Optional[torch.Tensor]  # (h, Fs)
     shared_gate: Optional[torch.Tensor]  # (1, h)
-    experts: object = None  # SequentialMLP to restack from (None: w13 / w2 are views)
+    experts: object = None  # SequentialMLP, or GroupedMLP with adapters, to restack from (None: views)
     shared_lora: dict = field(default_factory=dict)  # "fc1" / "fc2" -> the shared expert's adapter (stage.LoraWeights)
 
     def refresh(self) -> None:
-        """Copies a SequentialMLP's current expert weights (LoRA merged) into the stacked ``w13`` / ``w2``."""
+        """Copies the experts' current weights (LoRA merged) into the stacked ``w13`` / ``w2``."""
         if self.experts is None:
             return
         with torch.no_grad():
+            if hasattr(self.experts, "weight1"):  # GroupedMLP with adapters
+                w13, w2 = _grouped_views(self.experts, _merged_grouped(self.experts))
+                self.w13.copy_(w13)
+                self.w2.copy_(w2)
+                return
             for e, mlp in enumerate(self.experts.local_experts):
                 self.w13[e].copy_(_merged(mlp.linear_fc1))
                 self.w2[e].copy_(_merged(mlp.linear_fc2))
@@ -94,6 +102,24 @@ def _merged(linear) -> torch.Tensor:
     return (linear.weight.float() + delta).to(linear.weight.dtype)
 
 
+def _merged_grouped(experts) -> dict[str, torch.Tensor]:
+    """A GroupedMLP's weight1 / weight2, plus s B A (fp32, rounded once) of its enabled adapters."""
+    deltas = weight_deltas(experts)
+    out = {}
+    for name in ("weight1", "weight2"):
+        w = getattr(experts, name)
+        out[name] = (w.float() + deltas[name]).to(w.dtype) if name in deltas else w
+    return out
+
+
+def _grouped_views(experts, weights: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """GroupedMLP weight1 (h, E*2F) / weight2 (E*F, h) -> w13 (E, 2F, h), w2 (E, h, F) views."""
+    local, h = experts.num_local_experts, experts.config.hidden_size
+    w13 = weights["weight1"].view(local, h, -1).transpose(1, 2)
+    w2 = weights["weight2"].view(local, -1, h).transpose(1, 2)
+    return w13, w2
+
+
 def moe_weights(mlp, groups) -> Optional[MoeWeights]:
     """The :class:`MoeWeights` of a megatron ``MoELayer`` (None for a dense MLP)."""
     router = getattr(mlp, "router", None)
@@ -101,11 +127,11 @@ def moe_weights(mlp, groups) -> Optional[MoeWeights]:
         return None
     cfg, experts = mlp.config, mlp.experts
     local = experts.num_local_experts
-    if hasattr(experts, "weight1"):  # GroupedMLP: views, no copy
-        h = cfg.hidden_size
-        w13 = experts.weight1.view(local, h, -1).transpose(1, 2)  # (E, 2F, h)
-        w2 = experts.weight2.view(local, -1, h).transpose(1, 2)  # (E, h, F)
-        source = None
+    if hasattr(experts, "weight1"):  # GroupedMLP: views, no copy; with adapters a stacked merged copy
+        w13, w2 = _grouped_views(experts, {"weight1": experts.weight1, "weight2": experts.weight2})
+        source = experts if grouped_adapters(experts) else None
+        if source is not None:
+            w13, w2 = w13.new_empty(w13.shape), w2.new_empty(w2.shape)  # (E, 2F, h), (E, h, F) contiguous
     else:  # SequentialMLP: stacked (refresh copies the current weights in)
         fc1, fc2 = experts.local_experts[0].linear_fc1.weight, experts.local_experts[0].linear_fc2.weight
         w13 = fc1.new_empty((local, *fc1.shape))
