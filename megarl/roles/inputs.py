@@ -12,7 +12,8 @@ from it (the log-prob of the target, a value) and :meth:`ModelInputs.to_rows`
 brings that back to the (b, l) per-token layout of :class:`SampleBatch`:
 entry t of row i is the number computed at position t - 1 of sequence i
 (column 0 and padding = 0), so log-probs, values and the loss code are the
-same for both layouts.
+same for both layouts. ``padding`` marks the tokens of no sequence (right padding, the pad
+segment, CP's per-sequence padding): an MoE model routes none of them (megarl/models/moe_padding.py).
 """
 from __future__ import annotations
 
