@@ -26,10 +26,10 @@ from megarl.trainer.partial import PartialRollouts
 from test_partial import N, QUOTA, ScriptedEngine, _draw
 from test_trainer_runs import metrics, ppo
 
-SMALL = ["rollout.partial=true", "data.batch_size=8", "rollout.n=4", "actor.mini_batch_size=32",
-         "actor.micro_batch_size=16", "trainer.eval_samples=8", "trainer.tensorboard=false",
+SMALL = ["rollout.partial=true", "data.batch_size=8", "rollout.n=2", "rollout.max_new_tokens=24",
+         "actor.mini_batch_size=16", "actor.micro_batch_size=8", "trainer.eval_samples=8", "trainer.tensorboard=false",
          "trainer.export_hf=false", "algorithm.rollout_correction.preset=none", "trainer.save_every=0"]
-LAGGED = ["async.max_staleness=2", "async.queue_size=3"]
+LAGGED = ["async.max_staleness=2", "async.queue_size=2"]  # batches lag <= 1, tokens <= 2: carried ones survive
 
 
 def _async_steps(bound: int, lag: int, steps: int = 8):
@@ -47,7 +47,7 @@ def _async_steps(bound: int, lag: int, steps: int = 8):
 
 def test_continued_responses_keep_their_tokens_and_each_tokens_version_and_logprob():
     continued = 0
-    for k, (p, version, taken, before) in enumerate(_async_steps(bound=2, lag=1)):
+    for k, (p, version, taken, before) in enumerate(_async_steps(bound=2, lag=1)):  # like LAGGED
         for g in taken:
             for j, s in enumerate(g.samples):
                 assert s.tokens == [(s.seed + i) % 97 for i in range(1 + s.seed % 9)]
@@ -69,23 +69,26 @@ def test_bound_zero_trains_only_current_tokens_and_samples_the_carried_ones_agai
 
 
 def _token_ages(root, step: int):
-    """Ages (training step minus version) of the response tokens of dumped batch ``step`` and its policy_version."""
+    """Dumped batch ``step``: its response tokens' ages (training step minus version), its policy_version,
+    its oldest token's version, and how many responses hold tokens of more than one version."""
     d = torch.load(dump_path(str(root), step, 0), weights_only=False)
-    versions = d["token_versions"][d["response_mask"] > 0]
-    return (step - 1) - versions, d["policy_version"], int(versions.min())
+    mask = d["response_mask"] > 0
+    versions = d["token_versions"][mask]
+    mixed = sum(len(set(row[m].tolist())) > 1 for row, m in zip(d["token_versions"], mask))
+    return (step - 1) - versions, d["policy_version"], int(versions.min()), mixed
 
 
 def test_async_partial_carries_responses_within_the_bound(tmp_path):
     run = tmp_path / "run"
     ppo("yaml/tiny_async.yaml", run, *SMALL, *LAGGED, f"trainer.dump_rollouts={tmp_path / 'd'}", steps=4)
-    rows = metrics(run)
+    rows, mixed = metrics(run), 0
     for step in (1, 2, 3, 4):
         r = rows[step]
-        assert 0 <= r["async/staleness"] <= r["partial/age_max"] <= 2, (step, r)
-        ages, oldest, first = _token_ages(tmp_path / "d", step)
+        assert 0 <= r["async/staleness"] <= 1 and r["async/staleness"] <= r["partial/age_max"] <= 2, (step, r)
+        ages, oldest, first, m = _token_ages(tmp_path / "d", step)
         assert int(ages.min()) >= 0 and int(ages.max()) == r["partial/age_max"] and oldest == first
-    assert any(rows[s]["partial/resumed"] > 0 for s in (2, 3, 4))  # continued across a weight push
-    assert any(rows[s]["partial/stale_token_frac"] > 0 for s in (2, 3, 4))
+        mixed += m
+    assert mixed > 0  # responses continued across a weight push: tokens of two versions in one response
 
 
 def test_bound_zero_first_step_equals_sync_then_only_current_tokens(tmp_path):
@@ -111,7 +114,7 @@ def test_resume_gives_the_rollout_rank_its_groups_in_flight(tmp_path):
     ppo("yaml/tiny_async.yaml", run, *args, steps=2)
     state = torch.load(run / "checkpoints" / "step_000002" / "partial" / "rank_0.pt", weights_only=False)
     carried = [s for g in state["groups"] for s in g["samples"] if s["tokens"]]
-    assert carried and all(max(s["versions"]) <= 1 for s in carried)
+    assert carried and all(len(s["versions"]) == len(s["tokens"]) == len(s["logprobs"]) for s in carried)
     assert "resumed from step 2" in ppo("yaml/tiny_async.yaml", run, *args, steps=4)
     rows = metrics(run)
     assert rows[3]["async/policy_version"] == 2 and "partial/dropped_on_resume" not in rows[3]

@@ -156,10 +156,10 @@ class RolloutWorker:
                            partial_state=None if self.partial is None else self.partial.state_dict())
 
     def _partial(self, step: int, version: int, seed: int) -> tuple[Rollout, dict[str, float]]:
-        """Batch ``step`` of partial rollouts: samples begun before version ``step - lag_bound`` start over
-        (no token of the batch is older than the bound), the rest continue under weights ``version``."""
+        """Batch ``step`` of partial rollouts: samples begun before version ``step - async.max_staleness``
+        start over (no token of the batch is older than the bound), the rest continue under ``version``."""
         cfg, g, p = self.cfg, self.groups, self.partial
-        p.restart_older_than(step - lag_bound(cfg))
+        p.restart_older_than(step - cfg.async_.max_staleness)
         taken = generate_and_take(p, self.engine, lambda: self.sampler.next_batch(self.train_set),
                                   sampling_params(cfg), seed, version)
         rollout, metrics = pack_taken(p, taken, step, self.tokenizer, self.pad_id, self.device,

@@ -45,10 +45,11 @@ class TrainingEnd:
         """The batch of training step ``step`` (0-based); an error if its version breaks the bound."""
         batch = recv_object(self.placement.objects, self.source, BATCH_TAG)
         lag, oldest = step - batch.version, step - batch.rollout.batch.policy_version  # partial: oldest token
-        if batch.step != step or not 0 <= lag <= oldest <= lag_bound(self.cfg):
+        bound = lag_bound(self.cfg)
+        if batch.step != step or not 0 <= lag <= bound or not lag <= oldest <= self.cfg.async_.max_staleness:
             raise RuntimeError(f"the rollout queue gave the batch of step {batch.step} sampled by version "
                                f"{batch.version} (oldest token: {batch.rollout.batch.policy_version}) to step "
-                               f"{step} (bound {lag_bound(self.cfg)})")
+                               f"{step} (bound {bound}; tokens: async.max_staleness={self.cfg.async_.max_staleness})")
         batch.engine_stats.update({"async/staleness": float(lag), "async/policy_version": float(batch.version)})
         return batch
 
