@@ -31,6 +31,13 @@ replicas agree on each round among themselves (their data-parallel group of the 
 as the synchronous DP ranks do. The batch carries the dapo/* counts and the prompt sampler's
 position after its rounds, which the training ranks adopt (their checkpoints then resume the
 rollout ranks at the right prompt).
+
+Partial rollouts (``rollout.partial``) keep the unfinished groups on the rollout replica between
+batches (:mod:`megarl.trainer.partial`); a token's version is the one this rank held when it
+sampled it. ``async.max_staleness`` bounds the oldest token of a batch: before batch k, responses
+holding a token older than ``k - max_staleness`` are sampled again from their seed. Each batch
+carries the groups in flight after it; the training ranks checkpoint them and the start message
+gives them back.
 """
 from __future__ import annotations
 
