@@ -98,8 +98,7 @@ def build_training_model(info, groups, meta: dict):
 
     lora = meta.get("lora") or {}
     opts = ModelOptions(params_dtype=meta.get("params_dtype", "fp32"), layer_spec=meta.get("layer_spec", "auto"),
-                        make_vocab_size_divisible_by=meta.get("vocab_divisible_by", 128),
-                        moe_experts="sequential" if lora.get("experts") else "auto")
+                        make_vocab_size_divisible_by=meta.get("vocab_divisible_by", 128))
     model = build_gpt_model(info, groups, opts)
     if lora:
         apply_lora(model, LoraOptions(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),

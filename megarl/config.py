@@ -35,6 +35,7 @@ class ModelConfig:
     attention_backend: Literal["sdpa", "local"] = opt("sdpa", "core attention: PyTorch SDPA or megatron's unfused softmax")
     layer_spec: Literal["auto", "local", "te"] = opt("auto", "auto: transformer-engine when it imports, else local")
     vocab_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this times tp")
+    moe_experts: Literal["auto", "grouped", "sequential"] = opt("auto", "mixture of experts: the routed experts' module; auto: GroupedMLP (grouped GEMMs, torch._grouped_mm) on CUDA in bfloat16, else SequentialMLP (a loop over local experts); grouped on CUDA needs bfloat16")
 
 
 @dataclass
@@ -153,7 +154,7 @@ class LoraConfig:
     rank: int = opt(0, "adapter rank r; 0 disables LoRA")
     alpha: float = opt(16.0, "scale alpha: the adapter adds (alpha / r) * x A^T B^T")
     targets: list[str] = opt(list(LORA_TARGETS), "megatron linears to adapt")
-    experts: bool = opt(False, "mixture of experts: also adapt every routed expert's fc1 / fc2 (an A / B pair per expert; the experts then run as SequentialMLP, a loop over local experts); false: attention, dense and shared-expert MLPs only")
+    experts: bool = opt(False, "mixture of experts: also adapt every routed expert's fc1 / fc2 (an A / B pair per expert, run as grouped GEMMs on GroupedMLP and as hooks on SequentialMLP's per-expert linears); false: attention, dense and shared-expert MLPs only")
 
 
 @dataclass

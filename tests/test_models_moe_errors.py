@@ -4,7 +4,7 @@ Config reading (``read_hf_config``): an unsupported architecture names the suppo
 dense layers between MoE layers (decoder_sparse_step, mlp_only_layers), router jitter and
 top-1 renormalized routing are refused. Run config (``config_checks``): parallel.ep not
 dividing the experts or, with parallel.etp, the ranks of a stage; ep on a dense model;
-LoRA, CP, or TP without sequence parallelism with MoE; SGLang, or the native engine at TP > 1, with MoE.
+LoRA, CP, or TP without sequence parallelism with MoE; the native engine with parallel.etp not dividing parallel.tp.
 Checkpoints: HF weights with more experts than config.json; a megatron checkpoint whose
 expert count or top-k differs from the config it is exported with (launch/convert.py,
 exit 2). And the conversion HF -> megatron at EP2 -> HF at EP1 is bitwise.
@@ -117,9 +117,11 @@ def test_ep_on_dense_model_lora_and_rollout_rules():
     check_experts(_cfg(ep=2), 2, QWEN3_MOE)  # fine: 2 experts per rank
     check_moe_rollout(_cfg(), dense)  # a dense model generates
     check_moe_rollout(_cfg(ep=2), QWEN3_MOE)  # the native engine generates at TP1, any EP
-    with pytest.raises(ConfigError) as e:
-        check_moe_rollout(_cfg(tp=2, sequence_parallel=True), QWEN3_MOE)
-    assert "at parallel.tp=1 only" in one_line(e)
+    check_moe_rollout(_cfg(tp=2, sequence_parallel=True), QWEN3_MOE)  # and at TP2 (etp = tp)
+    check_moe_rollout(_cfg(tp=2, ep=2, etp=1, sequence_parallel=True), QWEN3_MOE)  # and at etp 1 under TP2
+    with pytest.raises(ConfigError) as e:  # expert-tensor ranks across DP hold other rows
+        check_moe_rollout(_cfg(ep=1, etp=2), QWEN3_MOE)
+    assert "when parallel.etp divides parallel.tp (etp=2, tp=1)" in one_line(e)
     cfg = _cfg(ep=2)
     cfg.rollout.engine = "sglang"
     check_moe_rollout(cfg, QWEN3_MOE)  # its weight stream sends every expert (tests/test_rollout_sglang_moe.py)
@@ -211,3 +213,23 @@ def test_ppo_entry_exits_2_with_one_line(tmp_path, override, needle):
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("kind, legacy", [("grouped", True), ("sequential", None)])
+def test_te_spec_builds_the_grouped_module_megarl_reads(tmp_path, monkeypatch, kind, legacy):
+    """With transformer-engine, grouped experts are megatron-core's legacy GroupedMLP (weight1 / weight2,
+    what the loader, the engine and LoRA read), not TEGroupedMLP; the per-expert module stays as it is."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megarl.models import ModelOptions, builder, read_hf_config
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    make_tiny_checkpoint(str(tmp_path), "Qwen3MoeForCausalLM", seed=3)
+    seen = {}
+    monkeypatch.setattr(builder, "uses_te", lambda opts: True)
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec",
+                        lambda **kw: seen.update(kw) or "te-spec")
+    info = read_hf_config(str(tmp_path))
+    assert builder.layer_spec(info, ModelOptions(params_dtype="bf16", moe_experts=kind)) == "te-spec"
+    assert seen["moe_grouped_gemm"] == (kind == "grouped")
+    assert seen.get("moe_use_legacy_grouped_gemm") is legacy

@@ -51,14 +51,17 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
 
 
 def check_moe_rollout(cfg: Config, hf: dict) -> None:
-    """The native engine generates with a mixture of experts at parallel.tp=1 (experts over parallel.ep,
-    megarl/rollout/moe_step.py); SGLang's weight stream sends every expert (gathered over EP)."""
+    """The native engine generates with a mixture of experts wherever the expert-tensor ranks hold the same
+    rows, i.e. parallel.etp divides parallel.tp (megarl/rollout/moe_step.py: experts over parallel.ep, their
+    FFN split over etp, partial sums all-reduced); SGLang's weight stream sends every expert (gathered over EP)."""
     if moe_experts(hf) is None:
         return
-    if cfg.rollout.engine == "native" and cfg.parallel.tp > 1:
-        raise ConfigError(f"rollout.engine=native generates with the mixture-of-experts model {cfg.model.path} at "
-                          f"parallel.tp=1 only (parallel.tp={cfg.parallel.tp}); set parallel.tp=1 and spread the "
-                          "experts with parallel.ep")
+    p = cfg.parallel
+    etp = p.tp if p.etp is None else p.etp
+    if cfg.rollout.engine == "native" and p.tp % etp:
+        raise ConfigError(f"rollout.engine=native generates with the mixture-of-experts model {cfg.model.path} when "
+                          f"parallel.etp divides parallel.tp (etp={etp}, tp={p.tp}); leave parallel.etp unset (= tp) "
+                          "or set it to a divisor of parallel.tp")
 
 
 def check_router_replay(cfg: Config, hf: dict) -> None:
@@ -72,6 +75,10 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
     if moe_experts(hf) is None:
         raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
                           "is dense: set actor.router_replay=none")
+    if cfg.parallel.tp > 1:  # megarl/models/router_replay.py lays ids out for unsplit router inputs
+        raise ConfigError(f"actor.router_replay={a.router_replay} at parallel.tp={cfg.parallel.tp} is not supported yet "
+                          "(the replay does not split ids over sequence-parallel ranks); set parallel.tp=1 or "
+                          "actor.router_replay=none")
     for key, on, why in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, "appended tool and user tokens"),
                          ("rollout.server.enable", cfg.rollout.server.enable, "appended tool and user tokens"),
                          ("rollout.partial", cfg.rollout.partial, "responses resumed across steps")):

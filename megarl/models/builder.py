@@ -57,7 +57,7 @@ class ModelOptions:
     recompute: str = "none"  # activation recompute in training mode: "none" | "selective" | "full"
     moe_aux_loss_coef: float = 0.0  # MoE load-balancing loss weight (0: off)
     moe_z_loss_coef: float = 0.0  # MoE router z-loss weight (0: off)
-    moe_experts: str = "auto"  # MoE experts module: "auto" (grouped on CUDA in bf16) | "grouped" | "sequential"
+    moe_experts: str = "auto"  # MoE experts module: "auto" (grouped on CUDA in bf16) | "grouped" (any dtype on CPU) | "sequential"
 
     def validate(self) -> None:
         if self.attention_backend not in ("sdpa", "local"):
@@ -76,8 +76,9 @@ class ModelOptions:
             raise ValueError(f"recompute={self.recompute!r}: use one of {sorted(_RECOMPUTE)}")
         if self.moe_experts not in ("auto", "grouped", "sequential"):
             raise ValueError(f"moe_experts={self.moe_experts!r}: use 'auto', 'grouped' or 'sequential'")
-        if self.moe_experts == "grouped" and self.params_dtype != "bf16":
-            raise ValueError("moe_experts='grouped' needs params_dtype='bf16' (megatron-core's GroupedMLP asserts it)")
+        if self.moe_experts == "grouped" and self.params_dtype != "bf16" and torch.cuda.is_available():
+            raise ValueError("model.moe_experts=grouped on CUDA needs model.dtype=bfloat16 (the grouped GEMM "
+                             "path megarl runs there); use model.moe_experts=auto")
         if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
             raise ValueError("actor.moe_aux_loss_coef and actor.moe_z_loss_coef must be >= 0")
 
@@ -131,7 +132,10 @@ def layer_spec(info: ModelInfo, opts: ModelOptions) -> ModuleSpec:
     if uses_te(opts):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=info.qk_norm, **experts)
+        # TE's own grouped experts (TEGroupedMLP: one weight per expert, fc1 / fc2 in TE modules) are not
+        # what the loader, the engine and LoRA read; the legacy GroupedMLP is the same module as without TE
+        legacy = dict(moe_use_legacy_grouped_gemm=True) if experts.get("moe_grouped_gemm") else {}
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=info.qk_norm, **experts, **legacy)
     spec = get_gpt_layer_local_spec(qk_layernorm=info.qk_norm, normalization="RMSNorm", **experts)
     if opts.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
@@ -172,6 +176,7 @@ def build_gpt_model(
         model.output_layer = ValueHead(config, groups)
     if info.moe:
         moe.experts_in_own_optimizer(model)
+        moe.own_grouped_forward(model)
     _norms_in_params_dtype(model, config.params_dtype)
     fuse_swiglu(model)
     if torch.cuda.is_available():

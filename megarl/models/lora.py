@@ -21,14 +21,16 @@ slice, so the adapters (and the whole run) do not depend on the TP layout.
 Checkpoints shard B (column) / A (row) over TP like the base weight.
 
 Mixtures of experts. Attention, dense MLPs and a shared expert are adapted as above. With
-``experts`` the routed experts' fc1 / fc2 get adapters too, one A / B pair per expert, on
-megatron-core's ``SequentialMLP`` (one ``MLP`` per local expert: the hook works unchanged;
-``GroupedMLP`` keeps its experts in two weight tensors with no linear to hook, a ValueError).
-Under expert parallelism each rank holds its own experts' adapters: each expert's A comes
-from a stream of its (layer, global expert, fc1 | fc2), not of the rank's enumeration, so
-EP1 and EP2 draw the same adapters; the adapters inherit the expert weights' ``allreduce =
-False``, so megatron-core's DDP and optimizer reduce them over the expert-data-parallel
-group, and SequentialMLP's checkpoint maps them to global experts like the weights.
+``experts`` the routed experts' fc1 / fc2 get adapters too, one A / B pair per expert: on
+megatron-core's ``SequentialMLP`` (one ``MLP`` per local expert) the hook works unchanged; on
+``GroupedMLP`` (all local experts in two weight tensors) the pairs are stacked and run as
+grouped GEMMs (megarl/models/lora_grouped.py), expert e's slices equal to what SequentialMLP's
+expert e would carry. Under expert parallelism each rank holds its own experts' adapters: each
+expert's A comes from a stream of its (layer, global expert, fc1 | fc2), not of the rank's
+enumeration, so EP1 and EP2 draw the same adapters; the adapters inherit the expert weights'
+``allreduce = False``, so megatron-core's DDP and optimizer reduce them over the
+expert-data-parallel group, and both modules' checkpoints map them to global experts under
+the same keys.
 
 Not supported (config errors): sequence parallelism, the TE layer spec (its
 fused LayerNorm-linear hides the normed input from the hook).
@@ -51,6 +53,7 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megarl.config import LORA_TARGETS as TARGETS
+from megarl.models.lora_grouped import GroupedAdapter, attach_grouped, weight_deltas
 
 COLUMN = {"linear_qkv", "linear_fc1"}
 
@@ -61,7 +64,7 @@ class LoraOptions:
     alpha: float
     targets: tuple[str, ...] = TARGETS
     seed: int = 0
-    experts: bool = False  # also the routed experts' fc1 / fc2 (SequentialMLP)
+    experts: bool = False  # also the routed experts' fc1 / fc2 (SequentialMLP or GroupedMLP)
 
 
 @dataclass
@@ -89,17 +92,36 @@ def _targets(module, targets) -> list[tuple[str, torch.nn.Module]]:
             if name.rsplit(".", 1)[-1] in targets and ".experts." not in name]
 
 
+def _moe_layers(module) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in module.named_modules()
+            if getattr(m, "router", None) is not None and getattr(m, "experts", None) is not None]
+
+
+def _grouped_experts(module, opts: "LoraOptions") -> list["Adapter"]:
+    """The stacked adapters of every GroupedMLP (megarl/models/lora_grouped.py), same streams as below."""
+    out = []
+    for name, moe in _moe_layers(module):
+        experts = moe.experts
+        if not hasattr(experts, "weight1"):
+            continue
+        _check(experts, f"{name}.experts")
+        for full, ad in attach_grouped(f"{name}.experts", experts, moe.router.layer_number, opts, _full_a,
+                                       EXPERT_STREAMS):
+            out.append(Adapter(full, ad.column, ad.lora_a, ad.lora_b, ad.lora_scale, ad.tp_group))
+    return out
+
+
 def _expert_targets(module, targets) -> list[tuple[str, torch.nn.Module, int]]:
-    """(name, linear, A stream) of every local routed expert's targeted fc1 / fc2; the stream is a
+    """(name, linear, A stream) of every SequentialMLP expert's targeted fc1 / fc2; the stream is a
     function of (global layer, global expert, linear), the same at every EP layout."""
     out = []
-    for name, moe in module.named_modules():
-        experts = getattr(moe, "experts", None)
-        if getattr(moe, "router", None) is None or experts is None:
+    for name, moe in _moe_layers(module):
+        experts = moe.experts
+        if hasattr(experts, "weight1"):  # GroupedMLP: _grouped_experts
             continue
         if not hasattr(experts, "local_experts"):
             raise ValueError(f"LoRA on the routed experts of {name}: {type(experts).__name__} has no per-expert "
-                             "linear to adapt; build the model with moe_experts='sequential'")
+                             "linear to adapt; build the model with moe_experts='sequential' or 'grouped'")
         total = experts.ep_group.size() * experts.num_local_experts
         first = experts.ep_group.rank() * experts.num_local_experts
         for i, expert in enumerate(experts.local_experts):
@@ -136,6 +158,8 @@ def apply_lora(module: torch.nn.Module, opts: LoraOptions) -> list[Adapter]:
     for name, linear, index in targets:
         _check(linear, name)
         adapters.append(_attach(name, linear, index, opts))
+    if opts.experts:
+        adapters += _grouped_experts(module, opts)
     if not adapters:
         raise ValueError(f"LoRA targets {list(opts.targets)} match no linear of the model; use some of {list(TARGETS)}")
     return adapters
@@ -160,8 +184,11 @@ def _attach(name: str, linear, index: int, opts: LoraOptions) -> Adapter:
         p.allreduce = getattr(linear.weight, "allreduce", True)
     adapter = Adapter(name, column, linear.lora_a, linear.lora_b, opts.alpha / opts.rank, group)
     linear.lora_scale, linear.lora_enabled = adapter.scale, True
-    region = copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region
-    linear.register_forward_hook(functools.partial(_lora_hook, region))
+    if getattr(linear, "explicit_expert_comm", False):  # a routed expert's: the dispatcher sums over expert-TP
+        linear.register_forward_hook(functools.partial(_expert_lora_hook, column))
+    else:
+        region = copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region
+        linear.register_forward_hook(functools.partial(_lora_hook, region))
     gated = name.endswith("linear_fc1") and linear.config.gated_linear_unit
     linear.sharded_state_dict = types.MethodType(_sharded_with_lora(type(linear).sharded_state_dict, column, gated),
                                                  linear)
@@ -175,6 +202,23 @@ def _lora_hook(region, linear, inputs, output):
     out, bias = output
     h = region(F.linear(inputs[0], linear.lora_a), group=linear.tp_group)
     return out + linear.lora_scale * F.linear(h, linear.lora_b), bias
+
+
+def _expert_lora_hook(column: bool, linear, inputs, output):
+    """A routed expert's linear under expert-TP: its input is replicated (fc1) or split (fc2) over
+    expert-TP and its output is a partial sum the token dispatcher adds up, so no activation is
+    communicated: fc1 adds its columns s (x A^T) B_local^T, fc2 its partial s (x_local A_local^T) B^T.
+    The replicated factor (fc1's A, fc2's B) gets its per-rank partial gradients summed over
+    expert-TP (``copy_to_tensor_model_parallel_region``), as megarl/models/lora_grouped.py does."""
+    if not linear.lora_enabled:
+        return output
+    out, bias = output
+    a, b = linear.lora_a, linear.lora_b
+    if column:
+        a = copy_to_tensor_model_parallel_region(a, group=linear.tp_group)
+    else:
+        b = copy_to_tensor_model_parallel_region(b, group=linear.tp_group)
+    return out + linear.lora_scale * F.linear(F.linear(inputs[0], a), b), bias
 
 
 def _sharded_with_lora(base_fn, column: bool, gated: bool):
@@ -213,26 +257,40 @@ def adapters_off(module: torch.nn.Module):
 class merged_lora:
     """Context: the base weights hold W + s B A (rounded to their dtype), restored bitwise on exit.
 
-    For exports (HF checkpoints carry plain weights); the originals wait on the CPU.
+    For exports (HF checkpoints carry plain weights); the originals wait on the CPU. ``linears``:
+    the adapted linears; ``grouped``: the GroupedMLPs whose stacked experts carry adapters.
     """
 
     def __init__(self, module: torch.nn.Module):
-        self.linears = [m for m in module.modules() if hasattr(m, "lora_enabled")]
-        self.saved: list[tuple[torch.Tensor, bool]] = []
+        adapted = [m for m in module.modules() if hasattr(m, "lora_enabled")]
+        self.linears = [m for m in adapted if not isinstance(m, GroupedAdapter)]
+        self.switches = adapted  # every module whose lora_enabled is turned off inside
+        self.grouped = [m for m in module.modules() if any(isinstance(c, GroupedAdapter) for c in m.children())]
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.enabled: list[bool] = []
+
+    def _deltas(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(base weight, fp32 s B A laid out like it) of every adapter."""
+        out = [(m.weight, m.lora_scale * (m.lora_b.float() @ m.lora_a.float())) for m in self.linears]
+        for experts in self.grouped:
+            out += [(getattr(experts, k), d) for k, d in weight_deltas(experts, enabled_only=False).items()]
+        return out
 
     def __enter__(self):
         with torch.no_grad():
-            for m in self.linears:
-                self.saved.append((m.weight.detach().to("cpu", copy=True), m.lora_enabled))
-                delta = m.lora_scale * (m.lora_b.float() @ m.lora_a.float())
-                m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+            for weight, delta in self._deltas():
+                self.saved.append((weight, weight.detach().to("cpu", copy=True)))
+                weight.copy_((weight.float() + delta).to(weight.dtype))
+            self.enabled = [m.lora_enabled for m in self.switches]
+            for m in self.switches:
                 m.lora_enabled = False
         return self
 
     def __exit__(self, *exc):
         with torch.no_grad():
-            for m, (w, enabled) in zip(self.linears, self.saved):
-                m.weight.copy_(w.to(m.weight.device))
+            for weight, original in self.saved:
+                weight.copy_(original.to(weight.device))
+            for m, enabled in zip(self.switches, self.enabled):
                 m.lora_enabled = enabled
         self.saved.clear()
         return False

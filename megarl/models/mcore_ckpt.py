@@ -89,10 +89,10 @@ def lora_of(module: "nn.Module") -> Optional[dict]:
     if not linears:
         return None
     first = linears[0][1]
-    rank = int(first.lora_a.shape[0])
+    rank = int(first.lora_a.shape[-2])  # A: (r, in), or (experts, r, in) stacked on GroupedMLP
     return {"rank": rank, "alpha": float(first.lora_scale * rank),
-            "targets": sorted({name.rsplit(".", 1)[-1] for name, _ in linears}),
-            "experts": any(".experts.local_experts." in name for name, _ in linears)}
+            "targets": sorted({getattr(m, "lora_target", name.rsplit(".", 1)[-1]) for name, m in linears}),
+            "experts": any(".mlp.experts." in name for name, _ in linears)}
 
 
 def write_role_meta(role_dir: str, module: "nn.Module", info: ModelInfo, build: dict) -> None:

@@ -18,12 +18,16 @@ from the ``grouped_gemm`` package, which has no wheel on PyPI (CUDA source build
 On CUDA in bf16 megarl therefore uses ``GroupedMLP`` with
 :func:`grouped_gemm_torch` installed as its ``gmm``: ``torch._grouped_mm``, one
 launch for all local experts, forward and backward (its CUDA kernel needs bf16 and
-16-byte aligned rows, which every real expert shape has). Everywhere else (CPU, fp32,
-fp16: ``GroupedMLP`` asserts bf16) ``SequentialMLP`` runs; its loop over a handful of
-tiny experts is no cost on CPU. :func:`grouped_gemm_ref` is the loop the grouped GEMM
-must equal.
+16-byte aligned rows, which every real expert shape has). Elsewhere "auto" picks
+``SequentialMLP``; its loop over a handful of tiny experts is no cost on CPU.
+:func:`grouped_gemm_ref` is the loop the grouped GEMM must equal. megarl runs
+``GroupedMLP`` through its own forward (:func:`grouped_experts_forward`: megatron-core's,
+without its bf16-only assert, so the CPU tests run it in fp32 too, and with the experts'
+LoRA adapters of megarl/models/lora_grouped.py, two more grouped GEMMs per linear).
 """
 from __future__ import annotations
+
+import types
 
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -90,8 +94,8 @@ def experts_in_own_optimizer(model: nn.Module) -> None:
 
 def use_grouped_gemm(opts) -> bool:
     """GroupedMLP (one grouped GEMM for all local experts) for ``opts.moe_experts`` "grouped", and
-    for "auto" on CUDA in bf16; SequentialMLP otherwise. (On CPU "grouped" runs too, in bf16:
-    ``torch._grouped_mm`` has a CPU kernel; the tests use it to check the grouped layout.)
+    for "auto" on CUDA in bf16; SequentialMLP otherwise. (On CPU "grouped" runs too, in fp32 or
+    bf16: ``torch._grouped_mm`` has a CPU kernel; the tests use it to check the grouped layout.)
 
     Installs :func:`grouped_gemm_torch` as megatron-core's ``grouped_gemm`` backend when it
     is chosen and the ``grouped_gemm`` package is absent.
@@ -124,6 +128,48 @@ def grouped_gemm_torch(x: torch.Tensor, w: torch.Tensor, batch_sizes: torch.Tens
     """:func:`grouped_gemm_ref` in one ``torch._grouped_mm`` launch (offsets: cumulative rows)."""
     offs = torch.cumsum(batch_sizes.to(device=x.device, dtype=torch.int32), 0, dtype=torch.int32)
     return torch._grouped_mm(x, w.transpose(1, 2) if trans_b else w, offs=offs)
+
+
+def own_grouped_forward(model: nn.Module) -> None:
+    """Every ``GroupedMLP`` of ``model`` (but one with megatron's moe_act recompute, which megarl does
+    not configure) runs :func:`grouped_experts_forward`."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    for module in model.modules():
+        if isinstance(module, GroupedMLP) and not module.activation_recompute:
+            module.forward = types.MethodType(grouped_experts_forward, module)
+
+
+def grouped_experts_forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+    """megatron-core's ``GroupedMLP.forward`` in any dtype ``gmm`` takes, plus the experts' LoRA.
+
+    x (T, h) rows sorted by local expert, ``tokens_per_expert`` (E_local,) their counts, probs (T,)
+    -> ((T, h), None): per expert fc2(act(fc1(x)) * probs) with ``s (x A^T) B^T`` added to fc1 and
+    fc2 where adapters are on (megarl/models/lora_grouped.py).
+    """
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    from megarl.models.lora_grouped import grouped_adapters
+
+    if self.config.moe_apply_probs_on_input:  # as megatron-core: top-1 only, probs folded into x
+        assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
+        x = (probs.unsqueeze(-1) * x).to(x.dtype)
+        probs = torch.ones_like(probs)
+    adapters = {k: a for k, a in grouped_adapters(self).items() if a.lora_enabled}
+    h, local = self.config.hidden_size, self.num_local_experts
+    if x.nelement() == 0:  # no row for these experts: every weight still gets a (zero) gradient
+        act = self.activation_func_with_probs(x @ self.weight1.view(h, -1), probs.unsqueeze(-1))
+        out = act @ self.weight2.view(-1, h)
+        zero = sum((a.lora_a.sum() + a.lora_b.sum()) * 0 for a in adapters.values())
+        return out + zero, None
+    fc1 = gg.ops.gmm(x, self.weight1.view(local, h, -1), tokens_per_expert, trans_b=False)  # (T, 2F/etp)
+    if "fc1" in adapters:
+        fc1 = fc1 + adapters["fc1"](x, tokens_per_expert, gg.ops.gmm)
+    act = self.activation_func_with_probs(fc1, probs.unsqueeze(-1))  # (T, F/etp)
+    out = gg.ops.gmm(act, self.weight2.view(local, -1, h), tokens_per_expert, trans_b=False)  # (T, h)
+    if "fc2" in adapters:
+        out = out + adapters["fc2"](act, tokens_per_expert, gg.ops.gmm)
+    return out, None
 
 
 class _TorchGroupedGemm:

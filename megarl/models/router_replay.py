@@ -28,8 +28,8 @@ queues the ids of its ``no_grad`` forwards and its grad-enabled forwards take th
 Every forward with ids loaded also counts, per layer, how many recorded (token, k) choices the
 router's own top-k contains (:meth:`ReplayRouters.read`): the routing agreement between rollout
 and training. ``replace=False`` (:meth:`ReplayRouters.observing`) counts without replaying.
-TP > 1 (sequence-split router inputs) and CP > 1 are not laid out here: MoE rollout needs TP 1 and
-MoE training refuses CP (megarl/config_checks/moe.py).
+TP > 1 (sequence-split router inputs) and CP > 1 are not laid out here: megarl/config_checks/moe.py
+refuses router replay at TP > 1 and MoE training at CP > 1.
 """
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ def model_options(cfg: Config, recompute: str = "none", moe_losses: bool = False
         recompute=recompute,
         moe_aux_loss_coef=cfg.actor.moe_aux_loss_coef if moe_losses else 0.0,
         moe_z_loss_coef=cfg.actor.moe_z_loss_coef if moe_losses else 0.0,
-        # adapters on routed experts hook each expert's linears: SequentialMLP (megarl/models/lora.py)
-        moe_experts="sequential" if cfg.actor.lora.rank and cfg.actor.lora.experts else "auto",
+        moe_experts=cfg.model.moe_experts,
     )
 
 

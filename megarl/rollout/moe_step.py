@@ -13,9 +13,11 @@ and ``weight2`` (E * F, H): ``w13`` (E, 2F, H) and ``w2`` (E, H, F) are strided 
 copy. ``SequentialMLP`` (one ``MLP`` per expert, CPU / fp32) has no common storage, so its
 weights are stacked into engine-owned tensors by :meth:`MoeWeights.refresh`, which the engine
 calls at the start of every generate call (a copy of the experts, taken after the last update).
-LoRA (megarl/models/lora.py) on routed experts, which only SequentialMLP carries, is merged into
-that copy, W + s B A, as the HF export merges it; a shared expert's adapters run unmerged, as the
-dense MLP's (``shared_lora``).
+LoRA on routed experts (per-expert linears' adapters on SequentialMLP, megarl/models/lora.py;
+stacked ones on GroupedMLP, megarl/models/lora_grouped.py) is merged into such a copy, W + s B A
+rounded once as the HF export merges it: a GroupedMLP with adapters gets an engine-owned stacked
+copy too, views only without them. A shared expert's adapters run unmerged, as the dense MLP's
+(``shared_lora``).
 
 Expert parallelism (EP > 1): each rank holds experts [first, first + E_local). Every rank of the
 EP group routes its own rows, the group all-gathers the rows (padded to the group's largest row
@@ -25,6 +27,22 @@ ranks must therefore run their MoE layers in lockstep: :class:`EpStep` agrees on
 per step, and a rank with nothing left runs idle steps (no rows of its own, its experts still
 serve the others) until the whole group is done. These collectives are not captured in CUDA
 graphs: with EP > 1 the engine runs eagerly.
+
+Tensor parallelism (TP > 1). Every rank of a TP group holds the same rows after attention, so its
+router picks the same experts. The experts' FFN is split over the expert-tensor group (ETP, by
+default = TP: the same ranks, megatron-core numbering both axes from the stage's first rank): each
+rank's ``w13`` (E_local, 2F/etp, h) / ``w2`` (E_local, h, F/etp) give a partial sum, completed by an
+all-reduce over ETP (:class:`MoeSums`). The shared expert is a dense MLP split over TP (fc1 by
+columns, fc2 by rows, its gate replicated): its output is a partial sum over TP; where ETP = TP one
+all-reduce completes routed + shared. ETP must divide TP (its ranks then lie in one TP group and hold
+the same rows); megarl/config_checks/moe.py refuses other layouts. An EP group may hold TP peers
+(ETP < TP). Inside one TP group (TP2 x EP2 x ETP1 on 2 ranks: EP = TP) its ranks already hold the same
+rows: each adds its experts' share and the shares are all-reduced like a TP partial, no rows
+exchanged, no lockstep (CUDA graphs stay on). Across TP groups (TP2 x EP4 x ETP1 on 4 ranks) a TP
+group's rows arrive once per peer in the gather; only the first peer's copy (``EpStep.slot``) is
+routed to experts and every peer reads its output there (each copy's own slot would sum right too,
+at tp / etp times the expert work). A TP group's ranks are always in the same state (same scheduler,
+same steps), so a TP group that is done runs its idle steps together, which need only the EP exchange.
 """
 from __future__ import annotations
 
@@ -35,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.models.lora_grouped import grouped_adapters, weight_deltas
 from megarl_kernels.fused_moe import fused_moe_local
 from megarl_kernels.swiglu import silu_mul
 
@@ -52,14 +71,19 @@ class MoeWeights:
     shared_fc1: Optional[torch.Tensor]  # (2 Fs, h)
     shared_fc2: Optional[torch.Tensor]  # (h, Fs)
     shared_gate: Optional[torch.Tensor]  # (1, h)
-    experts: object = None  # SequentialMLP to restack from (None: w13 / w2 are views)
+    experts: object = None  # SequentialMLP, or GroupedMLP with adapters, to restack from (None: views)
     shared_lora: dict = field(default_factory=dict)  # "fc1" / "fc2" -> the shared expert's adapter (stage.LoraWeights)
 
     def refresh(self) -> None:
-        """Copies a SequentialMLP's current expert weights (LoRA merged) into the stacked ``w13`` / ``w2``."""
+        """Copies the experts' current weights (LoRA merged) into the stacked ``w13`` / ``w2``."""
         if self.experts is None:
             return
         with torch.no_grad():
+            if hasattr(self.experts, "weight1"):  # GroupedMLP with adapters
+                w13, w2 = _grouped_views(self.experts, _merged_grouped(self.experts))
+                self.w13.copy_(w13)
+                self.w2.copy_(w2)
+                return
             for e, mlp in enumerate(self.experts.local_experts):
                 self.w13[e].copy_(_merged(mlp.linear_fc1))
                 self.w2[e].copy_(_merged(mlp.linear_fc2))
@@ -78,6 +102,24 @@ def _merged(linear) -> torch.Tensor:
     return (linear.weight.float() + delta).to(linear.weight.dtype)
 
 
+def _merged_grouped(experts) -> dict[str, torch.Tensor]:
+    """A GroupedMLP's weight1 / weight2, plus s B A (fp32, rounded once) of its enabled adapters."""
+    deltas = weight_deltas(experts)
+    out = {}
+    for name in ("weight1", "weight2"):
+        w = getattr(experts, name)
+        out[name] = (w.float() + deltas[name]).to(w.dtype) if name in deltas else w
+    return out
+
+
+def _grouped_views(experts, weights: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """GroupedMLP weight1 (h, E*2F) / weight2 (E*F, h) -> w13 (E, 2F, h), w2 (E, h, F) views."""
+    local, h = experts.num_local_experts, experts.config.hidden_size
+    w13 = weights["weight1"].view(local, h, -1).transpose(1, 2)
+    w2 = weights["weight2"].view(local, -1, h).transpose(1, 2)
+    return w13, w2
+
+
 def moe_weights(mlp, groups) -> Optional[MoeWeights]:
     """The :class:`MoeWeights` of a megatron ``MoELayer`` (None for a dense MLP)."""
     router = getattr(mlp, "router", None)
@@ -85,11 +127,11 @@ def moe_weights(mlp, groups) -> Optional[MoeWeights]:
         return None
     cfg, experts = mlp.config, mlp.experts
     local = experts.num_local_experts
-    if hasattr(experts, "weight1"):  # GroupedMLP: views, no copy
-        h = cfg.hidden_size
-        w13 = experts.weight1.view(local, h, -1).transpose(1, 2)  # (E, 2F, h)
-        w2 = experts.weight2.view(local, -1, h).transpose(1, 2)  # (E, h, F)
-        source = None
+    if hasattr(experts, "weight1"):  # GroupedMLP: views, no copy; with adapters a stacked merged copy
+        w13, w2 = _grouped_views(experts, {"weight1": experts.weight1, "weight2": experts.weight2})
+        source = experts if grouped_adapters(experts) else None
+        if source is not None:
+            w13, w2 = w13.new_empty(w13.shape), w2.new_empty(w2.shape)  # (E, 2F, h), (E, h, F) contiguous
     else:  # SequentialMLP: stacked (refresh copies the current weights in)
         fc1, fc2 = experts.local_experts[0].linear_fc1.weight, experts.local_experts[0].linear_fc2.weight
         w13 = fc1.new_empty((local, *fc1.shape))
@@ -131,12 +173,79 @@ def shared_expert(h: torch.Tensor, mw: MoeWeights) -> torch.Tensor:
     return out
 
 
-class EpStep:
-    """The EP group's exchange of one step: the agreed row count, then per layer gather / reduce."""
+@dataclass(frozen=True)
+class MoeSums:
+    """The all-reduces that complete an MoE layer's output at this layout (none where nothing is split)."""
 
-    def __init__(self, group, size: int, rank: int, num_experts: int):
+    routed: tuple  # groups the routed experts' partials are summed over, in turn (expert-TP; EP inside TP)
+    shared: Optional[dist.ProcessGroup]  # the TP group (tp > 1): the shared expert's partial
+
+    def complete(self, routed: torch.Tensor, shared: Optional[torch.Tensor]) -> torch.Tensor:
+        """(T, h) partials -> (T, h) the layer's output: routed + shared, each summed over its groups."""
+        if shared is not None and self.routed == (self.shared,):  # routed over exactly TP: one all-reduce
+            out = routed + shared
+            if self.shared is not None:
+                dist.all_reduce(out, group=self.shared)
+            return out
+        for group in self.routed:
+            dist.all_reduce(routed, group=group)
+        if shared is None:
+            return routed
+        if self.shared is not None:
+            dist.all_reduce(shared, group=self.shared)
+        return routed + shared
+
+
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def ep_inside_tp(groups) -> bool:
+    """Every rank of the EP group is a TP peer (TP2 x EP2 x ETP1 on 2 ranks): they hold the same rows, so
+    no rows are exchanged and no lockstep is needed; the experts' shares are summed like a TP partial."""
+    return groups.ep_size > 1 and set(_ranks(groups.ep)) <= set(_ranks(groups.tp))
+
+
+def moe_sums(groups) -> MoeSums:
+    """The :class:`MoeSums` of ``groups``; raises unless the expert-tensor group lies in the TP group."""
+    tp = groups.tp if groups.tp_size > 1 else None
+    routed = []
+    if groups.etp_size > 1:
+        etp_ranks, tp_ranks = _ranks(groups.etp), _ranks(groups.tp)
+        if not set(etp_ranks) <= set(tp_ranks):
+            raise ValueError(f"the rollout engine splits experts over expert-tensor ranks {etp_ranks}, which must "
+                             f"lie in the TP group {tp_ranks}: parallel.etp={groups.etp_size} must divide "
+                             f"parallel.tp={groups.tp_size}")
+        routed.append(groups.etp)
+    if ep_inside_tp(groups):
+        routed.append(groups.ep)
+    if len(routed) == 1 and _ranks(routed[0]) == _ranks(groups.tp):
+        routed = [tp]  # the TP group itself (ETP = TP, or EP = TP at ETP 1)
+    return MoeSums(tuple(routed), tp)
+
+
+def rows_slot(groups) -> int:
+    """The EP slot whose rows this rank's experts compute for its TP group: the first EP rank that is a TP
+    peer of this one (itself, unless the EP group holds TP peers)."""
+    tp_ranks = set(_ranks(groups.tp))
+    return next(i for i, r in enumerate(_ranks(groups.ep)) if r in tp_ranks)
+
+
+class EpStep:
+    """The EP group's exchange of one step: the agreed row count, then per layer gather / reduce.
+    ``slot``: the EP rank whose copy of this rank's rows is computed (`rows_slot`; ``rank`` if alone)."""
+
+    def __init__(self, group, size: int, rank: int, num_experts: int, slot: Optional[int] = None):
         self.group, self.size, self.rank, self.num_experts = group, size, rank, num_experts
+        self.slot = rank if slot is None else slot
         self.rows = 0  # the group's largest row count this step
+
+    @classmethod
+    def of(cls, groups, num_experts: int) -> Optional["EpStep"]:
+        """The lockstep of ``groups``' EP group (None at EP 1 or with EP inside TP: `ep_inside_tp`)."""
+        if groups.ep_size == 1 or ep_inside_tp(groups):
+            return None
+        return cls(groups.ep, groups.ep_size, groups.ep_rank, num_experts, rows_slot(groups))
 
     def agree(self, rows: int, device) -> int:
         """Every rank's row count in -> the largest (0: every rank is done)."""
@@ -151,7 +260,8 @@ class EpStep:
         rows = h.new_zeros(n, h.shape[1])
         rows[:t] = h
         routing = torch.full((n, 2 * mw.topk), float(self.num_experts), dtype=torch.float32, device=h.device)
-        routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
+        if self.slot == self.rank:  # a TP peer's copy (slot elsewhere) goes to no expert: computed once
+            routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
         all_rows = h.new_empty(self.size * n, h.shape[1])
         all_routing = routing.new_empty(self.size * n, 2 * mw.topk)
         dist.all_gather_into_tensor(all_rows, rows, group=self.group)
@@ -159,21 +269,22 @@ class EpStep:
         share = fused_moe_local(all_rows, mw.w13, mw.w2, all_routing[:, :mw.topk].contiguous(),
                                 all_routing[:, mw.topk:].to(torch.int32), mw.first_expert)  # (size * n, h)
         dist.all_reduce(share, group=self.group)
-        return share[self.rank * n:self.rank * n + t]
+        return share[self.slot * n:self.slot * n + t]  # (T, h): a partial over ETP when etp > 1
 
 
-def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None) -> torch.Tensor:
-    """(T, h) -> (T, h): routed experts (+ the shared expert). ``record`` collects the (T, k) ids."""
+def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None,
+            sums: MoeSums = MoeSums((), None)) -> torch.Tensor:
+    """(T, h) -> (T, h): routed experts (+ the shared expert), partials summed by ``sums``. ``record``
+    collects the (T, k) ids."""
     weights, ids = route(h, mw)
     if record is not None:
         record.append(ids)
     if ep is None:
-        out = fused_moe_local(h, mw.w13, mw.w2, weights, ids, mw.first_expert)
+        routed = fused_moe_local(h, mw.w13, mw.w2, weights, ids, mw.first_expert)
     else:
-        out = ep.experts(h, weights, ids, mw)
-    if mw.shared_fc1 is not None:
-        out = out + shared_expert(h, mw)
-    return out
+        routed = ep.experts(h, weights, ids, mw)
+    shared = shared_expert(h, mw) if mw.shared_fc1 is not None else None
+    return sums.complete(routed, shared)
 
 
 def idle_layer(mw: MoeWeights, ep: EpStep, hidden: int, dtype, device) -> None:

@@ -101,7 +101,7 @@ class NativeEngine:
                                options.page_size, cfg.params_dtype)
         self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
         self.cache: KVCache | None = None
-        # EP > 1: the MoE layers' EP collectives (moe_step.EpStep) run eagerly, outside CUDA graphs
+        # EP > 1 across TP groups: the MoE layers' EP collectives (moe_step.EpStep) run eagerly, outside CUDA graphs
         # and the expert ids are recorded from eager steps only
         use_graphs = (options.cuda_graphs and self.device.type == "cuda" and self.stage.ep is None
                       and not options.record_experts)

@@ -44,7 +44,7 @@ from megarl_kernels.paged_attention import paged_decode_attention, paged_prefill
 from megarl_kernels.rms_norm import add_rms_norm
 from megarl_kernels.rope_cache import rope_cache
 from megarl_kernels.swiglu import silu_mul
-from megarl.rollout.moe_step import EpStep, MoeWeights, idle_layer, moe_mlp, moe_weights
+from megarl.rollout.moe_step import EpStep, MoeSums, MoeWeights, idle_layer, moe_mlp, moe_sums, moe_weights
 from megarl.rollout.split_linear import split_k_linear, split_parts
 
 @dataclass
@@ -161,9 +161,10 @@ class StageForward:
         moe = [lw.moe for lw in self.layers if lw.moe is not None]
         self.has_moe, self.num_experts = bool(moe), cfg.num_moe_experts or 0
         self.moe_ids: Optional[list] = None  # a list: each MoE layer's (T, k) expert ids of the step append
-        # EP > 1: the group's ranks run their MoE layers in lockstep (moe_step.EpStep)
-        self.ep = (EpStep(groups.ep, groups.ep_size, groups.ep_rank, cfg.num_moe_experts)
-                   if moe and groups.ep_size > 1 else None)
+        # EP over several TP groups: the group's ranks run their MoE layers in lockstep (moe_step.EpStep);
+        # TP / ETP > 1: the experts' partial sums are all-reduced (moe_step.MoeSums)
+        self.ep = EpStep.of(groups, cfg.num_moe_experts) if moe else None
+        self.moe_sums = moe_sums(groups) if moe else MoeSums((), None)
         self.first, self.last = groups.is_first_stage, groups.is_last_stage
         self.embedding = module.embedding.word_embeddings if self.first else None
         self.final_norm = module.decoder.final_layernorm.weight if self.last else None
@@ -310,7 +311,7 @@ class StageForward:
         """fc2(SwiGLU(fc1(h))); a decode step's fc1 and SwiGLU as one kernel (`fc1_silu_mul`: Hopper or
         newer, up to its row limit; else the same two ops) unless fc1 has an adapter."""
         if lw.moe is not None:  # router + routed experts (+ shared expert), summed in (T, h)
-            return moe_mlp(h, lw.moe, self.ep, self.moe_ids)
+            return moe_mlp(h, lw.moe, self.ep, self.moe_ids, self.moe_sums)
         if decode and "fc1" not in lw.lora:
             act = fc1_silu_mul(h, lw.fc1)
         else:
