@@ -66,14 +66,14 @@ def _validated(*overrides):
     ["reward.model.path=megarl/assets/tiny/sft"],  # the rollout ranks build and run it (async_rollout.py)
     ["algorithm.dapo.dynamic_sampling=true", "algorithm.dapo.max_rounds=2"],
     ["algorithm.advantage=remax", "reward.model.path=megarl/assets/tiny/sft"],
+    ["rollout.partial=true", "async.max_staleness=2"],  # the rollout ranks keep the groups in flight
 ])
 def test_scoring_and_sampling_options_pass_in_async(overrides):
-    """A reward model, dynamic sampling and ReMax's greedy baseline run on the rollout ranks."""
+    """A reward model, dynamic sampling, ReMax's greedy baseline and partial rollouts run on the rollout ranks."""
     assert _validated(*overrides).trainer.mode == "async"
 
 
 @pytest.mark.parametrize("overrides, key, why", [
-    (["rollout.partial=true"], "rollout.partial", "the rollout ranks generate whole batches"),
     (["trainer.rollout_only=true"], "trainer.replay_rollouts / rollout_only", "each half already runs alone"),
 ])
 def test_still_refused_in_async(overrides, key, why):

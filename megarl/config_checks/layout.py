@@ -114,7 +114,6 @@ _ASYNC_UNSUPPORTED = (  # (is set, key, why) for trainer.mode=async
     (lambda c: c.parallel.ep > 1, "parallel.ep", "the weight push reshards dense layers only"),
     (lambda c: c.actor.lora.rank > 0, "actor.lora.rank", "the weight push sends full weights"),
     (lambda c: c.rollout.engine != "native", "rollout.engine", "the rollout ranks run the native engine"),
-    (lambda c: c.rollout.partial, "rollout.partial", "the rollout ranks generate whole batches"),
     (lambda c: bool(c.trainer.replay_rollouts) or c.trainer.rollout_only, "trainer.replay_rollouts / rollout_only",
      "each half already runs alone"),
 )
