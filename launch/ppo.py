@@ -52,7 +52,7 @@ def main(argv):
         from megarl.trainer.async_train import TrainingEnd
 
         trainer.pipeline = TrainingEnd(cfg, placement, trainer.actor, trainer.groups)
-        trainer.pipeline.start(trainer.step, trainer.sampler.state_dict())
+        trainer.pipeline.start(trainer.step, trainer.sampler.state_dict(), trainer.partial)
     if trainer.step >= cfg.trainer.steps:  # resumed a finished run: no second eval row, no re-export
         if rank == 0:
             print(f"the run in {cfg.trainer.run_dir} already finished step {trainer.step} (trainer.steps="

@@ -368,7 +368,7 @@ class PlacementConfig:
 class AsyncConfig:
     """The asynchronous pipeline (trainer.mode=async): written ``async.KEY`` in yaml and overrides."""
 
-    max_staleness: int = opt(1, "policy versions a trained batch may lag: the batch of step k is sampled by weights of at least k - max_staleness updates; a rollout rank never generates with older ones (it waits for the next weights: async/rollout_waits)")
+    max_staleness: int = opt(1, "policy versions a trained batch may lag: the batch of step k is sampled by weights of at least k - max_staleness updates; a rollout rank never generates with older ones (it waits for the next weights: async/rollout_waits); with rollout.partial it bounds every trained token's version (older carried responses are sampled again: partial/restarted_stale)")
     queue_size: int = opt(2, "rollout batches a rollout rank may have sent and the trainer not yet taken; a full queue waits like staleness does")
     bucket_mb: float = opt(64.0, "weights reach the rollout ranks in flat buckets of at most this many MiB (a bigger tensor gets its own)")
 

@@ -34,8 +34,8 @@ def _ppo(world: int, *overrides):
             "data-parallel replicas; change placement.rollout_ranks, placement.rollout_tp or parallel.tp"),
     (2, ["async.max_staleness=-1"], "config error: async.max_staleness=-1 must be >= 0, async.queue_size=2 >= 1 "
                                     "and async.bucket_mb=64.0 > 0"),
-    (2, ["rollout.partial=true"], "config error: rollout.partial is not supported with trainer.mode=async (the "
-                                  "rollout ranks generate whole batches); unset it or use trainer.mode=sync"),
+    (2, ["rollout.engine=sglang"], "config error: rollout.engine is not supported with trainer.mode=async (the "
+                                   "rollout ranks run the native engine); unset it or use trainer.mode=sync"),
     (4, ["parallel.pp=2", "placement.rollout_ranks=2"], "config error: placement: 2 rollout replicas (rollout_ranks / "
      "rollout_tp) must equal the 1 training data-parallel replicas; change placement.rollout_ranks, "
      "placement.rollout_tp or parallel.tp"),
@@ -108,14 +108,14 @@ def _validated(*overrides):
     ["reward.model.path=megarl/assets/tiny/sft"],  # the rollout ranks build and run it (async_rollout.py)
     ["algorithm.dapo.dynamic_sampling=true", "algorithm.dapo.max_rounds=2"],
     ["algorithm.advantage=remax", "reward.model.path=megarl/assets/tiny/sft"],
+    ["rollout.partial=true", "async.max_staleness=2"],  # the rollout ranks keep the groups in flight
 ])
 def test_scoring_and_sampling_options_pass_in_async(overrides):
-    """A reward model, dynamic sampling and ReMax's greedy baseline run on the rollout ranks."""
+    """A reward model, dynamic sampling, ReMax's greedy baseline and partial rollouts run on the rollout ranks."""
     assert _validated(*overrides).trainer.mode == "async"
 
 
 @pytest.mark.parametrize("overrides, key, why", [
-    (["rollout.partial=true"], "rollout.partial", "the rollout ranks generate whole batches"),
     (["trainer.rollout_only=true"], "trainer.replay_rollouts / rollout_only", "each half already runs alone"),
 ])
 def test_still_refused_in_async(overrides, key, why):

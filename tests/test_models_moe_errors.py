@@ -4,7 +4,8 @@ Config reading (``read_hf_config``): an unsupported architecture names the suppo
 dense layers between MoE layers (decoder_sparse_step, mlp_only_layers), router jitter and
 top-1 renormalized routing are refused. Run config (``config_checks``): parallel.ep not
 dividing the experts or, with parallel.etp, the ranks of a stage; ep on a dense model;
-LoRA, CP, or TP without sequence parallelism with MoE; the native engine with parallel.etp not dividing parallel.tp.
+LoRA, CP with TP, or TP without sequence parallelism with MoE (CP alone is fine:
+tests/test_models_moe_cp.py); the native engine with parallel.etp not dividing parallel.tp.
 Checkpoints: HF weights with more experts than config.json; a megatron checkpoint whose
 expert count or top-k differs from the config it is exported with (launch/convert.py,
 exit 2). And the conversion HF -> megatron at EP2 -> HF at EP1 is bitwise.
@@ -80,7 +81,7 @@ def _cfg(**parallel):
     (2, dict(ep=2, etp=2), "parallel.ep=2 x parallel.etp=2 must divide the 2 ranks"),
     (4, dict(ep=4, pp=2), "parallel.ep=4 x parallel.etp=1 must divide the 2 ranks"),
     (2, dict(tp=2), "parallel.sequence_parallel=true"),
-    (2, dict(cp=2), "parallel.cp=2 with a mixture-of-experts model"),
+    (4, dict(cp=2, tp=2, sequence_parallel=True), "parallel.cp=2 with parallel.tp=2 on a mixture-of-experts"),
 ])
 def test_parallel_errors(world, parallel, needle):
     from megarl.config_checks import check_experts
@@ -115,6 +116,7 @@ def test_ep_on_dense_model_lora_and_rollout_rules():
     cfg.actor.lora.experts = False
     check_experts(cfg, 2, QWEN3_MOE)  # attention-only adapters
     check_experts(_cfg(ep=2), 2, QWEN3_MOE)  # fine: 2 experts per rank
+    check_experts(_cfg(cp=2, ep=2), 4, QWEN3_MOE)  # context parallelism with experts over EP (tp = 1)
     check_moe_rollout(_cfg(), dense)  # a dense model generates
     check_moe_rollout(_cfg(ep=2), QWEN3_MOE)  # the native engine generates at TP1, any EP
     check_moe_rollout(_cfg(tp=2, sequence_parallel=True), QWEN3_MOE)  # and at TP2 (etp = tp)

@@ -6,8 +6,9 @@ expert) at two 2-process layouts: DP2 (every rank holds all 4 experts) and EP2 (
 per rank, tokens exchanged by alltoall; DP2 for everything else), and EP2 with full
 activation recompute (every layer, the MoE layer's alltoalls included, runs again in
 backward: the same numbers), EP2 on right-padded rows instead of packed THD micro-batches
-(the router sees padding rows then, but they carry no loss, and MoE routing is per token:
-the same experts for the real ones; the expert load counts the padding too), and EP2 with megatron's plain optimizer instead of the
+(the padding tokens go to the model as megatron-core's padding_mask: routed to no expert and
+out of the expert load, megarl/models/moe_padding.py; MoE routing is per token: the same experts
+for the real ones), and EP2 with megatron's plain optimizer instead of the
 distributed one (every layout above shards the Adam state over DP, expert-DP for experts).
 Each micro-batch returns (sum of token losses, token count) and megatron-core divides the
 summed gradients once by the global count, for the expert parameters too (reduced over the
@@ -17,7 +18,7 @@ update's pg_loss (after one identical step), agree to 1e-5 in fp32. The expert l
 every layout, so its max/mean ratios are equal. With actor.moe_aux_loss_coef and
 moe_z_loss_coef > 0 the gradient changes (the losses reach the router) and still agrees
 across layouts. Not covered: TP (megatron-core's MoE layer trains TP only with sequence
-parallelism, which needs transformer-engine: a config error here), PP with EP, CP.
+parallelism, which needs transformer-engine: a config error here), PP with EP; CP: tests/test_models_moe_cp.py.
 """
 import pytest
 import torch
@@ -108,8 +109,7 @@ def test_update_matches_across_expert_layouts(runs, aux):
             for (loss, norm, load), (ref_loss, ref_norm, ref_load) in zip(rank_result, (first, second)):
                 assert loss == pytest.approx(ref_loss, abs=1e-5, rel=1e-5), name
                 assert norm == pytest.approx(ref_norm, abs=1e-5, rel=1e-5), name
-                if name != "ep2_unpacked":  # padding rows are routed (and counted) too
-                    assert load == pytest.approx(ref_load, abs=1e-12), name
+                assert load == pytest.approx(ref_load, abs=1e-12), name  # padding routed nowhere
 
 
 def test_aux_and_z_losses_reach_the_gradient(runs):

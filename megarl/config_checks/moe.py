@@ -41,9 +41,10 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
     if lo.rank > 0 and lo.experts and not {"linear_fc1", "linear_fc2"} & set(lo.targets):
         raise ConfigError(f"actor.lora.experts=true adapts the experts' linear_fc1 / linear_fc2, which "
                           f"actor.lora.targets={lo.targets} leaves out; add them or set actor.lora.experts=false")
-    if cfg.parallel.cp > 1:
-        raise ConfigError(f"parallel.cp={cfg.parallel.cp} with a mixture-of-experts model is not supported yet; "
-                          "set parallel.cp=1")
+    if p.cp > 1 and p.tp > 1:  # CP runs without sequence parallelism, which MoE training at TP > 1 needs
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.tp={p.tp} on a mixture-of-experts model is not supported "
+                          "(megatron-core's MoE layer trains TP only with sequence parallelism, which CP excludes); "
+                          "use parallel.tp=1 and spread the experts with parallel.ep")
     if p.tp > 1 and not p.sequence_parallel:  # megatron-core's MoELayer refuses to train so
         raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
                           "(megatron-core's MoE layer trains TP only with it; it needs transformer-engine); "

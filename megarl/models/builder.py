@@ -27,6 +27,7 @@ from megarl.distributed.groups import ParallelGroups
 from megarl.models.fused_mlp import fuse_swiglu
 from megarl.models.hf_config import ModelInfo, sliding_window_check
 from megarl.models import moe
+from megarl.models.moe_padding import exclude_padding
 from megarl.models.sdpa_attention import SDPAAttention
 from megarl.models.value_head import ValueHead
 from megarl.models import rope_thd
@@ -177,6 +178,7 @@ def build_gpt_model(
     if info.moe:
         moe.experts_in_own_optimizer(model)
         moe.own_grouped_forward(model)
+        exclude_padding(model)  # the roles pass ModelInputs.padding as padding_mask
     _norms_in_params_dtype(model, config.params_dtype)
     fuse_swiglu(model)
     if torch.cuda.is_available():

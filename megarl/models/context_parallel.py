@@ -64,9 +64,9 @@ class _GatherRow(torch.autograd.Function):
 
 
 def cp_pack(input_ids: torch.Tensor, lengths: torch.Tensor, cp: int):
-    """Right-padded rows (B, L) -> global (ids, targets, positions) (1, T) with each sequence
-    padded to a multiple of 2·cp, its cu_seqlens (B+1,) int32, padded lengths (B,) and
-    the (cp, T / cp) index of every rank's chunks."""
+    """Right-padded rows (B, L) -> global (ids, targets, positions, padding) (1, T) with each
+    sequence padded to a multiple of 2·cp (padding: bool, True at those added tokens), its
+    cu_seqlens (B+1,) int32, padded lengths (B,) and the (cp, T / cp) index of every rank's chunks."""
     dev, (b, width) = input_ids.device, input_ids.shape
     lengths = lengths.to(dev, torch.int64)
     chunks = 2 * cp
@@ -78,7 +78,7 @@ def cp_pack(input_ids: torch.Tensor, lengths: torch.Tensor, cp: int):
     ids = torch.where(real, grid, 0)
     nxt = torch.where(cols < lengths[:, None] - 1, F.pad(ids[:, 1:], (0, 1)), 0)
     keep = cols < padded[:, None]  # (B, span): the padded slots
-    flat = [t[keep].view(1, -1) for t in (ids, nxt, cols.expand(b, -1))]
+    flat = [t[keep].view(1, -1) for t in (ids, nxt, cols.expand(b, -1), ~real)]
     cu = F.pad(torch.cumsum(padded, 0), (1, 0))  # (B+1,)
     return flat, cu.to(torch.int32), padded, chunk_index(cu, cp)
 

@@ -28,8 +28,9 @@ queues the ids of its ``no_grad`` forwards and its grad-enabled forwards take th
 Every forward with ids loaded also counts, per layer, how many recorded (token, k) choices the
 router's own top-k contains (:meth:`ReplayRouters.read`): the routing agreement between rollout
 and training. ``replace=False`` (:meth:`ReplayRouters.observing`) counts without replaying.
-TP > 1 (sequence-split router inputs) and CP > 1 are not laid out here: megarl/config_checks/moe.py
-refuses router replay at TP > 1 and MoE training at CP > 1.
+Context parallelism: each CP rank's routers see its chunks of every sequence (megarl/models/
+context_parallel.py); the ids are laid out on the global packed row and cut the same way. TP > 1
+(sequence-split router inputs) is not laid out here: megarl/config_checks/moe.py refuses it.
 """
 from __future__ import annotations
 
@@ -107,8 +108,9 @@ def pad_positions(ids: torch.Tensor, width: int) -> torch.Tensor:
 def model_order(ids: torch.Tensor, lengths: torch.Tensor, inputs, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch's (b, l, layers, k) per-position ids -> (tokens, layers, k) int64 and (tokens,) bool
     recorded, in the order the routers see tokens: [s, b] flattened (padded rows), or the packed row
-    (``inputs.starts``; its padding segment unrecorded). Positions past a sequence's length are
-    unrecorded whatever they hold."""
+    (``inputs.starts``; its padding segment unrecorded), under context parallelism this CP rank's
+    chunks of the global packed row (``inputs.cp``, as its tokens are cut). Positions past a
+    sequence's length are unrecorded whatever they hold."""
     b, width = ids.shape[:2]
     inside = torch.arange(width, device=ids.device)[None, :] < lengths.to(ids.device)[:, None]  # (b, l)
     valid = recorded(ids, num_experts) & inside
@@ -116,12 +118,14 @@ def model_order(ids: torch.Tensor, lengths: torch.Tensor, inputs, num_experts: i
     if not inputs.packed:
         s = inputs.input_ids.size(1)
         return long_ids[:, :s].transpose(0, 1).reshape(s * b, *ids.shape[2:]), valid[:, :s].t().reshape(-1)
-    total = inputs.input_ids.size(1)
+    total = inputs.input_ids.size(1) if inputs.cp is None else inputs.cp.total  # T of the global row
     index = inputs.starts.to(ids.device)[:, None] + torch.arange(width, device=ids.device)  # (b, l) in the row
     out = long_ids.new_zeros(total, *ids.shape[2:])
     mask = valid.new_zeros(total)
     out[index[inside]] = long_ids[inside]
     mask[index[inside]] = valid[inside]
+    if inputs.cp is not None:  # (T, ...) -> (t, ...): this CP rank's chunks
+        return inputs.cp.local(out[None])[0], inputs.cp.local(mask[None])[0]
     return out, mask
 
 
@@ -175,9 +179,8 @@ class ReplayRouters:
     """Every MoE router of a model stage, replaying the micro-batch loaded last."""
 
     def __init__(self, module, groups, num_experts: int, topk: int, num_layers: int):
-        if groups.tp_size > 1 or groups.cp_size > 1:
-            raise ValueError(f"router replay lays tokens out for parallel.tp=1 and cp=1 (tp={groups.tp_size}, "
-                             f"cp={groups.cp_size})")
+        if groups.tp_size > 1:
+            raise ValueError(f"router replay lays tokens out for parallel.tp=1 (tp={groups.tp_size})")
         self.groups, self.num_experts, self.topk, self.num_layers = groups, num_experts, topk, num_layers
         self.ids: Optional[torch.Tensor] = None  # (tokens, all layers, k) int64 of the current micro-batch
         self.valid: Optional[torch.Tensor] = None  # (tokens,) bool

@@ -69,6 +69,7 @@ class ModelRole:
         # mixture of experts, trained: tokens per expert of the update's forwards (moe/load_* metrics)
         self.expert_load = ExpertLoad(module, groups) if trainable and getattr(info, "moe", None) else None
         self.replay = replay  # actor.router_replay=r3: micro-batches' recorded expert ids replayed in every forward
+        self.is_moe = bool(getattr(info, "moe", None))  # its routers read padding_mask (tokens of no sequence)
 
     @property
     def chunks(self) -> list:
@@ -87,7 +88,8 @@ class ModelRole:
             x = mb.model_inputs
             if self.replay is not None:
                 self.replay.load(mb.expert_ids, mb.lengths, x)
-            out = model(x.input_ids, x.position_ids, None, packed_seq_params=x.packed_seq_params)
+            moe = {"padding_mask": x.padding} if self.is_moe else {}  # megarl/models/moe_padding.py
+            out = model(x.input_ids, x.position_ids, None, packed_seq_params=x.packed_seq_params, **moe)
             return out, lambda output: loss_fn(mb, output)  # out: (b|1, l|T, V/tp) | (.., 1) | hidden
 
         micro_batches = [replace(mb, model_inputs=self.model_inputs(mb)) for mb in micro_batches]

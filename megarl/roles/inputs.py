@@ -12,7 +12,8 @@ from it (the log-prob of the target, a value) and :meth:`ModelInputs.to_rows`
 brings that back to the (b, l) per-token layout of :class:`SampleBatch`:
 entry t of row i is the number computed at position t - 1 of sequence i
 (column 0 and padding = 0), so log-probs, values and the loss code are the
-same for both layouts.
+same for both layouts. ``padding`` marks the tokens of no sequence (right padding, the pad
+segment, CP's per-sequence padding): an MoE model routes none of them (megarl/models/moe_padding.py).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class ModelInputs:
     starts: Optional[torch.Tensor] = None  # (b,) packed: offset of each sequence in the row; None: padded
     packed_seq_params: Optional[PackedSeqParams] = None  # packed: thd boundaries
     cp: Optional[CPLayout] = None  # context parallel: the row above is this rank's slice of the global one
+    padding: Optional[torch.Tensor] = None  # same shape as input_ids, bool: True at tokens of no sequence
 
     def global_row(self, per_position: torch.Tensor) -> torch.Tensor:
         """(1, t) this CP rank's numbers -> (1, T) the whole row's (as is without CP)."""
@@ -75,7 +77,8 @@ def padded_inputs(input_ids: torch.Tensor, lengths: torch.Tensor) -> ModelInputs
     positions = torch.arange(width, device=input_ids.device).expand(b, -1)
     inside = positions < (lengths.to(input_ids.device) - 1)[:, None]  # (b, l) a next token exists
     targets = torch.where(inside, F.pad(input_ids[:, 1:], (0, 1)), 0)  # (b, l) token t + 1, else 0
-    return ModelInputs(input_ids, positions, targets, lengths, width)
+    padding = positions >= lengths.to(input_ids.device)[:, None]  # (b, l) right padding
+    return ModelInputs(input_ids, positions, targets, lengths, width, padding=padding)
 
 
 def packed_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, pad_multiple: int = 1) -> ModelInputs:
@@ -85,18 +88,20 @@ def packed_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, pad_multiple: 
     cu = p.cu_seqlens  # (b+1,) or (b+2,) with a pad segment; int32 on the rows' device
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen)
+    padding = torch.arange(p.input_ids.size(1), device=cu.device)[None] >= cu[len(lengths)]  # (1, T) pad segment
     return ModelInputs(p.input_ids, p.position_ids, p.targets, lengths, input_ids.size(1),
-                       starts=cu[:len(lengths)].long(), packed_seq_params=params)
+                       starts=cu[:len(lengths)].long(), packed_seq_params=params, padding=padding)
 
 
 def cp_packed_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, group, cp: int, rank: int) -> ModelInputs:
     """This CP rank's slice of the packed row (megarl/models/context_parallel.py): every sequence
     padded to a multiple of 2·cp, chunks r and 2·cp-1-r of each; global cu_seqlens."""
-    (ids, targets, positions), cu, padded, index = cp_pack(input_ids, lengths, cp)
+    (ids, targets, positions, padding), cu, padded, index = cp_pack(input_ids, lengths, cp)
     layout = CPLayout(group, cp, rank, index, ids.size(1))
     span = int(padded.max())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=span,
                              max_seqlen_kv=span)
     params.cp_index, params.cp_order = index, gather_order(index)  # for the attention's all-to-alls
     return ModelInputs(layout.local(ids), layout.local(positions), layout.local(targets), lengths,
-                       input_ids.size(1), starts=cu[:-1].long(), packed_seq_params=params, cp=layout)
+                       input_ids.size(1), starts=cu[:-1].long(), packed_seq_params=params, cp=layout,
+                       padding=layout.local(padding))

@@ -30,6 +30,7 @@ class QueuedBatch:
     engine_stats: dict[str, float] = field(default_factory=dict)  # the rollout engine's counters of this batch
     step_metrics: dict[str, float] = field(default_factory=dict)  # the same on every replica (dapo/*: summed)
     sampler_state: dict | None = None  # the prompt sampler after this batch's prompts (dynamic sampling: rounds)
+    partial_state: dict | None = None  # rollout.partial: the replica's groups in flight after this batch
 
 
 @dataclass

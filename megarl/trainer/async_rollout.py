@@ -31,6 +31,13 @@ replicas agree on each round among themselves (their data-parallel group of the 
 as the synchronous DP ranks do. The batch carries the dapo/* counts and the prompt sampler's
 position after its rounds, which the training ranks adopt (their checkpoints then resume the
 rollout ranks at the right prompt).
+
+Partial rollouts (``rollout.partial``) keep the unfinished groups on the rollout replica between
+batches (:mod:`megarl.trainer.partial`); a token's version is the one this rank held when it
+sampled it. ``async.max_staleness`` bounds the oldest token of a batch: before batch k, responses
+holding a token older than ``k - max_staleness`` are sampled again from their seed. Each batch
+carries the groups in flight after it; the training ranks checkpoint them and the start message
+gives them back.
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ from megarl.rollout.factory import build_engine
 from megarl.trainer.async_channel import BATCH_TAG, START_TAG, Outbox, QueuedBatch, recv_object, rollout_to, \
     send_object
 from megarl.trainer.dapo import sample_until_full, score_and_shape
+from megarl.trainer.partial import PartialRollouts, generate_and_take, pack_taken
 from megarl.trainer.ppo import greedy_baseline, rollout_seed, sampling_params
 from megarl.trainer.rollout import Rollout, generate_rollout
 from megarl.trainer.scoring import build_reward
@@ -99,6 +107,9 @@ class RolloutWorker:
                             and r["tp_rank"] == r["pp_rank"] == r["cp_rank"] == 0)  # sends the first step, sampler
         self.sends = g.tp_rank == 0  # one rank of a rollout replica sends its batches
         self.in_flight: list[tuple[int, Outbox]] = []  # (step, its sends) not yet known to be taken
+        r = cfg.rollout  # rollout.partial: this replica's groups in flight (the start message restores them)
+        self.partial = PartialRollouts(cfg.data.batch_size // g.dp_size, r.n, r.partial_batches,
+                                       r.max_new_tokens, g.dp_rank) if r.partial else None
 
     def run(self) -> None:
         """Generates until the trainer's last step or its stop; ignores SIGINT / SIGTERM (the training
@@ -108,6 +119,9 @@ class RolloutWorker:
         start = recv_object(self.placement.objects, self.starter, START_TAG)
         step = start["step"]
         self.sampler.load_state_dict(start["sampler"])
+        if self.partial is not None:  # the checkpoint's groups in flight (none: a fresh run or a new layout)
+            self.partial.load_state_dict(start["partial"])
+            self.partial.dropped = start["partial_dropped"]
         version = self._receive()
         while version is not None and step < self.cfg.trainer.steps:
             need, waits = step - lag_bound(self.cfg), 0
@@ -134,7 +148,9 @@ class RolloutWorker:
         cfg, g = self.cfg, self.groups
         seed, step_metrics = rollout_seed(cfg, step, g.dp_rank), {}
         sample = functools.partial(self._sample, version=version)  # (prompts, seed) -> Rollout
-        if cfg.algorithm.dapo.dynamic_sampling:
+        if self.partial is not None:
+            rollout, step_metrics = self._partial(step, version, seed)
+        elif cfg.algorithm.dapo.dynamic_sampling:
             dp = g.dp if g.dp_size > 1 else None
             rollout, step_metrics = sample_until_full(cfg, self.reward, lambda: self.sampler.next_batch(self.train_set),
                                                       sample, seed, g.dp_size, dp)
@@ -145,7 +161,20 @@ class RolloutWorker:
         stats = dict(self.engine.stats)
         stats["async/rollout_waits"] = float(waits)
         return QueuedBatch(step=step, version=version, rollout=rollout_to(rollout, "cpu"), engine_stats=stats,
-                           step_metrics=step_metrics, sampler_state=self.sampler.state_dict())
+                           step_metrics=step_metrics, sampler_state=self.sampler.state_dict(),
+                           partial_state=None if self.partial is None else self.partial.state_dict())
+
+    def _partial(self, step: int, version: int, seed: int) -> tuple[Rollout, dict[str, float]]:
+        """Batch ``step`` of partial rollouts: samples begun before version ``step - async.max_staleness``
+        start over (no token of the batch is older than the bound), the rest continue under ``version``."""
+        cfg, g, p = self.cfg, self.groups, self.partial
+        p.restart_older_than(step - cfg.async_.max_staleness)
+        taken = generate_and_take(p, self.engine, lambda: self.sampler.next_batch(self.train_set),
+                                  sampling_params(cfg), seed, version)
+        rollout, metrics = pack_taken(p, taken, step, self.tokenizer, self.pad_id, self.device,
+                                      g.dp if g.dp_size > 1 else None)
+        rollout.metrics.update(score_and_shape(self.reward, rollout, cfg.algorithm.dapo, cfg.rollout.max_new_tokens))
+        return rollout, metrics
 
     def _sample(self, prompts, seed: int, version: int) -> Rollout:
         """``prompts`` generated ``rollout.n`` times each from ``seed`` (ReMax: and greedily once, scored)."""

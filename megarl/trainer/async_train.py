@@ -30,22 +30,27 @@ class TrainingEnd:
                                    int(cfg.async_.bucket_mb * 2**20))
         self.outbox = Outbox()
 
-    def start(self, step: int, sampler_state: dict) -> None:
-        """Where the rollout replica begins, then the weights of version ``step``."""
+    def start(self, step: int, sampler_state: dict, partial=None) -> None:
+        """Where the rollout replica begins (rollout.partial: with ``partial``'s groups in flight, the
+        checkpoint's), then the weights of version ``step``."""
+        message = {"step": step, "sampler": sampler_state,
+                   "partial": None if partial is None else partial.state_dict(),
+                   "partial_dropped": 0 if partial is None else partial.dropped}
         if self.groups.tp_rank == self.groups.pp_rank == self.groups.cp_rank == 0:  # one rank per replica
             for dst in self.replica:
-                send_object(self.placement.objects, {"step": step, "sampler": sampler_state}, dst, START_TAG,
-                            self.outbox)
+                send_object(self.placement.objects, message, dst, START_TAG, self.outbox)
         self.pusher.push(step)
         self.outbox.wait()
 
     def next_batch(self, step: int) -> QueuedBatch:
         """The batch of training step ``step`` (0-based); an error if its version breaks the bound."""
         batch = recv_object(self.placement.objects, self.source, BATCH_TAG)
-        lag = step - batch.version
-        if batch.step != step or not 0 <= lag <= lag_bound(self.cfg):
+        lag, oldest = step - batch.version, step - batch.rollout.batch.policy_version  # partial: oldest token
+        bound = lag_bound(self.cfg)
+        if batch.step != step or not 0 <= lag <= bound or not lag <= oldest <= self.cfg.async_.max_staleness:
             raise RuntimeError(f"the rollout queue gave the batch of step {batch.step} sampled by version "
-                               f"{batch.version} to step {step} (bound {lag_bound(self.cfg)})")
+                               f"{batch.version} (oldest token: {batch.rollout.batch.policy_version}) to step "
+                               f"{step} (bound {bound}; tokens: async.max_staleness={self.cfg.async_.max_staleness})")
         batch.engine_stats.update({"async/staleness": float(lag), "async/policy_version": float(batch.version)})
         return batch
 

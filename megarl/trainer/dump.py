@@ -32,6 +32,7 @@ def save_rollout(rollout: Rollout, root: str, step: int, groups) -> None:
         "rollout_logprobs": b.rollout_logprobs.cpu(), "group_ids": rollout.group_ids.cpu(),
         "scores": None if rollout.scores is None else rollout.scores.cpu(), "policy_version": b.policy_version,
         "expert_ids": None if b.expert_ids is None else b.expert_ids.cpu(),  # MoE, recorded (uint8 | int16)
+        "token_versions": None if b.token_versions is None else b.token_versions.cpu(),  # partial rollouts
         **{k: getattr(rollout, k) for k in _TEXT_FIELDS},
     }
     torch.save(payload, dump_path(root, step, groups.dp_rank))

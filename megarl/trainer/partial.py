@@ -74,6 +74,7 @@ class PartialRollouts:
         self.groups: list[Group] = []
         self.drawn = 0  # groups drawn so far on this rank (Group.order)
         self.dropped = 0  # responses a resume could not restore (reported once)
+        self.restarted = 0  # responses begun too long ago, sampled again from their seed (async; reported once)
 
     # -- a step ---------------------------------------------------------------
     def top_up(self, draw: Callable[[], PromptBatch], seed: int) -> int:
@@ -113,6 +114,15 @@ class PartialRollouts:
             sample.tokens, sample.logprobs = list(r.response_ids), list(r.logprobs)
             sample.finish = None if r.finish_reason == "unfinished" else r.finish_reason
         return True
+
+    def restart_older_than(self, oldest: int) -> int:
+        """Samples with a token older than version ``oldest`` start over (same seed, no tokens); how many.
+        trainer.mode=async bounds every token's age this way (:mod:`megarl.trainer.async_rollout`)."""
+        stale = [s for g in self.groups for s in g.samples if s.versions and min(s.versions) < oldest]
+        for s in stale:
+            s.tokens, s.logprobs, s.versions, s.finish = [], [], [], None
+        self.restarted += len(stale)
+        return len(stale)
 
     def take(self) -> list[Group]:
         """The ``quota`` oldest complete groups (fewer if fewer are), removed from flight."""
@@ -167,9 +177,10 @@ def local_sums(taken: list[Group], flight: list[Group], version: int) -> dict[st
             "carried_over": float(len(carried)), "carried_unfinished": float(sum(s.finish is None for s in carried))}
 
 
-def partial_metrics(sums: dict[str, float], age_max: float, dropped: int, dp_group) -> dict[str, float]:
+def partial_metrics(sums: dict[str, float], age_max: float, dropped: int, dp_group,
+                    restarted: int = 0) -> dict[str, float]:
     """The step's ``partial/*`` metrics over every DP rank (identical on every rank)."""
-    total = dp_sum({**sums, "dropped": float(dropped)}, dp_group)
+    total = dp_sum({**sums, "dropped": float(dropped), "restarted": float(restarted)}, dp_group)
     peak = torch.tensor([age_max], dtype=torch.float64)
     if dp_group is not None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_group)
@@ -179,29 +190,46 @@ def partial_metrics(sums: dict[str, float], age_max: float, dropped: int, dp_gro
                 f"{PREFIX}stale_token_frac": total["stale_tokens"] / max(total["tokens"], 1.0)})
     if total["dropped"]:
         out[f"{PREFIX}dropped_on_resume"] = total["dropped"]
+    if total["restarted"]:
+        out[f"{PREFIX}restarted_stale"] = total["restarted"]
     return out
 
 
 def partial_rollout(tr) -> Rollout:
     """This step's batch from the rank's groups in flight (module docstring); ``partial/*`` metrics go to
     ``tr.metrics``. ``tr`` is the trainer (its engine, sampler, data, step and timer)."""
-    p: PartialRollouts = tr.partial
-    version = tr.step  # the weights after this many steps sample now
     with tr.timer("rollout"):
-        p.top_up(lambda: tr.sampler.next_batch(tr.train_set), tr.sampling_seed())
-        tr.engine.resume_memory()
-        if not p.generate(tr.engine, tr.sampling_params(), version):
-            tr.engine.stats = {}  # no engine call this step: no counters (not the last call's)
-        tr.engine.release_memory()
-        taken = p.take()
+        taken = generate_and_take(tr.partial, tr.engine, lambda: tr.sampler.next_batch(tr.train_set),
+                                  tr.sampling_params(), tr.sampling_seed(), tr.step)
+    dp = tr.groups.dp if tr.groups.dp_size > 1 else None
+    rollout, metrics = pack_taken(tr.partial, taken, tr.step, tr.tokenizer, tr.pad_id, tr.device, dp)
+    tr.metrics.update(metrics)
+    return rollout
+
+
+def generate_and_take(p: PartialRollouts, engine, draw: Callable[[], PromptBatch], params: SamplingParams,
+                      seed: int, version: int) -> list[Group]:
+    """Tops up from ``draw`` (seeded from ``seed``), generates with the weights of ``version`` until the
+    quota is complete, and takes the oldest complete groups."""
+    p.top_up(draw, seed)
+    engine.resume_memory()
+    if not p.generate(engine, params, version):
+        engine.stats = {}  # no engine call this step: no counters (not the last call's)
+    engine.release_memory()
+    return p.take()
+
+
+def pack_taken(p: PartialRollouts, taken: list[Group], step: int, tokenizer, pad_id: int, device,
+               dp_group) -> tuple[Rollout, dict[str, float]]:
+    """The batch of training step ``step`` from ``taken`` (its policy_version: the oldest token's) and the
+    step's ``partial/*`` metrics (ages counted from ``step``; the same on every DP rank)."""
     if len(taken) < p.quota:
         raise RuntimeError(f"partial rollouts: {len(taken)} complete groups for a batch of {p.quota}")
-    rollout = pack_rollout(group_results(taken), [g.item for g in taken for _ in g.samples], tr.tokenizer,
-                           tr.pad_id, tr.device)
+    rollout = pack_rollout(group_results(taken), [g.item for g in taken for _ in g.samples], tokenizer, pad_id,
+                           device)
     rollout.batch.policy_version = min(v for g in taken for s in g.samples for v in s.versions)
-    sums = local_sums(taken, p.groups, version)
-    age_max = max(version - min(s.versions) for g in taken for s in g.samples)
-    dp = tr.groups.dp if tr.groups.dp_size > 1 else None
-    tr.metrics.update(partial_metrics(sums, float(age_max), p.dropped, dp))
-    p.dropped = 0
-    return rollout
+    sums = local_sums(taken, p.groups, step)
+    age_max = max(step - min(s.versions) for g in taken for s in g.samples)
+    metrics = partial_metrics(sums, float(age_max), p.dropped, dp_group, p.restarted)
+    p.dropped = p.restarted = 0
+    return rollout, metrics

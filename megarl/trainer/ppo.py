@@ -222,6 +222,8 @@ class PPOTrainer:
         with self.timer("rollout_wait"):
             queued = self.pipeline.next_batch(self.step)
         self.sampler.load_state_dict(queued.sampler_state)  # dynamic sampling drew a round's prompts or more
+        if self.partial is not None:  # the rollout replica's groups in flight, saved with checkpoints
+            self.partial.load_state_dict(queued.partial_state)
         rollout = rollout_to(queued.rollout, self.device)
         self.rollout_stats = dict(queued.engine_stats)
         self.metrics.update(queued.step_metrics)
