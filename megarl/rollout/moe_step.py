@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.models.lora import linear_delta, merged_weight
 from megarl.models.lora_grouped import grouped_adapters, weight_deltas
 from megarl_kernels.fused_moe import fused_moe_local
 from megarl_kernels.swiglu import silu_mul
@@ -95,21 +96,17 @@ class MoeWeights:
 
 
 def _merged(linear) -> torch.Tensor:
-    """A linear's weight, plus s B A (in fp32, rounded once) where it carries an enabled adapter."""
+    """A linear's weight, plus s B A (in fp32, rounded once, as the export) where it carries an enabled adapter."""
     if not getattr(linear, "lora_enabled", False):
         return linear.weight
-    delta = linear.lora_scale * (linear.lora_b.float() @ linear.lora_a.float())
-    return (linear.weight.float() + delta).to(linear.weight.dtype)
+    return merged_weight(linear.weight, linear_delta(linear))
 
 
 def _merged_grouped(experts) -> dict[str, torch.Tensor]:
     """A GroupedMLP's weight1 / weight2, plus s B A (fp32, rounded once) of its enabled adapters."""
     deltas = weight_deltas(experts)
-    out = {}
-    for name in ("weight1", "weight2"):
-        w = getattr(experts, name)
-        out[name] = (w.float() + deltas[name]).to(w.dtype) if name in deltas else w
-    return out
+    return {name: merged_weight(getattr(experts, name), deltas[name]) if name in deltas else getattr(experts, name)
+            for name in ("weight1", "weight2")}
 
 
 def _grouped_views(experts, weights: dict) -> tuple[torch.Tensor, torch.Tensor]:
