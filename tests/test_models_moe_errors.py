@@ -10,7 +10,6 @@ Checkpoints: HF weights with more experts than config.json; a megatron checkpoin
 expert count or top-k differs from the config it is exported with (launch/convert.py,
 exit 2). And the conversion HF -> megatron at EP2 -> HF at EP1 is bitwise.
 """
-import copy
 import json
 import os
 import subprocess
