@@ -325,8 +325,6 @@ def main() -> None:
     sync()
     build_s = time.perf_counter() - start
     peaks.mark("weights")
-    rows = engine_rows(module, info, groups, args, peaks)
-    twin = generate_rows(module, info, config, groups, rows, args, peaks)
     shape = {k: v for k, v in config.to_dict().items() if k in (
         "num_hidden_layers", "hidden_size", "num_experts", "num_local_experts", "moe_intermediate_size",
         "num_experts_per_tok", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}
@@ -335,11 +333,18 @@ def main() -> None:
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "hf_steps": args.hf_steps,
               "route_steps": args.route_steps, "hbm_bytes_per_s": HBM_BYTES_PER_S, "build_s": build_s,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "hf_twin": twin, "rows": rows, "peak_memory": peaks.by_phase}
+              "peak_memory": peaks.by_phase}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    result["rows"] = engine_rows(module, info, groups, args, peaks)
+    write_json(args.out, result)  # the engine's rows stay if generate fails or runs out of time
+    result["hf_twin"] = generate_rows(module, info, config, groups, result["rows"], args, peaks)
+    write_json(args.out, result)
+    print(f"wrote {args.out}; HF twin: {result['hf_twin']}; peak GiB {peaks.by_phase}\n" + table(result["rows"]))
+
+
+def write_json(path: str, result: dict) -> None:
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {args.out}; HF twin: {twin}; peak GiB {peaks.by_phase}\n" + table(rows))
 
 
 if __name__ == "__main__":
