@@ -88,14 +88,14 @@ class MultiTurnConfig:
 class SGLangConfig:
     """rollout.engine=sglang: one SGLang engine per TP group (megarl/rollout/sglang.py, sglang==0.5.23)."""
 
-    mem_fraction_static: float = opt(0.5, "share of the GPU memory free when SGLang starts (after the trainer's models load) that it takes for its weights and KV cache")
+    mem_fraction_static: float = opt(0.5, "share of the GPU memory free when SGLang starts (after the trainer's models load) that it takes for its weights and KV cache (trainer.mode=async: of a rollout rank's GPU; a reward model there gets the rest)")
     dtype: Literal["bfloat16", "float16"] = opt("bfloat16", "SGLang's dtype (its Hopper attention needs 16-bit); the weights are cast to it when streamed, whatever model.dtype is")
     deterministic: bool = opt(False, "SGLang's deterministic inference: per-request seeds are honoured (slower kernels; at TP > 1 SGLang pins NCCL_ALGO for its workers)")
-    enable_memory_saver: bool = opt(True, "release SGLang's memory during training and map it back for rollout")
-    weights_cpu_backup: bool = opt(False, "SGLang keeps a CPU copy of its weights while released; false: they are streamed again before the next rollout")
+    enable_memory_saver: bool = opt(True, "release SGLang's memory during training and map it back for rollout (trainer.mode=sync; the async rollout ranks never release it: nothing trains there)")
+    weights_cpu_backup: bool = opt(False, "SGLang keeps a CPU copy of its weights while released; false: they are streamed again before the next rollout (trainer.mode=sync, as enable_memory_saver)")
     start_timeout_s: float = opt(1800.0, "how long the other TP ranks wait for TP rank 0 to start SGLang")
     max_running_requests: int = opt(0, "requests SGLang runs at once; 0: its default")
-    update_bucket_mb: float = opt(512.0, "weight-sync bucket size in MiB")
+    update_bucket_mb: float = opt(512.0, "weight-sync bucket size in MiB (trainer.mode=sync; async: the pushed buckets of async.bucket_mb go in as they arrive)")
 
 
 @dataclass

@@ -14,6 +14,8 @@ Behaviours (each the SGLang 0.5.23 code path named):
   :data:`GPU` (weights, KV cache, CUDA graphs); ``resume_memory_occupation`` maps each tag back only if
   the GPU has that much free now, else raises "CUDA out of memory". Released weights come back without
   their values unless ``enable_weights_cpu_backup``; a tag resumed that was not released raises.
+  Without ``enable_memory_saver`` (SGLang's no-op memory saver adapter) a release frees nothing and the
+  weights keep their values.
 - weights: ``load_format="dummy"`` starts with values no one chose; ``update_weights_from_tensor`` only
   between ``begin_weight_update`` and ``end_weight_update``; each of its ``tp_size`` workers reads its
   own payload of every wrapped tensor (``values[worker]``, as ``LocalSerializedTensor``).
@@ -171,22 +173,24 @@ class FakeEngine:
             raise AssertionError("release_memory_occupation should be called only when server is idle.")
         assert not self.released & set(tags)
         self.released.update(tags)
+        self.calls.append(("release_memory_occupation", {"tags": tags}))
+        if not self.kwargs["enable_memory_saver"]:  # the no-op memory saver: nothing freed, values kept
+            return
         GPU.engine -= sum(self.sizes[t] for t in tags)
         if "weights" in tags:
             self.backup = self.weights if self.kwargs.get("enable_weights_cpu_backup") else None
             self.weights = None
-        self.calls.append(("release_memory_occupation", {"tags": tags}))
 
     def resume_memory_occupation(self, tags=None):
         self._alive()
         if not set(tags) <= self.released:  # SGLang: offload_tags.remove(tag) raises
             raise KeyError(f"not released: {set(tags) - self.released}")
-        need = sum(self.sizes[t] for t in tags)
+        need = sum(self.sizes[t] for t in tags) if self.kwargs["enable_memory_saver"] else 0
         if need > GPU.free():
             raise RuntimeError(f"CUDA out of memory: resuming {tags} needs {need}, {GPU.free()} free")
         GPU.engine += need
         self.released.difference_update(tags)
-        if "weights" in tags:
+        if "weights" in tags and self.kwargs["enable_memory_saver"]:
             self.weights = self.backup  # None without a CPU backup: the values are gone
         self.calls.append(("resume_memory_occupation", {"tags": tags}))
 

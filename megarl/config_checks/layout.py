@@ -110,7 +110,6 @@ def training_world(cfg: Config, world_size: int) -> int:
 
 
 _ASYNC_UNSUPPORTED = (  # (is set, key, why) for trainer.mode=async
-    (lambda c: c.rollout.engine != "native", "rollout.engine", "the rollout ranks run the native engine"),
     (lambda c: bool(c.trainer.replay_rollouts) or c.trainer.rollout_only, "trainer.replay_rollouts / rollout_only",
      "each half already runs alone"),
 )

@@ -82,6 +82,9 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
         raise ConfigError(f"actor.router_replay={a.router_replay} at parallel.tp={cfg.parallel.tp} is not supported yet "
                           "(the replay does not split ids over sequence-parallel ranks); set parallel.tp=1 or "
                           "actor.router_replay=none")
+    if cfg.rollout.engine == "sglang":
+        raise ConfigError(f"actor.router_replay={a.router_replay} replays the experts the native engine records; "
+                          "rollout.engine=sglang records none: set rollout.engine=native or actor.router_replay=none")
     for key, on, why in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, "appended tool and user tokens"),
                          ("rollout.server.enable", cfg.rollout.server.enable, "appended tool and user tokens"),
                          ("rollout.partial", cfg.rollout.partial, "responses resumed across steps")):

@@ -69,7 +69,7 @@ def check_lora(cfg: Config) -> None:
     if cfg.model.layer_spec == "te" or (cfg.model.layer_spec == "auto" and have_te()):
         raise ConfigError("actor.lora needs the local layer spec (TE fuses the norm into QKV / fc1); "
                           "set model.layer_spec=local")
-    if cfg.rollout.engine == "sglang":
+    if cfg.rollout.engine == "sglang" and cfg.trainer.mode == "sync":  # async: the push sends W + s B A merged
         raise ConfigError("actor.lora with rollout.engine=sglang is not supported yet (its weight stream sends "
                           "plain weights); use rollout.engine=native")
 

@@ -25,13 +25,32 @@ def engine_title(cfg: Config) -> str:
     return f"the {r.engine} rollout engine"
 
 
+def training_engine_config(cfg: Config) -> Config:
+    """The config of the training ranks' engine. trainer.mode=async: it only evaluates, so it is the native
+    engine on the actor's own weights (no second copy, no SGLang on the training GPUs) whatever
+    ``rollout.engine`` the rollout ranks run."""
+    if cfg.trainer.mode == "sync" or cfg.rollout.engine == "native":
+        return cfg
+    return replace(cfg, rollout=replace(cfg.rollout, engine="native"))
+
+
 def build_engine(cfg: Config, actor, groups, tokenizer, stop_ids: list[int], pad_id: int) -> RolloutEngine:
     """``rollout.engine`` on the actor's weights; an :class:`~megarl.rollout.agent.AgentLoop` over it
     when ``rollout.multi_turn.enable``."""
+    return wrap_engine(cfg, base_engine(cfg, actor, groups, stop_ids, pad_id), tokenizer, groups, stop_ids, pad_id)
+
+
+def base_engine(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> RolloutEngine:
+    """``rollout.engine`` itself (no agent loop or server around it); SGLang with ``actor.module`` None
+    takes its weights through ``load_weights`` (the async rollout ranks)."""
     if cfg.rollout.engine == "native":
-        engine = NativeEngine(actor.module, groups, actor.info.vocab_size, stop_ids, pad_id, engine_options(cfg))
-    else:
-        engine = _sglang(cfg, actor, groups, stop_ids, pad_id)
+        return NativeEngine(actor.module, groups, actor.info.vocab_size, stop_ids, pad_id, engine_options(cfg))
+    return _sglang(cfg, actor, groups, stop_ids, pad_id)
+
+
+def wrap_engine(cfg: Config, engine: RolloutEngine, tokenizer, groups, stop_ids: list[int],
+                pad_id: int) -> RolloutEngine:
+    """``engine`` behind the agent server (``rollout.server``) or the multi-turn loop, when enabled."""
     if cfg.rollout.server.enable:
         return _server(cfg, engine, tokenizer, stop_ids, pad_id)
     return _agent(cfg, engine, tokenizer, groups) if cfg.rollout.multi_turn.enable else engine

@@ -45,6 +45,14 @@ its pool from the memory free when it started (``mem_fraction_static`` is a
 share of that), and the activations torch keeps cached after a training step
 would otherwise leave too little for it to map back.
 
+Dedicated rollout ranks (``trainer.mode=async``, megarl/trainer/async_rollout.py): ``module`` is None;
+the weights come only through :meth:`SGLangEngine.load_weights`, the training ranks' push (its buckets'
+HF tensors, as received: the same session, calls and flush as a sync, from tensors every TP rank
+already holds in full). Nothing trains on those GPUs, so the engine starts with
+``enable_memory_saver`` and ``weights_cpu_backup`` off and its memory is never released or resumed
+(it keeps its weights' values between pushes); a generate before the first push is an error, not a
+sample from the dummy weights.
+
 Verified only where SGLang is installed (the CPU tests use a fake engine with
 its signatures, output format and the behaviours above): that Engine starts
 with these arguments beside Megatron, that its ``load_weights`` takes the
@@ -57,6 +65,7 @@ from __future__ import annotations
 import importlib.util
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -69,7 +78,7 @@ from megarl.models.hf_config import ModelInfo
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams
 from megarl.rollout.sglang_process import isolated_process_state, startup_group
 from megarl.rollout.sglang_shards import gather_bucket
-from megarl.rollout.weight_stream import iter_hf_buckets, tensor_bytes
+from megarl.rollout.weight_stream import NamedTensors, iter_hf_buckets, tensor_bytes
 
 SGLANG_VERSION = "0.5.23"
 NOT_INSTALLED = (f"rollout.engine=sglang: SGLang is not installed (pip install sglang=={SGLANG_VERSION}); "
@@ -191,8 +200,9 @@ class SGLangEngine:
     def __init__(self, module, groups: ParallelGroups, info: ModelInfo, eos_ids: list[int],
                  options: SGLangOptions, engine_factory: Optional[Callable] = None,
                  tensor_wrapper: Optional[Callable] = None):
-        """``engine_factory(**server kwargs)`` builds the engine (default: SGLang's Engine class);
-        ``tensor_wrapper(values)`` wraps one tensor's per-TP-rank payloads (default: SGLang's)."""
+        """``module``: the actor whose weights are streamed in, or None when they are pushed through
+        :meth:`load_weights`; ``engine_factory(**server kwargs)`` builds the engine (default: SGLang's
+        Engine class); ``tensor_wrapper(values)`` wraps one tensor's per-TP-rank payloads (default: SGLang's)."""
         _check_layout(groups)
         if engine_factory is None and importlib.util.find_spec("sglang") is None:
             raise ConfigError(NOT_INSTALLED)
@@ -241,26 +251,43 @@ class SGLangEngine:
     def update_weights(self) -> dict:
         """Streams the actor's weights into SGLang (weights resumed first, the KV cache left as it is).
         Metrics: bytes (one TP rank's copy), seconds, buckets."""
-        start = time.perf_counter()
+        if self.module is None:
+            raise RuntimeError("SGLang rollout: this engine has no actor to stream from; its weights come "
+                               "through load_weights (the async weight push), and none has come yet")
         self._resume(("weights",))
-        self._call(lambda: _check(self.engine.begin_weight_update(), "begin_weight_update"))
-        nbytes, buckets = 0, 0
         limit = int(self.options.update_bucket_mb * 2**20)
         dtype = _DTYPES[self.options.dtype]
+        return self._load(iter_hf_buckets(self.module, self.groups, self.info, limit, dtype, every_rank=True))
+
+    def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]]) -> dict:
+        """Hugging Face tensors from elsewhere into SGLang, cast to its dtype: the async weight push
+        (megarl/trainer/weight_push.py), where every TP rank iterates over the same buckets, each holding the
+        full tensors on its own device. One weight-update session, then a flush; metrics as update_weights.
+        The weights must be resident (a dedicated rollout rank never releases them)."""
+        if "weights" in self.released:
+            raise RuntimeError("SGLang rollout: load_weights while SGLang's weights are released")
+        dtype = _DTYPES[self.options.dtype]
+        return self._load([(name, t.to(dtype)) for name, t in bucket.items()] for bucket in buckets)
+
+    def _load(self, buckets: Iterable[NamedTensors]) -> dict:
+        """One weight-update session over ``buckets`` (collective over TP: every rank the same names)."""
+        start = time.perf_counter()
+        self._call(lambda: _check(self.engine.begin_weight_update(), "begin_weight_update"))
+        nbytes, count = 0, 0
         try:
-            for bucket in iter_hf_buckets(self.module, self.groups, self.info, limit, dtype, every_rank=True):
-                buckets += 1
+            for bucket in buckets:
+                count += 1
                 nbytes += sum(tensor_bytes(t) for _, t in bucket)
                 named = gather_bucket(bucket, self.groups, self.wrap)  # on TP rank 0; others keep `bucket` alive
                 self._call(lambda: _check(self.engine.update_weights_from_tensor(
                     named_tensors=named, load_format=None, flush_cache=False), "update_weights_from_tensor"))
-        except RuntimeError:  # raised on every TP rank by _call: close SGLang's session so a retry can begin
-            self._call(lambda: self.engine.end_weight_update())
+        except RuntimeError:  # raised on every TP rank (by _call, or by the push's checks): close SGLang's
+            self._call(lambda: self.engine.end_weight_update())  # session so a retry can begin
             raise
         self._call(self._end_update)
         self.weights_stale = False
         return {"weight_sync/bytes": float(nbytes), "weight_sync/seconds": time.perf_counter() - start,
-                "weight_sync/buckets": float(buckets)}
+                "weight_sync/buckets": float(count)}
 
     def _end_update(self) -> None:
         _check(self.engine.end_weight_update(), "end_weight_update")

@@ -1,14 +1,17 @@
 """The rollout ranks of ``trainer.mode=async``: generate, score, queue; take new weights between steps.
 
 A rollout rank holds its own copy of the policy (TP ``placement.rollout_tp`` over the rollout
-ranks) and the native engine on it. Its loop, for training steps ``k = start .. steps-1``:
+ranks) and the native engine on it, or, with ``rollout.engine=sglang``, an SGLang engine per rollout
+TP group and no Megatron copy (the pushed HF tensors go straight into SGLang). Its loop, for
+training steps ``k = start .. steps-1``:
 
     wait for weights of version >= k - min(async.max_staleness, async.queue_size - 1)
     generate and score batch k (the prompts and seed the synchronous run would use at step k)
     send it to the training ranks of its data-parallel replica (asynchronous: the queue)
 
 Weights arrive only between batches (:class:`~megarl.trainer.weight_push.WeightReceiver` copies them
-into the parameters the engine reads, the engine is not restarted). A version older than the bound
+into the parameters the native engine reads; SGLang loads them in one weight-update session and flushes
+its radix cache; neither engine is restarted). A version older than the bound
 is never used: the rank waits instead (``async/rollout_waits``). The training ranks push a version
 after every update; ``version >= k - queue_size + 1`` also means the trainer has taken batch
 ``k - queue_size``, so at most ``queue_size`` batches are in flight. With ``max_staleness=0`` batch k
@@ -53,8 +56,10 @@ from megarl.data.build import build_train_data
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import build_parallel_groups, device
 from megarl.distributed.placement import Placement
+from megarl.models.hf_config import read_hf_config
+from megarl.models.weight_map import expected_hf_names
 from megarl.roles.build import build_module, build_reward_model
-from megarl.rollout.factory import build_engine
+from megarl.rollout.factory import base_engine, wrap_engine
 from megarl.trainer.async_channel import BATCH_TAG, START_TAG, Outbox, QueuedBatch, recv_object, rollout_to, \
     send_object
 from megarl.trainer.dapo import sample_until_full, score_and_shape
@@ -62,16 +67,18 @@ from megarl.trainer.partial import PartialRollouts, generate_and_take, pack_take
 from megarl.trainer.ppo import greedy_baseline, rollout_seed, sampling_params
 from megarl.trainer.rollout import Rollout, generate_rollout
 from megarl.trainer.scoring import build_reward
-from megarl.trainer.weight_push import WeightReceiver, push_sources
+from megarl.trainer.weight_push import PushReceiver, WeightReceiver, push_sources
 
 
 def rollout_config(cfg: Config) -> Config:
     """The config the rollout ranks build their policy copy with: TP placement.rollout_tp, no PP / CP / EP
-    (every expert on each rollout rank), no LoRA adapters (the push sends W + s B A merged)."""
+    (every expert on each rollout rank), no LoRA adapters (the push sends W + s B A merged); SGLang never
+    released (nothing trains on these GPUs, and its weights come only from the pushes)."""
     p = dataclasses.replace(cfg.parallel, tp=cfg.placement.rollout_tp, pp=1, cp=1, ep=1, etp=None,
                             sequence_parallel=False)
     actor = dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora, rank=0))
-    return dataclasses.replace(cfg, parallel=p, actor=actor)
+    sglang = dataclasses.replace(cfg.rollout.sglang, enable_memory_saver=False, weights_cpu_backup=False)
+    return dataclasses.replace(cfg, parallel=p, actor=actor, rollout=dataclasses.replace(cfg.rollout, sglang=sglang))
 
 
 def lag_bound(cfg: Config) -> int:
@@ -90,19 +97,16 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.train_set, self.sampler = build_train_data(cfg.data, self.tokenizer, g.dp_rank, g.dp_size)
-        module, info = build_module(cfg.model.path, cfg, g)
-        module.eval()
         eos = self.tokenizer.eos_token_id
         stops = [] if cfg.rollout.ignore_eos else ([eos] if eos is not None else []) + list(cfg.rollout.stop_token_ids)
-        self.engine = build_engine(cfg, SimpleNamespace(module=module, info=info), g, self.tokenizer, stops,
-                                   self.pad_id)
+        ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
+        engine, self._take_push = self._policy(stops, push_sources(ranks))
+        self.engine = wrap_engine(cfg, engine, self.tokenizer, g, stops, self.pad_id)
         self.rm = build_reward_model(cfg, g) if cfg.reward.model.path else None  # at the rollout layout
         rm_scorer = (lambda b: self.rm.scores(b, cfg.reward.model.micro_batch_size)) if self.rm else None
         self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir)
         self.device = device()
-        ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
         self.targets = [r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank]
-        self.weights = WeightReceiver(module, info, g, placement, push_sources(ranks))
         self.starter = next(r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank
                             and r["tp_rank"] == r["pp_rank"] == r["cp_rank"] == 0)  # sends the first step, sampler
         self.sends = g.tp_rank == 0  # one rank of a rollout replica sends its batches
@@ -110,6 +114,28 @@ class RolloutWorker:
         r = cfg.rollout  # rollout.partial: this replica's groups in flight (the start message restores them)
         self.partial = PartialRollouts(cfg.data.batch_size // g.dp_size, r.n, r.partial_batches,
                                        r.max_new_tokens, g.dp_rank) if r.partial else None
+
+    def _policy(self, stops: list[int], sources: list[int]):
+        """(the engine, a function that blocks for the next weight push, applies it and returns its version or
+        None for a stop). Native: the engine decodes on a Megatron copy of the policy that each push is cut
+        into, then forgets its prefix cache. SGLang: no Megatron copy; each push's HF tensors go into SGLang."""
+        cfg, g = self.cfg, self.groups
+        if cfg.rollout.engine == "sglang":
+            info = read_hf_config(cfg.model.path)
+            engine = base_engine(cfg, SimpleNamespace(module=None, info=info), g, stops, self.pad_id)
+            wire = PushReceiver(expected_hf_names(info), self.placement, sources, device())
+            return engine, lambda: wire.receive(engine.load_weights)
+        module, info = build_module(cfg.model.path, cfg, g)
+        module.eval()
+        engine = base_engine(cfg, SimpleNamespace(module=module, info=info), g, stops, self.pad_id)
+        receiver = WeightReceiver(module, info, g, self.placement, sources)
+
+        def take() -> int | None:
+            version = receiver.receive()
+            if version is not None:
+                engine.update_weights()  # the prefix cache held K/V of the old weights
+            return version
+        return engine, take
 
     def run(self) -> None:
         """Generates until the trainer's last step or its stop; ignores SIGINT / SIGTERM (the training
@@ -135,9 +161,8 @@ class RolloutWorker:
             version = self._receive()
 
     def _receive(self) -> int | None:
-        version = self.weights.receive()
+        version = self._take_push()
         if version is not None:
-            self.engine.update_weights()  # the prefix cache held K/V of the old weights
             for _, outbox in [b for b in self.in_flight if b[0] < version]:  # taken before that update
                 outbox.wait()
             self.in_flight = [b for b in self.in_flight if b[0] >= version]

@@ -29,7 +29,7 @@ from megarl.monitor.progress import note, stage
 from megarl.monitor.resources import start_monitor
 from megarl.roles.build import build_actor, build_critic, build_reference, build_reward_model
 from megarl.rollout.engine import SamplingParams
-from megarl.rollout.factory import build_engine, engine_title
+from megarl.rollout.factory import build_engine, engine_title, training_engine_config
 from megarl.trainer import phases
 from megarl.trainer.async_channel import rollout_to
 from megarl.trainer.checkpoint import Checkpointer, checkpoint_build_meta
@@ -149,8 +149,9 @@ class PPOTrainer:
         if cfg.reward.model.path and cfg.trainer.mode == "sync":  # async: the rollout ranks build it
             with stage(f"loading the reward model from {cfg.reward.model.path}", say):
                 self.rm = build_reward_model(cfg, g)
-        with stage(f"starting {engine_title(cfg)}", say):
-            self.engine = build_engine(cfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
+        ecfg = training_engine_config(cfg)  # async: it only evaluates
+        with stage(f"starting {engine_title(ecfg)}", say):
+            self.engine = build_engine(ecfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
 
     def _stop_ids(self) -> list[int]:
         if self.cfg.rollout.ignore_eos:

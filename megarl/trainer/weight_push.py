@@ -12,12 +12,17 @@ bucket, after a small header naming its tensors, to every rollout rank. A rollou
 push from every stage's sender (:func:`push_sources`), views each bucket as tensors (``unpack``, no
 copy) and cuts its own shard of each parameter for the rollout TP layout with the loader's
 ``read_shard`` (the same code that loads a checkpoint at that TP size), copied in place into the
-parameters its engine reads: the engine keeps running, only its prefix cache is dropped. A push
-that leaves a parameter without its tensors, or brings tensors no parameter takes, is an error.
+parameters its engine reads: the engine keeps running, only its prefix cache is dropped. With
+``rollout.engine=sglang`` the rollout ranks hold no Megatron copy: each received bucket's HF tensors
+go straight into SGLang (:meth:`~megarl.rollout.sglang.SGLangEngine.load_weights`), which cuts its own
+shards. A push that leaves an HF tensor out, or brings one the rollout side has no place for, is an error.
 
-Every copy is exact (cat, split, slice, copy): the rollout's weights equal the trainer's bitwise.
+Every copy is exact (cat, split, slice, copy): the rollout's weights equal the trainer's bitwise
+(SGLang's: the trainer's cast to ``rollout.sglang.dtype``, as the colocated stream casts them).
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -144,28 +149,32 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-class WeightReceiver:
-    """Rollout side: receives each push from the global ranks ``sources`` (:func:`push_sources`, one per
-    training pipeline stage) into ``model`` (this rank's TP shard)."""
+class PushReceiver:
+    """Rollout side, the wire: receives each push from the global ranks ``sources`` (:func:`push_sources`, one
+    per training pipeline stage) and hands its buckets, as they arrive, to a consumer: the rollout's Megatron
+    copy (:class:`WeightReceiver`) or an engine that loads Hugging Face tensors itself (SGLang,
+    :meth:`~megarl.rollout.sglang.SGLangEngine.load_weights`). ``names``: the HF tensors a push must bring,
+    each once; one it lacks, or one outside ``names``, is an error."""
 
-    def __init__(self, model, info, groups, placement, sources: list[int]):
-        self.model, self.info, self.groups, self.sources = model, info, groups, sources
+    def __init__(self, names: set[str], placement, sources: list[int], device):
+        self.names, self.sources, self.device = set(names), sources, device
         self.world, self.objects = placement.world, placement.objects  # buckets; headers
-        self.rules = model_rules(model, info)
-        self.known = {h for rule in self.rules.values() for h in rule.hf_names}
-        self.params = model.state_dict(keep_vars=True)
-        self.device = next(iter(self.params.values())).device
 
-    def receive(self) -> int | None:
-        """Blocks for the next push (every source's) and copies it into the model; its version, or None
-        for a stop."""
+    def receive(self, consume) -> int | None:
+        """Blocks for the next push (every source's); ``consume(buckets)`` takes an iterator over its buckets,
+        ``{HF name: tensor}`` (views into the received bucket, in the pushed dtype), and must run it to the
+        end. Returns the push's version, or None for a stop."""
         headers = [recv_object(self.objects, src, HEADER_TAG) for src in self.sources]
         if any(h["stop"] for h in headers):
             return None
         version = headers[0]["version"]
         if any(h["version"] != version for h in headers):
             raise RuntimeError(f"weight push: the stages sent versions {[h['version'] for h in headers]}")
-        waiting, held, extra = dict(self.rules), {}, []  # parameters not copied yet; tensors they need
+        consume(self._buckets(version))
+        return version
+
+    def _buckets(self, version: int) -> Iterator[dict[str, torch.Tensor]]:
+        missing, extra = set(self.names), []
         for src in self.sources:
             last = False
             while not last:
@@ -177,13 +186,34 @@ class WeightReceiver:
                 flat = torch.empty(layout.numel, dtype=spec["dtype"], device=self.device)
                 recv_tensor(self.world, flat, src, BUCKET_TAG)
                 tensors = dict(zip(spec["names"], unpack(flat, layout)))
-                extra += [n for n in tensors if n not in self.known]
-                held.update({n: t for n, t in tensors.items() if n in self.known})
-                held = self._apply(held, waiting)
-        if waiting or extra:
-            raise RuntimeError(f"weight push {version}: no tensors for {', '.join(sorted(waiting)) or '-'}; "
-                               f"tensors the rollout copy has no place for: {', '.join(sorted(extra)) or '-'}")
-        return version
+                extra += [n for n in tensors if n not in self.names]
+                missing.difference_update(tensors)
+                yield {n: t for n, t in tensors.items() if n in self.names}
+        if missing or extra:
+            raise RuntimeError(f"weight push {version}: no tensors for {', '.join(sorted(missing)) or '-'}; "
+                               f"tensors the rollout side has no place for: {', '.join(sorted(extra)) or '-'}")
+
+
+class WeightReceiver:
+    """Rollout side, the Megatron copy: each push (:class:`PushReceiver`) cut into ``model`` (this rank's TP
+    shard) with the loader's ``read_shard``."""
+
+    def __init__(self, model, info, groups, placement, sources: list[int]):
+        self.info, self.groups = info, groups
+        self.rules = model_rules(model, info)
+        self.params = model.state_dict(keep_vars=True)
+        names = {h for rule in self.rules.values() for h in rule.hf_names}
+        self.wire = PushReceiver(names, placement, sources, next(iter(self.params.values())).device)
+
+    def receive(self) -> int | None:
+        """Blocks for the next push and copies it into the model; its version, or None for a stop."""
+        return self.wire.receive(self._copy)
+
+    def _copy(self, buckets: Iterator[dict[str, torch.Tensor]]) -> None:
+        waiting, held = dict(self.rules), {}  # parameters not copied yet; tensors they need
+        for tensors in buckets:
+            held.update(tensors)
+            held = self._apply(held, waiting)
 
     @torch.no_grad()
     def _apply(self, held: dict[str, torch.Tensor], waiting: dict) -> dict[str, torch.Tensor]:
