@@ -34,8 +34,6 @@ def _ppo(world: int, *overrides):
             "data-parallel replicas; change placement.rollout_ranks, placement.rollout_tp or parallel.tp"),
     (2, ["async.max_staleness=-1"], "config error: async.max_staleness=-1 must be >= 0, async.queue_size=2 >= 1 "
                                     "and async.bucket_mb=64.0 > 0"),
-    (2, ["rollout.engine=sglang"], "config error: rollout.engine is not supported with trainer.mode=async (the "
-                                   "rollout ranks run the native engine); unset it or use trainer.mode=sync"),
     (4, ["parallel.pp=2", "placement.rollout_ranks=2"], "config error: placement: 2 rollout replicas (rollout_ranks / "
      "rollout_tp) must equal the 1 training data-parallel replicas; change placement.rollout_ranks, "
      "placement.rollout_tp or parallel.tp"),
@@ -73,6 +71,33 @@ MOE_ASYNC = ("trainer.mode=async", "placement.rollout_ranks=2")  # yaml/tiny_moe
 def test_async_training_layouts_accepted(config, world, overrides):
     """PP, EP (with router replay) and LoRA on the training ranks: the weight push gathers them."""
     assert _validate(config, world, *overrides) == "no error"
+
+
+@pytest.mark.parametrize("config, world, overrides", [
+    ("tiny_async.yaml", 2, []),
+    ("tiny_async.yaml", 3, ["parallel.pp=2"]),  # SGLang at the rollout layout (PP 1): the training side may use PP
+    ("tiny_async.yaml", 3, ["parallel.cp=2", "actor.packing=true", "model.attention_backend=sdpa"]),
+    ("tiny_async.yaml", 2, ["actor.lora.rank=4"]),  # the push sends W + s B A merged
+    ("tiny_async.yaml", 4, ["placement.rollout_ranks=2", "placement.rollout_tp=2", "parallel.tp=2"]),  # TP2 -> TP2
+    ("tiny_moe.yaml", 4, [*MOE_ASYNC, "actor.router_replay=none"]),
+])
+def test_async_sglang_accepted(config, world, overrides):
+    """rollout.engine=sglang on the rollout ranks: the refusals that protect a colocated SGLang (PP, CP,
+    LoRA on the training layout) do not apply; the pushed weights arrive merged and whole."""
+    assert _validate(config, world, "rollout.engine=sglang", *overrides) == "no error"
+
+
+@pytest.mark.parametrize("config, world, overrides, message", [
+    ("tiny_moe.yaml", 4, [*MOE_ASYNC], "actor.router_replay=r3 replays the experts the native engine records; "
+     "rollout.engine=sglang records none: set rollout.engine=native or actor.router_replay=none"),
+    ("tiny_async.yaml", 2, ["rollout.partial=true", "async.max_staleness=2"], "rollout.partial=true does not work "
+     "with rollout.engine=sglang (only the native engine stops a generation and resumes its requests); or set "
+     "rollout.partial=false"),
+    ("tiny_async.yaml", 2, ["trainer.mode=sync", "parallel.pp=2"], "rollout.engine=sglang needs parallel.pp=1 (got "
+     "2); use rollout.engine=native"),  # colocated: SGLang holds the whole model per TP group
+])
+def test_async_sglang_refusals(config, world, overrides, message):
+    assert _validate(config, world, "rollout.engine=sglang", *overrides) == message
 
 
 @pytest.mark.parametrize("world, overrides, message", [
