@@ -22,7 +22,8 @@ tokens and log-probs depend on the prompt and seed only (their math scores are 0
 scores their lengths, so the policy has a signal), so every logged value but timings, the
 weight-sync counters and the async/* lag metrics is equal bitwise, with the rollout correction
 preset on (``preset=sglang``: truncated IS re-weights every token, since the fake's log-probs are far
-from the policy's; ``preset=async``'s band would mask them all and nothing would train). The training rank starts no SGLang (it evaluates with the native engine).
+from the policy's; ``preset=async``'s band would mask them all and nothing would train). The training
+rank starts no SGLang (it evaluates with the native engine).
 
 Not covered: a real SGLang (its weight loaders, CUDA IPC across GPUs, its memory), several rollout
 replicas, resume of an async SGLang run (the start message and pushes are the native run's).

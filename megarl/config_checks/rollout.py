@@ -68,7 +68,7 @@ def check_sglang(cfg: Config) -> None:
         raise ConfigError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
     check_numbers(s, "rollout.sglang", ["update_bucket_mb", "start_timeout_s"], low=0, strict=True)
     check_counts(s, "rollout.sglang", ["max_running_requests"], low=0)
-    if cfg.trainer.mode == "async":  # SGLang runs on the rollout ranks, at placement.rollout_tp, PP 1, CP 1
+    if cfg.trainer.mode == "async":  # SGLang runs on the rollout ranks (placement.rollout_tp, PP 1, CP 1)
         return
     if cfg.parallel.pp > 1:
         raise ConfigError(f"rollout.engine=sglang needs parallel.pp=1 (got {cfg.parallel.pp}); use rollout.engine=native")

@@ -99,13 +99,18 @@ class RolloutWorker:
         self.train_set, self.sampler = build_train_data(cfg.data, self.tokenizer, g.dp_rank, g.dp_size)
         eos = self.tokenizer.eos_token_id
         stops = [] if cfg.rollout.ignore_eos else ([eos] if eos is not None else []) + list(cfg.rollout.stop_token_ids)
-        ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
-        engine, self._take_push = self._policy(stops, push_sources(ranks))
+        module, info = (None, read_hf_config(cfg.model.path)) if cfg.rollout.engine == "sglang" else \
+            build_module(cfg.model.path, cfg, g)  # SGLang holds the weights itself: no Megatron copy
+        if module is not None:
+            module.eval()
+        engine = base_engine(cfg, SimpleNamespace(module=module, info=info), g, stops, self.pad_id)
         self.engine = wrap_engine(cfg, engine, self.tokenizer, g, stops, self.pad_id)
         self.rm = build_reward_model(cfg, g) if cfg.reward.model.path else None  # at the rollout layout
         rm_scorer = (lambda b: self.rm.scores(b, cfg.reward.model.micro_batch_size)) if self.rm else None
         self.reward = build_reward(cfg.reward, rm_scorer, cfg.trainer.run_dir)
         self.device = device()
+        ranks = placement.directory({"dp_rank": g.dp_rank, "tp_rank": g.tp_rank})
+        self._take_push = self._push_taker(engine, module, info, push_sources(ranks))
         self.targets = [r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank]
         self.starter = next(r["rank"] for r in ranks if r["role"] == "train" and r["dp_rank"] == g.dp_rank
                             and r["tp_rank"] == r["pp_rank"] == r["cp_rank"] == 0)  # sends the first step, sampler
@@ -115,27 +120,21 @@ class RolloutWorker:
         self.partial = PartialRollouts(cfg.data.batch_size // g.dp_size, r.n, r.partial_batches,
                                        r.max_new_tokens, g.dp_rank) if r.partial else None
 
-    def _policy(self, stops: list[int], sources: list[int]):
-        """(the engine, a function that blocks for the next weight push, applies it and returns its version or
-        None for a stop). Native: the engine decodes on a Megatron copy of the policy that each push is cut
-        into, then forgets its prefix cache. SGLang: no Megatron copy; each push's HF tensors go into SGLang."""
-        cfg, g = self.cfg, self.groups
-        if cfg.rollout.engine == "sglang":
-            info = read_hf_config(cfg.model.path)
-            engine = base_engine(cfg, SimpleNamespace(module=None, info=info), g, stops, self.pad_id)
-            wire = PushReceiver(expected_hf_names(info), self.placement, sources, device())
-            return engine, lambda: wire.receive(engine.load_weights)
-        module, info = build_module(cfg.model.path, cfg, g)
-        module.eval()
-        engine = base_engine(cfg, SimpleNamespace(module=module, info=info), g, stops, self.pad_id)
-        receiver = WeightReceiver(module, info, g, self.placement, sources)
+    def _push_taker(self, engine, module, info, sources: list[int]):
+        """A function that blocks for the next weight push, applies it and returns its version (None: a
+        stop). Native: each push is cut into the Megatron copy the engine decodes on, then the engine forgets
+        its prefix cache. SGLang (``module`` None): each push's HF tensors go into SGLang as they arrive."""
+        if module is None:
+            wire = PushReceiver(expected_hf_names(info), self.placement, sources, self.device)
+            return lambda: wire.receive(engine.load_weights)
+        receiver = WeightReceiver(module, info, self.groups, self.placement, sources)
 
         def take() -> int | None:
             version = receiver.receive()
             if version is not None:
                 engine.update_weights()  # the prefix cache held K/V of the old weights
             return version
-        return engine, take
+        return take
 
     def run(self) -> None:
         """Generates until the trainer's last step or its stop; ignores SIGINT / SIGTERM (the training
