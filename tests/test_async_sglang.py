@@ -25,8 +25,11 @@ preset on (``preset=sglang``: truncated IS re-weights every token, since the fak
 from the policy's; ``preset=async``'s band would mask them all and nothing would train). The training
 rank starts no SGLang (it evaluates with the native engine).
 
+Resume: 2 steps, then a resumed third: the rollout rank's first generate after the resume samples from
+the checkpoint's weights (the straight run's after 2 updates), not SGLang's dummy start.
+
 Not covered: a real SGLang (its weight loaders, CUDA IPC across GPUs, its memory), several rollout
-replicas, resume of an async SGLang run (the start message and pushes are the native run's).
+replicas, multi-turn rollouts over SGLang in async mode.
 """
 import json
 import os
@@ -143,15 +146,16 @@ def test_pushed_weights_reach_sglang_bitwise(tmp_path, arch, tp, rollout_tp):
         assert r["missing"] == f"weight push 8: no tensors for {EXTRA}; tensors the rollout side has no place for: -"
 
 
-FAKE = ["rollout.engine=sglang", "data.eval_path=", "trainer.export_hf=false", "trainer.save_every=0",
-        "algorithm.dapo.overlong_buffer=8"]  # the fake's tokens score 0 at math: response lengths make the signal
+FAKE = ["rollout.engine=sglang", "data.eval_path=", "trainer.export_hf=false", "algorithm.dapo.overlong_buffer=8",
+        "algorithm.rollout_correction.preset=sglang"]  # the fake's tokens score 0 at math: response lengths make the signal
 IGNORED = ("timing/", "perf/", "resources/", "weight_sync/", "async/", "rollout/engine_seconds")
 
 
-def _run(tmp_path, name, *overrides, nproc):
-    log = str(tmp_path / f"{name}.log")
+def _run(tmp_path, name, *overrides, nproc, steps=3):
+    log = str(tmp_path / f"{name}_{steps}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "tests/sglang_fake_launch.py",
-           "yaml/tiny_async.yaml", f"trainer.run_dir={tmp_path / name}", "trainer.steps=3", *SMALL, *FAKE, *overrides]
+           "yaml/tiny_async.yaml", f"trainer.run_dir={tmp_path / name}", f"trainer.steps={steps}", *SMALL, *FAKE,
+           *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGARL_TEST_SGLANG_LOG=log)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -161,9 +165,8 @@ def _run(tmp_path, name, *overrides, nproc):
 
 
 def test_staleness_zero_equals_sync_with_sglang(tmp_path):
-    preset = "algorithm.rollout_correction.preset=sglang"
-    sync, sync_logs = _run(tmp_path, "sync", preset, "trainer.mode=sync", nproc=1)
-    asyn, async_logs = _run(tmp_path, "async", preset, "async.max_staleness=0", nproc=2)
+    sync, sync_logs = _run(tmp_path, "sync", "trainer.mode=sync", "trainer.save_every=0", nproc=1)
+    asyn, async_logs = _run(tmp_path, "async", "async.max_staleness=0", "trainer.save_every=0", nproc=2)
     assert async_logs[0] is None  # the training rank started no SGLang
     sampled = sync_logs[0]
     assert len(sampled) == 3 and None not in sampled and len(set(sampled)) == 3  # the weights change every step
@@ -175,3 +178,15 @@ def test_staleness_zero_equals_sync_with_sglang(tmp_path):
         assert asyn[step]["async/staleness"] == 0 and asyn[step]["async/policy_version"] == step - 1
         assert sync[step]["rollout_correction/ratio_mean"] < 0.9  # the correction re-weighted the tokens
     assert asyn[1]["weight_sync/bytes"] > 0
+
+
+def test_resumed_async_run_samples_from_its_checkpoint(tmp_path):
+    """3 steps straight, versus 2 steps and a resumed third (``max_staleness=0``): the rollout rank's
+    SGLang samples batch 3 of the resumed run from the checkpoint's weights, which are the straight run's
+    after 2 updates (the start message and the first push come before any generate)."""
+    _, straight = _run(tmp_path, "straight", "async.max_staleness=0", "trainer.save_every=0", nproc=2)
+    _, first = _run(tmp_path, "resumed", "async.max_staleness=0", "trainer.save_every=2", nproc=2, steps=2)
+    rows, resumed = _run(tmp_path, "resumed", "async.max_staleness=0", "trainer.save_every=2", nproc=2)
+    assert len(set(straight[1])) == 3 and None not in straight[1]
+    assert first[1] == straight[1][:2] and resumed[1] == straight[1][2:]
+    assert rows[3]["async/policy_version"] == 2 and rows[3]["async/staleness"] == 0
