@@ -190,3 +190,16 @@ def test_resumed_async_run_samples_from_its_checkpoint(tmp_path):
     assert len(set(straight[1])) == 3 and None not in straight[1]
     assert first[1] == straight[1][:2] and resumed[1] == straight[1][2:]
     assert rows[3]["async/policy_version"] == 2 and rows[3]["async/staleness"] == 0
+
+
+def test_training_ranks_start_the_native_engine():
+    """In async mode the training ranks' engine only evaluates: native, on the actor's own weights."""
+    from megarl.config import Config
+    from megarl.rollout.factory import engine_title, training_engine_config
+
+    cfg = Config()
+    cfg.rollout.engine, cfg.trainer.mode, cfg.model.dtype = "sglang", "async", "bfloat16"
+    assert training_engine_config(cfg).rollout.engine == "native" and cfg.rollout.engine == "sglang"
+    assert engine_title(cfg) == "the native engine for evaluation (the rollout ranks run SGLang)"
+    cfg.trainer.mode = "sync"
+    assert training_engine_config(cfg) is cfg and engine_title(cfg) == "the sglang rollout engine"

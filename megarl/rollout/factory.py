@@ -19,9 +19,13 @@ def engine_options(cfg: Config) -> EngineOptions:
 def engine_title(cfg: Config) -> str:
     """What starts, for the start-up line; says when SGLang samples in another dtype than the actor trains in."""
     r = cfg.rollout
+    dtype = (f"it samples in rollout.sglang.dtype={r.sglang.dtype}, the actor trains in model.dtype={cfg.model.dtype}; "
+             "algorithm.rollout_correction.preset=sglang corrects for it")
+    if r.engine == "sglang" and cfg.trainer.mode == "async":  # what the training ranks start
+        return "the native engine for evaluation (the rollout ranks run SGLang" + \
+            (f": {dtype})" if r.sglang.dtype != cfg.model.dtype else ")")
     if r.engine == "sglang" and r.sglang.dtype != cfg.model.dtype:
-        return (f"the sglang rollout engine (it samples in rollout.sglang.dtype={r.sglang.dtype}, the actor trains "
-                f"in model.dtype={cfg.model.dtype}; algorithm.rollout_correction.preset=sglang corrects for it)")
+        return f"the sglang rollout engine ({dtype})"
     return f"the {r.engine} rollout engine"
 
 

@@ -150,7 +150,7 @@ class PPOTrainer:
             with stage(f"loading the reward model from {cfg.reward.model.path}", say):
                 self.rm = build_reward_model(cfg, g)
         ecfg = training_engine_config(cfg)  # async: it only evaluates
-        with stage(f"starting {engine_title(ecfg)}", say):
+        with stage(f"starting {engine_title(cfg)}", say):
             self.engine = build_engine(ecfg, self.actor, g, self.tokenizer, self._stop_ids(), self.pad_id)
 
     def _stop_ids(self) -> list[int]:
