@@ -153,8 +153,8 @@ class PushReceiver:
     """Rollout side, the wire: receives each push from the global ranks ``sources`` (:func:`push_sources`, one
     per training pipeline stage) and hands its buckets, as they arrive, to a consumer: the rollout's Megatron
     copy (:class:`WeightReceiver`) or an engine that loads Hugging Face tensors itself (SGLang,
-    :meth:`~megarl.rollout.sglang.SGLangEngine.load_weights`). ``names``: the HF tensors a push must bring,
-    each once; one it lacks, or one outside ``names``, is an error."""
+    :meth:`~megarl.rollout.sglang.SGLangEngine.load_weights`). ``names``: the HF tensors a push must bring;
+    one it lacks, or one outside ``names``, is an error."""
 
     def __init__(self, names: set[str], placement, sources: list[int], device):
         self.names, self.sources, self.device = set(names), sources, device
@@ -170,7 +170,10 @@ class PushReceiver:
         version = headers[0]["version"]
         if any(h["version"] != version for h in headers):
             raise RuntimeError(f"weight push: the stages sent versions {[h['version'] for h in headers]}")
-        consume(self._buckets(version))
+        buckets = self._buckets(version)
+        consume(buckets)
+        if next(buckets, None) is not None:  # the rest of the push would be read as the next one
+            raise RuntimeError(f"weight push {version}: its consumer stopped before the last bucket")
         return version
 
     def _buckets(self, version: int) -> Iterator[dict[str, torch.Tensor]]:
