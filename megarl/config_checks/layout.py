@@ -12,11 +12,6 @@ def check_model(cfg: Config) -> None:
     spec = cfg.model.layer_spec
     if spec == "te" and not have_te():
         raise ConfigError("model.layer_spec=te but transformer_engine is not installed; use model.layer_spec=local")
-    if cfg.parallel.sequence_parallel and not (spec == "te" or (spec == "auto" and have_te())):
-        raise ConfigError(
-            f"parallel.sequence_parallel=true needs the transformer-engine layer spec (model.layer_spec={spec}, "
-            f"transformer_engine {'installed' if have_te() else 'not installed'}); set parallel.sequence_parallel=false"
-        )
 
 
 def check_packing(cfg: Config) -> None:

@@ -47,7 +47,7 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
                           "use parallel.tp=1 and spread the experts with parallel.ep")
     if p.tp > 1 and not p.sequence_parallel:  # megatron-core's MoELayer refuses to train so
         raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
-                          "(megatron-core's MoE layer trains TP only with it; it needs transformer-engine); "
+                          "(megatron-core's MoE layer trains TP only with it); "
                           "or use parallel.tp=1 and spread the experts with parallel.ep")
 
 

@@ -47,7 +47,7 @@ class RunOptions:
     """How a role lays out its micro-batches."""
 
     packing: bool = False  # one packed THD row per micro-batch instead of padded rows
-    pad_multiple: int = 1  # packed length a multiple of this (the TP size under sequence parallelism)
+    pad_multiple: int = 1  # packed length / padded width a multiple of this (the TP size under sequence parallelism)
     dp_balance: bool = False  # re-deal rows over DP ranks by tokens (collective: every DP rank must call)
 
 
@@ -108,7 +108,7 @@ class ModelRole:
             return cp_packed_inputs(mb.input_ids, mb.lengths, g.cp, g.cp_size, g.cp_rank)
         if self.options.packing:
             return packed_inputs(mb.input_ids, mb.lengths, self.options.pad_multiple)
-        return padded_inputs(mb.input_ids, mb.lengths)
+        return padded_inputs(mb.input_ids, mb.lengths, self.options.pad_multiple)
 
     def deal(self, batch: SampleBatch, keep_counts: bool) -> Dealt:
         """``batch``'s rows re-dealt over DP by tokens (when ``options.dp_balance``)."""
