@@ -243,7 +243,6 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
     ({"server": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.server.enable=true"),
     ({"partial": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.partial=true"),
     ({"probe": -1}, QWEN3_MOE, "actor.router_replay_probe_every"),
-    ({"tp": 2}, QWEN3_MOE, "actor.router_replay=r3 at parallel.tp=2 is not supported yet"),
 ])
 def test_config_errors(change, hf, message):
     from megarl.config_checks import check_router_replay
@@ -253,7 +252,6 @@ def test_config_errors(change, hf, message):
     cfg.rollout.multi_turn.enable = change.get("multi_turn", False)
     cfg.rollout.server.enable = change.get("server", False)
     cfg.rollout.partial = change.get("partial", False)
-    cfg.parallel.tp = change.get("tp", 1)
     with pytest.raises(ConfigError) as e:
         check_router_replay(cfg, hf)
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -264,5 +262,8 @@ def test_r3_turns_expert_recording_on():
     from megarl.rollout.factory import engine_options
 
     check_router_replay(_cfg(router_replay="r3"), QWEN3_MOE)  # fine
+    at_tp2 = _cfg(router_replay="r3")
+    at_tp2.parallel.tp, at_tp2.parallel.sequence_parallel = 2, True
+    check_router_replay(at_tp2, QWEN3_MOE)  # each TP rank replays its sequence-parallel slice
     assert engine_options(_cfg(router_replay="r3")).record_experts
     assert not engine_options(_cfg()).record_experts
