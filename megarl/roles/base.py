@@ -26,6 +26,7 @@ from megatron.core.utils import get_model_config
 from megarl.distributed import ParallelGroups, device
 from megarl.models.moe import ExpertLoad
 from megarl.models.pipeline import run_pipeline
+from megarl.models.moe_padding import stage_padding
 from megarl.models.router_replay import ReplayRouters
 from megarl.roles.batch import SampleBatch, cat_rows
 from megarl.roles.dp_balance import Dealt, deal_rows
@@ -88,7 +89,7 @@ class ModelRole:
             x = mb.model_inputs
             if self.replay is not None:
                 self.replay.load(mb.expert_ids, mb.lengths, x)
-            moe = {"padding_mask": x.padding} if self.is_moe else {}  # megarl/models/moe_padding.py
+            moe = {"padding_mask": stage_padding(x.padding, self.module, self.groups)} if self.is_moe else {}
             out = model(x.input_ids, x.position_ids, None, packed_seq_params=x.packed_seq_params, **moe)
             return out, lambda output: loss_fn(mb, output)  # out: (b|1, l|T, V/tp) | (.., 1) | hidden
 
