@@ -13,7 +13,7 @@ etp 1). Checked at each TP2 layout:
 - the engine records the same ids as at TP1 (routing is replicated over TP: every rank routes the same
   rows);
 - a router forward hook sees its routing map equal the replayed ids on every recorded (token, layer) of
-  every forward: old log-probs on packed and on padded rows (width 17, odd: a padding column), two
+  every forward: old log-probs on packed and on padded rows (odd widths get a padding column), two
   updates at lr 0.05, the replay after them;
 - replayed log-probs before training equal TP1's (1e-5), packed and padded; the first update's loss and
   grad norm equal TP1's (the norms' and router's gradient partials summed over TP; rel 1e-5);
@@ -87,6 +87,7 @@ def _layout(ckpt, name):
     check = ChoiceCheck(actor)
     batch = _rollout(actor, groups)
     r = {"experts": batch.expert_ids, "mask": batch.response_mask, "split": actor.replay.split,
+         "widths": [int(batch.lengths[i:i + 2].max()) for i in range(0, len(batch), 2)],  # micro-batches of 2
          "before": actor.logprobs(batch, 2, 1.0)["logprobs"], "padded": _padded_logprobs(actor, batch),
          "agree_before": actor.replay.read()}
     routers = _router_weights(actor)
@@ -157,6 +158,7 @@ def test_every_forward_routes_to_the_recorded_experts(runs, arch, layout):
         assert r["checked"] > 100 and r["wrong"] == 0
         assert r["checked_tp1_weights"] > 20 and r["wrong_tp1_weights"] == 0
         assert r["agree_before"]["r3/agreement"] == 1.0  # same weights as the rollout
+        assert any(w % 2 for w in r["widths"])  # padded rows: a micro-batch got a sequence-parallel pad column
     assert sum(rank[(arch, layout)]["checked"] for rank in runs) == runs[0][(arch, "tp1")]["checked"]
 
 
