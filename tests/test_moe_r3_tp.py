@@ -16,7 +16,8 @@ etp 1). Checked at each TP2 layout:
   every forward: old log-probs on packed and on padded rows (odd widths get a padding column), two
   updates at lr 0.05, the replay after them;
 - replayed log-probs before training equal TP1's (1e-5), packed and padded; the first update's loss and
-  grad norm equal TP1's (the norms' and router's gradient partials summed over TP; rel 1e-5);
+  grad norm equal TP1's (the norms' and router's gradient partials summed over TP; rel 1e-5), and so does
+  its expert load (each TP rank counts its slice's routed tokens; the counts are summed over TP);
 - after the updates the router's weights moved and would pick other experts (agreement < 1 without
   replay), yet every choice is still the recorded one; TP1's trained weights (exported, loaded at TP2)
   give TP1's replayed log-probs (1e-5) and its agreement. TP2's own two Adam steps are not compared
@@ -96,6 +97,7 @@ def _layout(ckpt, name):
     b.advantages = (b.input_ids % 3 - 1).float() * b.response_mask
     (first,) = actor.update(b, cfg.actor, 1.0, [torch.arange(len(b))], norm_len=6)
     r["first_update"] = (first["actor/pg_loss"], first["grad_norm"])
+    r["load"] = {k: v for k, v in first.items() if k.startswith("moe/")}
     _train(actor, batch, cfg)
     r["router_moved"] = float((_router_weights(actor) - routers).abs().max())
     actor.replay.reset()
@@ -181,6 +183,7 @@ def test_logprobs_equal_tp1(runs, arch, layout):
         assert (two["tp1_weights"] - one["after"]).abs()[mask].max() <= 1e-5
         assert two["agree_tp1_weights"] == pytest.approx(one["agree_after"], abs=1e-12)
         assert two["first_update"] == pytest.approx(one["first_update"], rel=1e-5)
+        assert two["load"] == one["load"] and len(one["load"]) == 3  # the same tokens counted per expert
 
 
 def _pp_job(rank, ckpt, tp1_experts):
