@@ -10,6 +10,7 @@ yaml/tiny_moe.yaml (4 MoE layers, 8 experts, top-2, EP2 on 2 ranks, fp32), one s
    too) and both log-prob mismatches are at fp32 rounding (<= 1e-4). Again with one mini-batch
    (an on-policy update: no old-log-prob forward; the update's replayed forward is measured).
 3. The same dump with its ids removed, replayed under r3: exit 2, one line naming the key and the fix.
+4. A live step at TP2 (sequence parallelism): agreement 1 with and without replay.
 """
 from __future__ import annotations
 
@@ -68,3 +69,16 @@ def test_r3_dump_and_replay(tmp_path):
     assert out.returncode != 0
     lines = [x for x in (out.stdout + out.stderr).splitlines() if "holds no recorded expert ids" in x]
     assert lines and "actor.router_replay=none" in lines[0]
+
+
+def test_r3_at_tp2(tmp_path):
+    """One GRPO step of yaml/tiny_moe.yaml at TP2 (sequence parallelism, EP1, one DP replica): the engine
+    records at TP2, every TP rank replays its slice of the sequence, and with the weights that generated
+    every recorded choice is the router's own (agreement 1 per layer, with and without replay)."""
+    run = tmp_path / "tp2"
+    ppo("yaml/tiny_moe.yaml", run, *FAST, "data.batch_size=4", "parallel.tp=2", "parallel.ep=1",
+        "parallel.sequence_parallel=true", "actor.router_replay=r3", steps=1)
+    m = metrics(run)[1]
+    for prefix in ("r3", "r3/no_replay"):
+        assert m[f"{prefix}/agreement"] == 1.0 and m[f"{prefix}/agreement/layer_3"] == 1.0
+    assert m["mismatch/abs_max"] <= 1e-4 and m["mismatch/no_replay/abs_max"] <= 1e-4
