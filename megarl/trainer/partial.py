@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.data.dataset import PromptBatch, PromptItem
+from megarl.models.router_replay import all_stage_layers
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams, sample_requests
 from megarl.rollout.expert_record import merge, positions, split
 from megarl.trainer.metrics import dp_sum
@@ -216,6 +217,7 @@ def partial_rollout(tr) -> Rollout:
                                   tr.sampling_params(), tr.sampling_seed(), tr.step)
     dp = tr.groups.dp if tr.groups.dp_size > 1 else None
     rollout, metrics = pack_taken(tr.partial, taken, tr.step, tr.tokenizer, tr.pad_id, tr.device, dp)
+    rollout.batch.expert_ids = all_stage_layers(rollout.batch.expert_ids, tr.groups)  # MoE: every stage's layers
     tr.metrics.update(metrics)
     return rollout
 
