@@ -16,7 +16,8 @@ each of its positions came from. Checked exactly:
 - partial rollouts: a response resumed in a later call keeps its earlier rows (and its prompt's) and
   takes the new tokens' rows from the later call; a restarted sample drops its record; the record
   survives the in-flight state's round trip.
-- config: r3 with multi-turn, the agent server and partial rollouts passes the checks.
+- a result whose rows do not fit its tokens is refused (one line); config: r3 with multi-turn, the
+  agent server and partial rollouts passes the checks.
 Not covered here: real routing (tests/test_moe_r3_turns.py).
 """
 from dataclasses import replace
@@ -209,3 +210,11 @@ def test_r3_with_multi_turn_server_and_partial_passes_the_checks():
         else:
             getattr(cfg.rollout, key).enable = True
         check_router_replay(cfg, {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})
+
+
+def test_rows_that_do_not_fit_their_tokens_are_refused():
+    """A result whose rows do not match its tokens (an engine bug, or a cut that forgot its rows)."""
+    r = tag(GenerationResult([1, 2, 3], [4, 5], [0.0, 0.0], "stop", 7), 1)
+    assert origin(positions(replace(r, prompt_expert_ids=None))) == [None, None, 1, 1]
+    with pytest.raises(ValueError, match="request 7: 2 prompt and 1 response rows"):
+        positions(replace(r, expert_ids=r.expert_ids[:1]))

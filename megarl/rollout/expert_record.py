@@ -35,10 +35,14 @@ def positions(result) -> Optional[np.ndarray]:
     engine recorded nothing for it."""
     if result.expert_ids is None:
         return None
-    prompt = result.prompt_expert_ids
-    if prompt is None or len(prompt) != len(result.prompt_ids) - 1:  # older results: prompt rows unknown
-        prompt = np.full((max(len(result.prompt_ids) - 1, 0), *result.expert_ids.shape[1:]),
-                         unrecorded_mark(result.expert_ids.dtype), result.expert_ids.dtype)
+    prompt, want = result.prompt_expert_ids, max(len(result.prompt_ids) - 1, 0)
+    if prompt is None:  # an engine that recorded no prompt rows: the router chooses there
+        prompt = np.full((want, *result.expert_ids.shape[1:]), unrecorded_mark(result.expert_ids.dtype),
+                         result.expert_ids.dtype)
+    if len(prompt) != want or len(result.expert_ids) != len(result.response_ids):
+        raise ValueError(f"request {result.key}: {len(prompt)} prompt and {len(result.expert_ids)} response rows "
+                         f"of expert ids for {len(result.prompt_ids)} prompt and {len(result.response_ids)} "
+                         "response tokens")
     return np.concatenate([prompt, result.expert_ids])
 
 
