@@ -125,7 +125,10 @@ def test_http_session_chain_and_stop_cut():
 
     tok = make_tokenizer()
     renderer = TurnRenderer(tok)
-    render_root = lambda m: tok.encode(renderer._render(m, generation_prompt=True), add_special_tokens=False)  # noqa: E731
+
+    def render_root(messages):
+        return tok.encode(renderer._render(messages, generation_prompt=True), add_special_tokens=False)
+
     session = SampleSession(0, 1, 60, [tok.eos_token_id])
     user = [{"role": "user", "content": "mul"}]
     first = session.chat_prompt(user, renderer, render_root)

@@ -224,9 +224,9 @@ def _http(rank, ckpt):
     routing = Routing(actor)
     tok = make_tokenizer()
     end = tok.convert_tokens_to_ids("</tool_call>")
-    agents = HttpAgentRollout(_engine(actor, groups), tok, two_call_agent, resolve_parser(Config().rollout.server.parser),
-                              [], 0, host="127.0.0.1", port=0, workers=4, timeout_s=120, model_name="m", max_len=100,
-                              stop_ids=[end])
+    parser = resolve_parser(Config().rollout.server.parser)
+    agents = HttpAgentRollout(_engine(actor, groups), tok, two_call_agent, parser, [], 0, host="127.0.0.1", port=0,
+                              workers=4, timeout_s=120, model_name="m", max_len=100, stop_ids=[end])
     try:
         results = agents.generate(sample_requests([tok.encode("<s>user:mul 6 7</s><s>assistant:")], 4, 9, 60),
                                   SamplingParams(temperature=1.0))

@@ -57,6 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
 import torch.distributed as dist
 
 from megarl.rollout.engine import GenerationResult, Request, RolloutEngine, SamplingParams, mix_seed
@@ -115,7 +116,7 @@ class Trajectory:
     error: str = ""  # environment: set when the sample failed (it then trains nothing)
     # MoE, recorded: (positions so far, layers, k) expert ids of prompt + ids, earliest call's first
     # (megarl/rollout/expert_record.py): sampled tokens from their turn, context from the next turn's prefill
-    experts: "np.ndarray | None" = None
+    experts: np.ndarray | None = None
 
     def add_sampled(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.last_turn = list(ids)

@@ -36,6 +36,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from megarl.rollout.engine import GenerationResult, mix_seed
 from megarl.rollout.expert_record import merge, positions, split
 
@@ -53,7 +55,7 @@ class Node:
     finish: str = "length"
     # MoE, recorded: (positions, layers, k) expert ids of ids, the earliest call's first
     # (megarl/rollout/expert_record.py); None: nothing recorded
-    experts: "np.ndarray | None" = None
+    experts: np.ndarray | None = None
 
     def extended(self, context: list[int], result: GenerationResult, messages: list[dict]) -> "Node":
         """The node after ``result``, a call on this node's ids + ``context``."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,7 +58,7 @@ class Sample:
     finish: str | None = None  # "stop" | "length" once done
     # MoE, recorded: (prompt + tokens - 1, layers, k) expert ids per position, each token's from the call
     # that sampled it (megarl/rollout/expert_record.py); None: nothing recorded
-    experts: "np.ndarray | None" = None
+    experts: np.ndarray | None = None
 
 
 @dataclass
