@@ -12,7 +12,8 @@ CPU smoke test (tiny model, 2 prompts x 4 samples, 8 tokens, fp32, 2 steps)::
 The cost of rollout correction: ``--sides megarl,megarl_rc`` runs megarl twice, the second with
 ``RC_OVERRIDES`` (icepop, the mode with the most terms: ratio, band mask and weights), and writes
 ``rollout_correction_cost_pct`` = 100 * (rc - plain) / plain of the median ``timing/actor_update``
-(the update phase, where the correction is computed) into the JSON.
+(the update phase, where the correction is computed) into the JSON, and ``rollout_correction_terms``: the
+terms alone timed on the run's shapes (benchmarks/rc_terms.py), without the two runs' step-to-step spread.
 
 Workload (defaults): a random-weight Qwen2.5-1.5B-shape checkpoint from
 benchmarks/make_checkpoint.py (tokenizer with a chat template, prompts of
@@ -53,6 +54,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ppo import ROOT, make_checkpoint, summarize  # noqa: E402
+from rc_terms import correction_terms  # noqa: E402
 
 TINY_DIR = os.path.join(ROOT, "megarl", "assets", "tiny")
 DEFAULTS = dict(prompts=16, samples=8, response_len=256, micro=16, steps=4, dtype="bfloat16")
@@ -406,12 +408,22 @@ def main() -> None:
             result["megarl"]["speedup_vs_trl"] = result["megarl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if "megarl_rc" in sides:  # the terms alone, on the run's shapes: the A/B above carries the update's spread
+        result["rollout_correction_terms"] = correction_terms(
+            w["micro_batch"], w["response_tokens"], w["sequences_per_step"] // w["micro_batch"],
+            result["megarl_rc"].get("actor_update_s"), preset=RC_OVERRIDES[0].rpartition("=")[2])
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     print(json.dumps({k: {i: v for i, v in r.items() if not i.endswith(("_all", "tail", "median", "cmd"))}
                       if isinstance(r, dict) else r for k, r in result.items()}, indent=1))
     print(f"\nwrote {args.out}\n" + table(result))
     if "rollout_correction_cost_pct" in result:
         print(f"rollout correction ({' '.join(RC_OVERRIDES)}): the update takes "
               f"{result['rollout_correction_cost_pct']:+.2f}% longer")
+    if result.get("rollout_correction_terms", {}).get("terms_pct_of_update") is not None:
+        terms = result["rollout_correction_terms"]
+        print(f"the correction terms alone: {terms['terms_ms_per_step']:.3f} ms a step, "
+              f"{terms['terms_pct_of_update']:.3f}% of the update")
     sys.exit(0 if all(result[s].get("returncode") == 0 for s in sides) else 1)
 
 

@@ -21,8 +21,8 @@ response resumed by partial rollouts keeps its length. The engine wrapper lives
 here only: launch/ppo.py runs unchanged in a worker process with the factory's
 engine wrapped.
 
-Both runs are identical except ``rollout.partial=true rollout.partial_batches=2``
-(two batches of groups in flight; a step trains the first 16 whole groups to
+Both runs are identical except ``rollout.partial=true rollout.partial_batches=N`` (``--partial-batches``, 2)
+(N batches of groups in flight; a step trains the first 16 whole groups to
 finish). Measured over the last ``--measure`` steps of ``--steps`` (partial
 rollouts reach their steady state after a few steps): ``rollout_tokens_per_s`` =
 response tokens of the trained batches / seconds in the rollout phase (for
@@ -52,7 +52,13 @@ TINY_DIR = os.path.join(ROOT, "megarl", "assets", "tiny")
 DEFAULTS = dict(prompts=16, samples=8, min_len=64, max_len=2048, steps=6, measure=4, dtype="bfloat16",
                 micro_tokens=16384)
 TINY = dict(prompts=4, samples=4, min_len=2, max_len=12, steps=4, measure=2, dtype="float32", micro_tokens=512)
-MODES = {"sync": ["rollout.partial=false"], "partial": ["rollout.partial=true", "rollout.partial_batches=2"]}
+MODES = ("sync", "partial")
+
+
+def mode_overrides(partial_batches: int) -> dict[str, list[str]]:
+    """Each mode's launch/ppo.py overrides (``partial_batches``: batches of groups in flight)."""
+    return {"sync": ["rollout.partial=false"],
+            "partial": ["rollout.partial=true", f"rollout.partial_batches={partial_batches}"]}
 
 
 class ForcedLengths:
@@ -119,7 +125,7 @@ def workload(args) -> dict:
                 min_len=args.min_len, max_len=args.max_len, lengths="log-uniform in [min_len, max_len] from each "
                 "request's seed (the same in both runs)", steps=args.steps, steps_measured=args.measure,
                 dtype=args.dtype, micro_tokens=args.micro_tokens, beta=0.001, reward="constant 1.0",
-                partial_batches=2, modes={k: v for k, v in MODES.items()})
+                partial_batches=args.partial_batches, modes=mode_overrides(args.partial_batches))
 
 
 def overrides(w: dict, run_dir: str) -> list[str]:
@@ -156,7 +162,7 @@ def numbers(rows: list[dict], measure: int, sequences: int) -> dict:
 def run_mode(mode: str, w: dict, args, extra: list[str], spec_path: str, stem: str) -> dict:
     run_dir = os.path.join(args.work, f"run_{mode}")
     os.system(f"rm -rf '{run_dir}'")
-    argv = [w["megarl_config"], *overrides(w, run_dir), *MODES[mode], *extra]
+    argv = [w["megarl_config"], *overrides(w, run_dir), *w["modes"][mode], *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", os.path.abspath(__file__),
            "--worker", spec_path, *argv]
     log = f"{stem}.{mode}.log"
@@ -194,6 +200,7 @@ def main() -> None:
     ap.add_argument("--micro-tokens", type=int, help="actor.max_tokens_per_micro")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"])
     ap.add_argument("--modes", default="sync,partial", help="comma list of sync, partial")
+    ap.add_argument("--partial-batches", type=int, default=2, help="rollout.partial_batches of the partial run")
     ap.add_argument("--merge", action="store_true", help="keep the other mode's entry of an existing --out")
     ap.add_argument("--timeout", type=float, default=270,
                     help="seconds per run (two fit in one 600 s call once the checkpoint exists)")

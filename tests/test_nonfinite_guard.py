@@ -140,3 +140,15 @@ def test_export_with_a_nan_weight_is_refused_and_writes_nothing(run):
     assert "decoder.layers.0.mlp.linear_fc1.weight" in res["export"] and "gate_proj" in res["export"]
     assert "\n" not in res["export"]
     assert not (out / "bad").exists()
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 6, 9])
+def test_nonfinite_reads_every_chunk(monkeypatch, bad, where):
+    from megarl.roles import optim
+
+    monkeypatch.setattr(optim, "CHECK_CHUNK", 4)  # 10 entries: chunks of 4, 4, 2
+    grad = torch.randn(10)
+    if bad is not None:
+        grad[where] = bad
+    assert bool(optim.nonfinite(grad)) == (bad is not None)

@@ -73,10 +73,19 @@ class Trainable:
         """
         bad = [torch.tensor(not loss_finite, device=device())]
         if not self.loss_scaled:
-            bad += [~torch.isfinite(b.grad_data).all() for b in self.model.buffers + self.model.expert_parallel_buffers]
+            bad += [nonfinite(b.grad_data) for b in self.model.buffers + self.model.expert_parallel_buffers]
         flag = torch.stack([b.to(device(), torch.float32) for b in bad]).max().reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
+
+
+CHECK_CHUNK = 1 << 26  # elements isfinite reads at once: a 64 MiB bool temporary, not one the buffer's size
+
+
+def nonfinite(grad: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: some entry of the 1-D ``grad`` is NaN or inf, checked chunk by chunk on the device."""
+    chunks = grad.split(CHECK_CHUNK)
+    return torch.stack([~torch.isfinite(c).all() for c in chunks]).any() if chunks else torch.tensor(False)
 
 
 def wrap_ddp(module, groups: ParallelGroups, distributed_optimizer: bool) -> DistributedDataParallel:
