@@ -15,7 +15,8 @@
   (uint8, int16 from 256 experts); rows
   selected, rollouts concatenated (widths differ), dumps written and read back, rows re-dealt over
   2 DP ranks: every row keeps its own ids.
-- Config: r3 on a dense model, at TP > 1, a negative probe interval: one-line errors; r3 turns
+- Config: r3 on a dense model, at TP > 1, with SGLang (it records no experts), a negative probe
+  interval: one-line errors; r3 turns
   the engine's recording on (multi-turn, the agent server and partial rollouts pass:
   tests/test_moe_r3_merge.py).
 """
@@ -240,6 +241,7 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
 @pytest.mark.parametrize("change,hf,message", [
     ({}, {"architectures": ["Qwen3ForCausalLM"]}, "actor.router_replay=r3 needs a mixture-of-experts model"),
     ({"probe": -1}, QWEN3_MOE, "actor.router_replay_probe_every"),
+    ({"engine": "sglang"}, QWEN3_MOE, "rollout.engine=sglang returns none: set rollout.engine=native"),
     ({"tp": 2}, QWEN3_MOE, "actor.router_replay=r3 at parallel.tp=2 is not supported yet"),
 ])
 def test_config_errors(change, hf, message):
@@ -248,6 +250,7 @@ def test_config_errors(change, hf, message):
 
     cfg = _cfg(router_replay="r3", router_replay_probe_every=change.get("probe", 1))
     cfg.parallel.tp = change.get("tp", 1)
+    cfg.rollout.engine = change.get("engine", "native")
     with pytest.raises(ConfigError) as e:
         check_router_replay(cfg, hf)
     assert message in str(e.value) and "\n" not in str(e.value)

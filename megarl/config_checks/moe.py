@@ -77,6 +77,10 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
     if moe_experts(hf) is None:
         raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
                           "is dense: set actor.router_replay=none")
+    if cfg.rollout.engine != "native":  # the native engine records the ids (megarl/rollout/runners.py)
+        raise ConfigError(f"actor.router_replay={a.router_replay} replays the experts the native engine records; "
+                          f"rollout.engine={cfg.rollout.engine} returns none: set rollout.engine=native or "
+                          "actor.router_replay=none")
     if cfg.parallel.tp > 1:  # megarl/models/router_replay.py lays ids out for unsplit router inputs
         raise ConfigError(f"actor.router_replay={a.router_replay} at parallel.tp={cfg.parallel.tp} is not supported yet "
                           "(the replay does not split ids over sequence-parallel ranks); set parallel.tp=1 or "
