@@ -68,10 +68,9 @@ def check_moe_rollout(cfg: Config, hf: dict) -> None:
 
 
 def check_router_replay(cfg: Config, hf: dict) -> None:
-    """actor.router_replay=r3 replays what the native engine recorded (check_moe_rollout: an MoE model
-    generates there only) for single-turn responses generated in one step: the agent loops append
-    tokens no router chose, and partial rollouts resume responses without their earlier ids. Any TP
-    layout check_experts accepts replays (sequence parallelism: each TP rank its slice of the ids)."""
+    """actor.router_replay=r3 replays what the native engine recorded, also over multi-turn and HTTP agent
+    conversations and responses resumed across steps (megarl/rollout/expert_record.py merges their calls), at
+    any TP layout check_experts accepts (sequence parallelism: each TP rank replays its slice of the ids)."""
     a = cfg.actor
     check_counts(a, "actor", ["router_replay_probe_every"], low=0)
     if a.router_replay == "none":
@@ -79,9 +78,7 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
     if moe_experts(hf) is None:
         raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
                           "is dense: set actor.router_replay=none")
-    for key, on, why in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, "appended tool and user tokens"),
-                         ("rollout.server.enable", cfg.rollout.server.enable, "appended tool and user tokens"),
-                         ("rollout.partial", cfg.rollout.partial, "responses resumed across steps")):
-        if on:
-            raise ConfigError(f"actor.router_replay={a.router_replay} with {key}=true is not supported ({why} have "
-                              "no recorded experts); set one of them off")
+    if cfg.rollout.engine != "native":  # the native engine records the ids (megarl/rollout/runners.py)
+        raise ConfigError(f"actor.router_replay={a.router_replay} replays the experts the native engine records; "
+                          f"rollout.engine={cfg.rollout.engine} returns none: set rollout.engine=native or "
+                          "actor.router_replay=none")
