@@ -89,7 +89,7 @@ def test_async_sglang_accepted(config, world, overrides):
 
 @pytest.mark.parametrize("config, world, overrides, message", [
     ("tiny_moe.yaml", 4, [*MOE_ASYNC], "actor.router_replay=r3 replays the experts the native engine records; "
-     "rollout.engine=sglang records none: set rollout.engine=native or actor.router_replay=none"),
+     "rollout.engine=sglang returns none: set rollout.engine=native or actor.router_replay=none"),
     ("tiny_async.yaml", 2, ["rollout.partial=true", "async.max_staleness=2"], "rollout.partial=true does not work "
      "with rollout.engine=sglang (only the native engine stops a generation and resumes its requests); or set "
      "rollout.partial=false"),

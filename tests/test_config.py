@@ -199,8 +199,8 @@ def test_impossible_combinations_name_the_key(overrides, world_size, needle):
     (["reward.terms=[]"], "reward.terms=[] and reward.model.path is unset"),
     (["reward.fallback=nan"], "reward.fallback=nan must be a finite number"),
     (["reward.model.scale=inf"], "reward.model.scale=inf must be a finite number"),
-    # sequence parallelism without the TE spec (local spec: independent of what is installed)
-    (["parallel.sequence_parallel=true", "model.layer_spec=local"], "parallel.sequence_parallel=true needs"),
+    # sequence parallelism splits sequences over TP ranks (any layer spec: megarl/models/local_norm.py)
+    (["parallel.sequence_parallel=true", "model.layer_spec=local"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
     # loop counts
     (["trainer.steps=0"], "trainer.steps=0 must be >= 1"),
     (["trainer.steps=-3"], "trainer.steps=-3 must be >= 1"),
@@ -259,7 +259,7 @@ def test_unused_critic_knobs_not_checked():
     (["sft.micro_batch_size=0"], "sft.micro_batch_size=0 must be >= 1"),
     (["sft.optim.lr=nan"], "sft.optim.lr=nan must be a finite number > 0"),
     (["sft.optim.min_lr=-1e-4"], "sft.optim.min_lr=-0.0001 must be a finite number >= 0"),
-    (["parallel.sequence_parallel=true", "model.layer_spec=local"], "parallel.sequence_parallel=true needs"),
+    (["parallel.sequence_parallel=true", "model.layer_spec=local"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
 ])
 def test_bad_sft_values_are_one_line_errors(overrides, start):
     cfg = load_config([str(ROOT / "yaml" / "tiny_sft.yaml"), *overrides], Config)

@@ -18,7 +18,8 @@ update's pg_loss (after one identical step), agree to 1e-5 in fp32. The expert l
 every layout, so its max/mean ratios are equal. With actor.moe_aux_loss_coef and
 moe_z_loss_coef > 0 the gradient changes (the losses reach the router) and still agrees
 across layouts. Not covered: TP (megatron-core's MoE layer trains TP only with sequence
-parallelism, which needs transformer-engine: a config error here), PP with EP; CP: tests/test_models_moe_cp.py.
+parallelism: TP2 and TP2 x EP2 updates equal TP1's in tests/test_moe_r3_tp.py), PP with EP; CP:
+tests/test_models_moe_cp.py.
 """
 import pytest
 import torch

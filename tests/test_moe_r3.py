@@ -19,8 +19,8 @@ PP2 (one replica over both ranks): each stage records its own layer, the batch g
 (equal to PP1's ids for the same prompts and seeds), and each stage's routers replay their layer.
 The PPO step's prepare phase returns the r3 metrics, equal to the ones read directly.
 Full recompute at EP2: the recomputed layers route as their first pass did (same updates as
-without recompute). Not covered: bf16, TP (MoE
-rollout needs TP 1), the on-policy update path's agreement read.
+without recompute). Not covered: bf16, the on-policy update path's agreement read; TP (sequence
+parallelism): tests/test_moe_r3_tp.py.
 """
 import pickle
 

@@ -7,7 +7,8 @@
   agreement counts are the hand count. Full recompute: the backward pass's second forward gets the
   ids its first pass used, whatever micro-batch was loaded since.
 - :func:`model_order`: per-position ids in megatron's [s, b] token order (padded rows) and along the
-  packed THD row (padding segment and positions past a length unrecorded).
+  packed THD row (padding segment and positions past a length unrecorded); under sequence parallelism
+  padded rows' extra columns unrecorded and each TP rank's contiguous slice (:func:`sequence_slice`).
 - The engine's prompt record: a mixed prefill step's chunk rows (after its decode rows) land at their
   prompt positions but the last, chunk after chunk, in one array the prompt's forks share; a
   sequence prefilled again from position 0 (preempted) gets a fresh one, its siblings keep theirs.
@@ -15,9 +16,10 @@
   (uint8, int16 from 256 experts); rows
   selected, rollouts concatenated (widths differ), dumps written and read back, rows re-dealt over
   2 DP ranks: every row keeps its own ids.
-- Config: r3 on a dense model, with multi-turn, the agent server, partial rollouts, a negative probe
+- Config: r3 on a dense model, at TP > 1, with SGLang (it records no experts), a negative probe
   interval: one-line errors; r3 turns
-  the engine's recording on.
+  the engine's recording on (multi-turn, the agent server and partial rollouts pass:
+  tests/test_moe_r3_merge.py).
 """
 from types import SimpleNamespace
 
@@ -98,6 +100,28 @@ def test_model_order_padded_and_packed():
     got, valid = model_order(ids, lengths, packed_inputs(input_ids, lengths, pad_multiple=3), num_experts=20)
     assert got.shape[0] == 9 and got[:8, 0, 0].tolist() == [255, 1, 2, 3, 4, 5, 6, 7]
     assert valid.tolist() == [False, True, True, True, True, True, True, True, False]
+
+
+def test_sequence_parallel_slices():
+    """Padded rows of width 5 at TP2 get a 6th column (unrecorded); TP rank r reads the r-th half of the
+    [s, b] order, the s-slice megatron-core's embedding hands it: rank 0 columns 0-2, rank 1 columns 3-5."""
+    from megarl.models.router_replay import model_order, sequence_slice
+    from megarl.roles.inputs import padded_inputs
+
+    ids = torch.arange(10, dtype=torch.uint8).reshape(2, 5, 1, 1).repeat(1, 1, 1, 2)  # value = 5 * row + pos
+    lengths = torch.tensor([5, 3])
+    inputs = padded_inputs(torch.ones(2, 5, dtype=torch.long), lengths, pad_multiple=2)
+    assert inputs.input_ids.shape == (2, 6) and inputs.width == 5 and inputs.padding[:, 5].all()
+    got, valid = model_order(ids, lengths, inputs, num_experts=20)
+    assert got[:10, 0, 0].tolist() == [0, 5, 1, 6, 2, 7, 3, 8, 4, 9] and got.shape[0] == 12
+    assert valid.tolist() == [True, True, True, True, True, True, True, False, True, False, False, False]
+    first, first_valid = sequence_slice(got, valid, 2, 0)
+    second, second_valid = sequence_slice(got, valid, 2, 1)
+    assert first[:, 0, 0].tolist() == [0, 5, 1, 6, 2, 7] and first_valid.all()
+    assert second[:4, 0, 0].tolist() == [3, 8, 4, 9] and second_valid.tolist() == [True, False, True] + [False] * 3
+    assert inputs.to_rows(torch.arange(12.0).reshape(2, 6)).tolist() == [[0, 0, 1, 2, 3], [0, 6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="do not split over 4 sequence-parallel ranks"):
+        sequence_slice(got[:10], valid[:10], 4, 0)
 
 
 def _result(prompt, response, ids, prompt_ids=None):
@@ -239,21 +263,15 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
 
 @pytest.mark.parametrize("change,hf,message", [
     ({}, {"architectures": ["Qwen3ForCausalLM"]}, "actor.router_replay=r3 needs a mixture-of-experts model"),
-    ({"multi_turn": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.multi_turn.enable=true"),
-    ({"server": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.server.enable=true"),
-    ({"partial": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.partial=true"),
     ({"probe": -1}, QWEN3_MOE, "actor.router_replay_probe_every"),
-    ({"tp": 2}, QWEN3_MOE, "actor.router_replay=r3 at parallel.tp=2 is not supported yet"),
+    ({"engine": "sglang"}, QWEN3_MOE, "rollout.engine=sglang returns none: set rollout.engine=native"),
 ])
 def test_config_errors(change, hf, message):
     from megarl.config_checks import check_router_replay
     from megarl.errors import ConfigError
 
     cfg = _cfg(router_replay="r3", router_replay_probe_every=change.get("probe", 1))
-    cfg.rollout.multi_turn.enable = change.get("multi_turn", False)
-    cfg.rollout.server.enable = change.get("server", False)
-    cfg.rollout.partial = change.get("partial", False)
-    cfg.parallel.tp = change.get("tp", 1)
+    cfg.rollout.engine = change.get("engine", "native")
     with pytest.raises(ConfigError) as e:
         check_router_replay(cfg, hf)
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -264,5 +282,8 @@ def test_r3_turns_expert_recording_on():
     from megarl.rollout.factory import engine_options
 
     check_router_replay(_cfg(router_replay="r3"), QWEN3_MOE)  # fine
+    at_tp2 = _cfg(router_replay="r3")
+    at_tp2.parallel.tp, at_tp2.parallel.sequence_parallel = 2, True
+    check_router_replay(at_tp2, QWEN3_MOE)  # each TP rank replays its sequence-parallel slice
     assert engine_options(_cfg(router_replay="r3")).record_experts
     assert not engine_options(_cfg()).record_experts

@@ -13,7 +13,7 @@ model's scores; the DP2 run also re-deals rows by LPT (the expected loads are
 derived below) and uses token-budget micro-batches for the packed side, and
 its on-policy update's log-probs come back to the rows they came from.
 
-Not covered here: sequence parallelism (needs transformer-engine), CP (test_context_parallel.py),
+Not covered here: sequence parallelism (test_sequence_parallel.py), CP (test_context_parallel.py),
 interleaved pipelines, the CUDA varlen kernel (the ``gpu`` test below).
 """
 import pytest

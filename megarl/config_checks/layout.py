@@ -12,11 +12,9 @@ def check_model(cfg: Config) -> None:
     spec = cfg.model.layer_spec
     if spec == "te" and not have_te():
         raise ConfigError("model.layer_spec=te but transformer_engine is not installed; use model.layer_spec=local")
-    if cfg.parallel.sequence_parallel and not (spec == "te" or (spec == "auto" and have_te())):
-        raise ConfigError(
-            f"parallel.sequence_parallel=true needs the transformer-engine layer spec (model.layer_spec={spec}, "
-            f"transformer_engine {'installed' if have_te() else 'not installed'}); set parallel.sequence_parallel=false"
-        )
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:  # megatron-core refuses it with a traceback
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits each sequence over the "
+                          "TP ranks); set parallel.sequence_parallel=false or raise parallel.tp")
 
 
 def check_packing(cfg: Config) -> None:

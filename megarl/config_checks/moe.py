@@ -47,7 +47,7 @@ def check_experts(cfg: Config, world_size: int, hf: dict) -> None:
                           "use parallel.tp=1 and spread the experts with parallel.ep")
     if p.tp > 1 and not p.sequence_parallel:  # megatron-core's MoELayer refuses to train so
         raise ConfigError(f"parallel.tp={p.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
-                          "(megatron-core's MoE layer trains TP only with it; it needs transformer-engine); "
+                          "(megatron-core's MoE layer trains TP only with it); "
                           "or use parallel.tp=1 and spread the experts with parallel.ep")
 
 
@@ -68,9 +68,9 @@ def check_moe_rollout(cfg: Config, hf: dict) -> None:
 
 
 def check_router_replay(cfg: Config, hf: dict) -> None:
-    """actor.router_replay=r3 replays what the native engine recorded (check_moe_rollout: an MoE model
-    generates there only) for single-turn responses generated in one step: the agent loops append
-    tokens no router chose, and partial rollouts resume responses without their earlier ids."""
+    """actor.router_replay=r3 replays what the native engine recorded, also over multi-turn and HTTP agent
+    conversations and responses resumed across steps (megarl/rollout/expert_record.py merges their calls), at
+    any TP layout check_experts accepts (sequence parallelism: each TP rank replays its slice of the ids)."""
     a = cfg.actor
     check_counts(a, "actor", ["router_replay_probe_every"], low=0)
     if a.router_replay == "none":
@@ -78,16 +78,7 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
     if moe_experts(hf) is None:
         raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
                           "is dense: set actor.router_replay=none")
-    if cfg.parallel.tp > 1:  # megarl/models/router_replay.py lays ids out for unsplit router inputs
-        raise ConfigError(f"actor.router_replay={a.router_replay} at parallel.tp={cfg.parallel.tp} is not supported yet "
-                          "(the replay does not split ids over sequence-parallel ranks); set parallel.tp=1 or "
-                          "actor.router_replay=none")
-    if cfg.rollout.engine == "sglang":
+    if cfg.rollout.engine != "native":  # the native engine records the ids (megarl/rollout/runners.py)
         raise ConfigError(f"actor.router_replay={a.router_replay} replays the experts the native engine records; "
-                          "rollout.engine=sglang records none: set rollout.engine=native or actor.router_replay=none")
-    for key, on, why in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, "appended tool and user tokens"),
-                         ("rollout.server.enable", cfg.rollout.server.enable, "appended tool and user tokens"),
-                         ("rollout.partial", cfg.rollout.partial, "responses resumed across steps")):
-        if on:
-            raise ConfigError(f"actor.router_replay={a.router_replay} with {key}=true is not supported ({why} have "
-                              "no recorded experts); set one of them off")
+                          f"rollout.engine={cfg.rollout.engine} returns none: set rollout.engine=native or "
+                          "actor.router_replay=none")

@@ -5,8 +5,9 @@ tensors with ``device="cuda"``, calls ``Tensor.cuda()``, checks
 ``param.type()`` against ``torch.cuda.FloatTensor`` strings and keeps its RNG
 in CUDA generators. Without CUDA, :func:`install` maps all of that onto the
 CPU: a ``TorchFunctionMode`` rewrites device arguments in one place, a few
-``torch.cuda`` functions become CPU equivalents, and the "CUDA" RNG state is the
-CPU generator's state.
+``torch.cuda`` functions become CPU equivalents, the "CUDA" RNG state is the
+CPU generator's state, and collectives over ranks' splits of unequal sizes go
+through equal ones (gloo refuses unequal ones).
 
 The layer is active only when CUDA is absent; with CUDA, :func:`install` does
 nothing.
@@ -145,6 +146,39 @@ def _patch_megatron_rng() -> None:
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
 
 
+def _patch_megatron_uneven_collectives() -> None:
+    """megatron-core's sequence-parallel gather / reduce-scatter with per-rank split sizes (the MoE
+    alltoall dispatcher's tokens over TP under sequence parallelism: each rank routes its own tokens)
+    call list collectives with tensors of unequal sizes, which gloo refuses: the same through even
+    ones (pad to the largest split and gather; all-reduce the whole input and keep this rank's split)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))  # (most, ...)
+        padded[:input_.size(0)] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])  # (sum(sizes), ...)
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[:group.rank()])
+        return total[start:start + sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+
+
 @contextlib.contextmanager
 def paused():
     """Runs code that never names CUDA without the device-rewriting mode.
@@ -172,6 +206,7 @@ def install() -> bool:
     if not _installed:
         _patch_torch_cuda()
         _patch_megatron_rng()
+        _patch_megatron_uneven_collectives()
         CudaOnCpuMode().__enter__()  # stays on for the life of the process
         _installed = True
     return True

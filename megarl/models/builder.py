@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megarl.distributed.groups import ParallelGroups
 from megarl.models.fused_mlp import fuse_swiglu
 from megarl.models.hf_config import ModelInfo, sliding_window_check
+from megarl.models.local_norm import local_norms
 from megarl.models import moe
 from megarl.models.moe_padding import exclude_padding
 from megarl.models.sdpa_attention import SDPAAttention
@@ -54,7 +55,7 @@ class ModelOptions:
     params_dtype: str = "fp32"  # "fp32" | "bf16" | "fp16"
     make_vocab_size_divisible_by: int = 128  # vocab pads to a multiple of this * tp
     seq_length: Optional[int] = None  # longest sequence of the run; None: max_position_embeddings
-    sequence_parallel: bool = False  # needs the TE spec (torch norms do not support it)
+    sequence_parallel: bool = False  # the local spec's norms support it too (megarl/models/local_norm.py)
     recompute: str = "none"  # activation recompute in training mode: "none" | "selective" | "full"
     moe_aux_loss_coef: float = 0.0  # MoE load-balancing loss weight (0: off)
     moe_z_loss_coef: float = 0.0  # MoE router z-loss weight (0: off)
@@ -69,8 +70,6 @@ class ModelOptions:
             raise ValueError(f"model.params_dtype={self.params_dtype!r}: use one of {sorted(_DTYPES)}")
         if self.layer_spec == "te" and not have_te():
             raise ValueError("model.layer_spec='te' but transformer_engine does not import; use 'local'")
-        if self.sequence_parallel and not uses_te(self):
-            raise ValueError("parallel.sequence_parallel needs the TE layer spec (torch norms reject it)")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError("model.make_vocab_size_divisible_by must be >= 1")
         if self.recompute not in _RECOMPUTE:
@@ -126,8 +125,9 @@ def transformer_config(info: ModelInfo, groups: ParallelGroups, opts: ModelOptio
     )
 
 
-def layer_spec(info: ModelInfo, opts: ModelOptions) -> ModuleSpec:
-    """The per-layer module spec: TE's, or the local one with the chosen core attention."""
+def layer_spec(info: ModelInfo, opts: ModelOptions, stage_layers: Optional[int] = None) -> ModuleSpec:
+    """The per-layer module spec: TE's, or the block spec of a stage of ``stage_layers`` (default: all)
+    local layers with the chosen core attention and norms that run under sequence parallelism too."""
     experts = dict(num_experts=info.moe.num_experts, moe_grouped_gemm=moe.use_grouped_gemm(opts)
                    ) if info.moe else {}
     if uses_te(opts):
@@ -140,7 +140,7 @@ def layer_spec(info: ModelInfo, opts: ModelOptions) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(qk_layernorm=info.qk_norm, normalization="RMSNorm", **experts)
     if opts.attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
-    return spec
+    return local_norms(spec, info.num_layers if stage_layers is None else stage_layers)
 
 
 def _rope_kwargs(info: ModelInfo) -> dict:
@@ -166,7 +166,7 @@ def build_gpt_model(
     sliding_window_check(info, seq_length)
     config = transformer_config(info, groups, opts)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(info, opts),
+        config=config, transformer_layer_spec=layer_spec(info, opts, info.num_layers // groups.pp_size),
         vocab_size=info.padded_vocab_size(groups.tp_size, opts.make_vocab_size_divisible_by),
         max_sequence_length=max(seq_length, info.max_position_embeddings),
         pre_process=groups.is_first_stage, post_process=groups.is_last_stage,

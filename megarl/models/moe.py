@@ -185,7 +185,7 @@ class ExpertLoad:
     A forward hook on every router (``routing_map`` [tokens, experts], True = routed) adds
     ``routing_map.sum(0)`` while the model is in training mode (the update's forwards, not
     the forward-only log-prob passes). :meth:`read` (collective over the world) sums the
-    counts over dp x cp, collects every pipeline stage's layers, clears them and returns per
+    counts over dp x cp (and TP under sequence parallelism, whose ranks route their own slices), collects every pipeline stage's layers, clears them and returns per
     layer ``max / mean`` tokens per expert: 1.0 is a perfectly balanced layer, ``num_experts /
     topk`` one where every token went to the same k experts.
     """
@@ -194,10 +194,12 @@ class ExpertLoad:
         self.groups = groups
         self.counts: dict[int, torch.Tensor] = {}  # global layer index -> [experts] int64, on the device
         self._hooks = []
+        self.sequence_split = False  # sequence parallelism: each TP rank routes its slice of the tokens
         for module in model.modules():
             router = getattr(module, "router", None)
             if router is not None and hasattr(module, "token_dispatcher"):
                 self._hooks.append(router.register_forward_hook(self._hook(router)))
+                self.sequence_split = groups.tp_size > 1 and router.config.sequence_parallel
 
     def _hook(self, router):
         def record(_module, _inputs, output):
@@ -218,6 +220,8 @@ class ExpertLoad:
         if layers:
             stacked = torch.stack([self.counts[i] for i in layers])  # (layers of this stage, experts)
             dist.all_reduce(stacked, group=self.groups.dp_cp)
+            if self.sequence_split:
+                dist.all_reduce(stacked, group=self.groups.tp)
             local = dict(zip(layers, stacked.cpu()))
         stages = [None] * self.groups.pp_size
         dist.all_gather_object(stages, local, group=self.groups.pp)

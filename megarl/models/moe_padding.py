@@ -70,3 +70,14 @@ def z_loss_over_group(router, logits: torch.Tensor, padding_mask: Optional[torch
     dist.all_reduce(count, group=router.tp_cp_group)  # the micro-batch's real tokens, every rank's
     z_loss = torch.where(real, z, 0.0).sum() / count.clamp(min=1.0) * coeff
     return MoEAuxLossAutoScaler.apply(logits, z_loss)
+
+
+def stage_padding(padding: Optional[torch.Tensor], model: nn.Module, groups) -> Optional[torch.Tensor]:
+    """(b, s) padding mask (True = padding) as this pipeline stage's GPTModel takes it: megatron-core
+    cuts it to the TP rank's sequence-parallel slice of s on the first stage (beside the embedding's
+    output) but hands a later stage's layers the mask as given, while their hidden states arrive cut:
+    there the slice is taken here."""
+    if padding is None or groups.is_first_stage or groups.tp_size == 1 or not model.config.sequence_parallel:
+        return padding
+    n = padding.size(1) // groups.tp_size
+    return padding[:, groups.tp_rank * n:(groups.tp_rank + 1) * n]

@@ -9,6 +9,8 @@ that prefill's). In the batch they sit per *position*, as the model reads them:
 prompt token t is at position t and the ids of response token j (prompt length P) are at position
 P + j - 1 (the prompt's last token's row sampled response token 0). Positions the engine did not
 record (a sequence's last token, padding) hold :func:`unrecorded`; there the router picks its own top-k.
+A sequence built over several engine calls (multi-turn turns, an HTTP agent's calls, a partial
+rollout resumed in a later step) carries one record merged call by call (megarl/rollout/expert_record.py).
 
 :class:`ReplayRouters` installs a :class:`LayerReplay` as ``router_replay`` of every megatron-core
 ``TopKRouter`` of a model stage. megatron-core's ``topk_routing_with_score_function`` hands it the
@@ -29,8 +31,14 @@ Every forward with ids loaded also counts, per layer, how many recorded (token, 
 router's own top-k contains (:meth:`ReplayRouters.read`): the routing agreement between rollout
 and training. ``replace=False`` (:meth:`ReplayRouters.observing`) counts without replaying.
 Context parallelism: each CP rank's routers see its chunks of every sequence (megarl/models/
-context_parallel.py); the ids are laid out on the global packed row and cut the same way. TP > 1
-(sequence-split router inputs) is not laid out here: megarl/config_checks/moe.py refuses it.
+context_parallel.py); the ids are laid out on the global packed row and cut the same way. Sequence
+parallelism (TP > 1, which megatron-core's MoE layer trains with): the embedding hands TP rank r the
+r-th of tp equal slices of the [s, b] tokens along s (the packed row, or the padded rows' columns,
+padded to a multiple of tp: ``RunOptions.pad_multiple``), and the residual stream stays split up to
+the routers, so rank r's routers read the r-th contiguous slice of the flattened token order
+(:func:`sequence_slice`). Without sequence parallelism (TP > 1 in forward-only phases of a model built
+without it) every TP rank routes every token, the same on each. CP and sequence parallelism do not
+combine for an MoE model (megarl/config_checks/moe.py).
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megarl.distributed import device
 
@@ -115,8 +124,9 @@ def model_order(ids: torch.Tensor, lengths: torch.Tensor, inputs, num_experts: i
     inside = torch.arange(width, device=ids.device)[None, :] < lengths.to(ids.device)[:, None]  # (b, l)
     valid = recorded(ids, num_experts) & inside
     long_ids = ids.long()
-    if not inputs.packed:
+    if not inputs.packed:  # (b, l) -> (s, b) flattened; columns past l (sequence-parallel padding) unrecorded
         s = inputs.input_ids.size(1)
+        long_ids, valid = F.pad(long_ids, (0, 0, 0, 0, 0, max(s - width, 0))), F.pad(valid, (0, max(s - width, 0)))
         return long_ids[:, :s].transpose(0, 1).reshape(s * b, *ids.shape[2:]), valid[:, :s].t().reshape(-1)
     total = inputs.input_ids.size(1) if inputs.cp is None else inputs.cp.total  # T of the global row
     index = inputs.starts.to(ids.device)[:, None] + torch.arange(width, device=ids.device)  # (b, l) in the row
@@ -127,6 +137,19 @@ def model_order(ids: torch.Tensor, lengths: torch.Tensor, inputs, num_experts: i
     if inputs.cp is not None:  # (T, ...) -> (t, ...): this CP rank's chunks
         return inputs.cp.local(out[None])[0], inputs.cp.local(mask[None])[0]
     return out, mask
+
+
+def sequence_slice(ids: torch.Tensor, valid: torch.Tensor, split: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, ...) ids and (tokens,) valid in the routers' token order over the whole sequence ->
+    TP rank ``rank``'s contiguous 1 / ``split`` of them, the tokens its routers see under sequence
+    parallelism (as is at split 1)."""
+    if split == 1:
+        return ids, valid
+    if ids.size(0) % split:
+        raise ValueError(f"router replay: {ids.size(0)} tokens do not split over {split} sequence-parallel "
+                         "ranks (RunOptions.pad_multiple should be the TP size)")
+    n = ids.size(0) // split
+    return ids[rank * n:(rank + 1) * n], valid[rank * n:(rank + 1) * n]
 
 
 class LayerReplay:
@@ -179,8 +202,6 @@ class ReplayRouters:
     """Every MoE router of a model stage, replaying the micro-batch loaded last."""
 
     def __init__(self, module, groups, num_experts: int, topk: int, num_layers: int):
-        if groups.tp_size > 1:
-            raise ValueError(f"router replay lays tokens out for parallel.tp=1 (tp={groups.tp_size})")
         self.groups, self.num_experts, self.topk, self.num_layers = groups, num_experts, topk, num_layers
         self.ids: Optional[torch.Tensor] = None  # (tokens, all layers, k) int64 of the current micro-batch
         self.valid: Optional[torch.Tensor] = None  # (tokens,) bool
@@ -191,6 +212,8 @@ class ReplayRouters:
                 replay = LayerReplay(self, m.router.layer_number - 1, m.router)  # global layer, 0-based
                 m.router.router_replay = replay
                 self.layers.append(replay)
+        sequence_parallel = any(layer.router.config.sequence_parallel for layer in self.layers)
+        self.split = groups.tp_size if sequence_parallel else 1  # TP ranks the routers' tokens are split over
 
     def start(self) -> None:
         """A new run of micro-batches: nothing loaded, no recompute pending."""
@@ -207,7 +230,8 @@ class ReplayRouters:
         if (layers, k) != (self.num_layers, self.topk):
             raise ValueError(f"recorded expert ids cover {layers} layers x top-{k}; the model routes "
                              f"{self.num_layers} layers x top-{self.topk} (rollouts of another model?)")
-        self.ids, self.valid = model_order(batch_ids, lengths, inputs, self.num_experts)
+        ids, valid = model_order(batch_ids, lengths, inputs, self.num_experts)  # (tokens, layers, k), (tokens,)
+        self.ids, self.valid = sequence_slice(ids, valid, self.split, self.groups.tp_rank)
 
     @contextmanager
     def observing(self):

@@ -38,7 +38,10 @@ class ValueHead(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         values = hidden @ self.weight.t()  # [s(/tp), b, 1]
         if self.sequence_parallel:
-            values = gather_from_sequence_parallel_region(values, group=self.tp_group)  # [s, b, 1]
+            # every TP rank computes the loss from all the values: each gets the whole gradient back,
+            # so the backward keeps this rank's slice (a reduce-scatter would count it tp times)
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)  # [s, b, 1]
         return values, None
 
 

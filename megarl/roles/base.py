@@ -26,6 +26,7 @@ from megatron.core.utils import get_model_config
 from megarl.distributed import ParallelGroups, device
 from megarl.models.moe import ExpertLoad
 from megarl.models.pipeline import run_pipeline
+from megarl.models.moe_padding import stage_padding
 from megarl.models.router_replay import ReplayRouters
 from megarl.roles.batch import SampleBatch, cat_rows
 from megarl.roles.dp_balance import Dealt, deal_rows
@@ -47,7 +48,7 @@ class RunOptions:
     """How a role lays out its micro-batches."""
 
     packing: bool = False  # one packed THD row per micro-batch instead of padded rows
-    pad_multiple: int = 1  # packed length a multiple of this (the TP size under sequence parallelism)
+    pad_multiple: int = 1  # packed length / padded width a multiple of this (the TP size under sequence parallelism)
     dp_balance: bool = False  # re-deal rows over DP ranks by tokens (collective: every DP rank must call)
 
 
@@ -88,7 +89,7 @@ class ModelRole:
             x = mb.model_inputs
             if self.replay is not None:
                 self.replay.load(mb.expert_ids, mb.lengths, x)
-            moe = {"padding_mask": x.padding} if self.is_moe else {}  # megarl/models/moe_padding.py
+            moe = {"padding_mask": stage_padding(x.padding, self.module, self.groups)} if self.is_moe else {}
             out = model(x.input_ids, x.position_ids, None, packed_seq_params=x.packed_seq_params, **moe)
             return out, lambda output: loss_fn(mb, output)  # out: (b|1, l|T, V/tp) | (.., 1) | hidden
 
@@ -108,7 +109,7 @@ class ModelRole:
             return cp_packed_inputs(mb.input_ids, mb.lengths, g.cp, g.cp_size, g.cp_rank)
         if self.options.packing:
             return packed_inputs(mb.input_ids, mb.lengths, self.options.pad_multiple)
-        return padded_inputs(mb.input_ids, mb.lengths)
+        return padded_inputs(mb.input_ids, mb.lengths, self.options.pad_multiple)
 
     def deal(self, batch: SampleBatch, keep_counts: bool) -> Dealt:
         """``batch``'s rows re-dealt over DP by tokens (when ``options.dp_balance``)."""

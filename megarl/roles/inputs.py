@@ -53,8 +53,8 @@ class ModelInputs:
     def to_rows(self, per_position: torch.Tensor) -> torch.Tensor:
         """(b, l) | (1, T) number at each position for its target -> (b, width), shifted one
         to the right (entry t: computed at t - 1), 0 at column 0 and past each length."""
-        if not self.packed:
-            return F.pad(per_position[:, :-1], (1, 0))
+        if not self.packed:  # columns past width - 1: padding to the sequence-parallel multiple
+            return F.pad(per_position[:, :self.width - 1], (1, 0))
         per_position = self.global_row(per_position)
         lengths = self.lengths.to(per_position.device)
         cols = torch.arange(self.width - 1, device=per_position.device)  # (l-1,)
@@ -71,10 +71,12 @@ class ModelInputs:
         return self.global_row(per_position)[0, self.starts.to(last.device) + last]
 
 
-def padded_inputs(input_ids: torch.Tensor, lengths: torch.Tensor) -> ModelInputs:
-    """Right-padded rows (b, l) as they are."""
+def padded_inputs(input_ids: torch.Tensor, lengths: torch.Tensor, pad_multiple: int = 1) -> ModelInputs:
+    """Right-padded rows (b, l) as they are, more padding columns up to a multiple of ``pad_multiple``
+    (sequence parallelism splits the columns over the TP ranks)."""
     b, width = input_ids.shape
-    positions = torch.arange(width, device=input_ids.device).expand(b, -1)
+    input_ids = F.pad(input_ids, (0, -width % pad_multiple))  # (b, l') l' = l rounded up
+    positions = torch.arange(input_ids.size(1), device=input_ids.device).expand(b, -1)
     inside = positions < (lengths.to(input_ids.device) - 1)[:, None]  # (b, l) a next token exists
     targets = torch.where(inside, F.pad(input_ids[:, 1:], (0, 1)), 0)  # (b, l) token t + 1, else 0
     padding = positions >= lengths.to(input_ids.device)[:, None]  # (b, l) right padding

@@ -22,6 +22,7 @@ from megarl.models.loader import load_hf_checkpoint
 from megarl.roles.batch import SampleBatch
 from megarl.roles.build import model_options
 from megarl.roles.optim import build_trainable
+from megarl.roles.base import RunOptions
 from megarl.roles.policy import Policy, token_logprobs
 from megarl.trainer.sft_record import sft_recipe, write_sft_record
 
@@ -53,7 +54,8 @@ def build_policy(cfg: Config, groups, total_steps: int) -> Policy:
     if cfg.sft.init == "pretrained":
         load_hf_checkpoint(module, cfg.model.path, info, groups)
     trainable = build_trainable(module, groups, cfg.sft.optim, total_steps, cfg.parallel.distributed_optimizer)
-    return Policy("sft", module, groups, info, trainable)
+    sequence_split = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1  # padded widths split over TP
+    return Policy("sft", module, groups, info, trainable, RunOptions(pad_multiple=sequence_split))
 
 
 def run_sft(cfg: Config, log) -> Policy:
