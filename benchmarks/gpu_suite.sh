@@ -43,7 +43,7 @@ case "$mode" in
   ppo)
     T=330 run ppo_1p5b python3 benchmarks/bench_ppo.py --config yaml/qwen2.5-1.5b.yaml --shape qwen2.5-1.5b --nproc 1 --steps 4 --out "$OUT/ppo_1p5b.json" "$@" ;;
   partial)
-    T=590 run partial python3 benchmarks/bench_partial.py --out "$OUT/partial_rollout.json" "$@" ;;
+    T=590 run partial python3 benchmarks/bench_partial.py --partial-batches 3 --out "$OUT/partial_rollout.json" "$@" ;;
   long)
     T=560 run long python3 benchmarks/bench_long_context.py --out "$OUT/long_context.json" "$@" ;;
   moe)

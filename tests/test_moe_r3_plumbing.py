@@ -15,9 +15,10 @@
   (uint8, int16 from 256 experts); rows
   selected, rollouts concatenated (widths differ), dumps written and read back, rows re-dealt over
   2 DP ranks: every row keeps its own ids.
-- Config: r3 on a dense model, with multi-turn, the agent server, partial rollouts, a negative probe
+- Config: r3 on a dense model, at TP > 1, with SGLang (it records no experts), a negative probe
   interval: one-line errors; r3 turns
-  the engine's recording on.
+  the engine's recording on (multi-turn, the agent server and partial rollouts pass:
+  tests/test_moe_r3_merge.py).
 """
 from types import SimpleNamespace
 
@@ -239,10 +240,8 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
 
 @pytest.mark.parametrize("change,hf,message", [
     ({}, {"architectures": ["Qwen3ForCausalLM"]}, "actor.router_replay=r3 needs a mixture-of-experts model"),
-    ({"multi_turn": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.multi_turn.enable=true"),
-    ({"server": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.server.enable=true"),
-    ({"partial": True}, QWEN3_MOE, "actor.router_replay=r3 with rollout.partial=true"),
     ({"probe": -1}, QWEN3_MOE, "actor.router_replay_probe_every"),
+    ({"engine": "sglang"}, QWEN3_MOE, "rollout.engine=sglang returns none: set rollout.engine=native"),
     ({"tp": 2}, QWEN3_MOE, "actor.router_replay=r3 at parallel.tp=2 is not supported yet"),
 ])
 def test_config_errors(change, hf, message):
@@ -250,10 +249,8 @@ def test_config_errors(change, hf, message):
     from megarl.errors import ConfigError
 
     cfg = _cfg(router_replay="r3", router_replay_probe_every=change.get("probe", 1))
-    cfg.rollout.multi_turn.enable = change.get("multi_turn", False)
-    cfg.rollout.server.enable = change.get("server", False)
-    cfg.rollout.partial = change.get("partial", False)
     cfg.parallel.tp = change.get("tp", 1)
+    cfg.rollout.engine = change.get("engine", "native")
     with pytest.raises(ConfigError) as e:
         check_router_replay(cfg, hf)
     assert message in str(e.value) and "\n" not in str(e.value)

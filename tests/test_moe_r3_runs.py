@@ -1,6 +1,6 @@
 """actor.router_replay=r3 through launch/ppo.py: dumped rollouts keep their expert ids and replay with them.
 
-yaml/tiny_moe.yaml (4 MoE layers, 8 experts, top-2, EP2 on 2 ranks, fp32), one step each:
+yaml/tiny_moe.yaml (4 MoE layers, 8 experts, top-2, EP2 on 2 ranks, fp32), one step each (item 4: two):
 1. ``trainer.rollout_only=true trainer.dump_rollouts=DIR actor.router_replay=r3``: each DP rank's
    dump holds (B, L, 4, 2) uint8 expert ids, recorded exactly on the positions P - 1 .. P + R - 2
    of each row (response tokens; one position before each, as the row that sampled it).
@@ -10,6 +10,8 @@ yaml/tiny_moe.yaml (4 MoE layers, 8 experts, top-2, EP2 on 2 ranks, fp32), one s
    too) and both log-prob mismatches are at fp32 rounding (<= 1e-4). Again with one mini-batch
    (an on-policy update: no old-log-prob forward; the update's replayed forward is measured).
 3. The same dump with its ids removed, replayed under r3: exit 2, one line naming the key and the fix.
+4. ``rollout.partial=true`` at PP2, two steps: the batch gathers every stage's layers, responses resumed
+   across the update train under r3.
 """
 from __future__ import annotations
 
@@ -68,3 +70,16 @@ def test_r3_dump_and_replay(tmp_path):
     assert out.returncode != 0
     lines = [x for x in (out.stdout + out.stderr).splitlines() if "holds no recorded expert ids" in x]
     assert lines and "actor.router_replay=none" in lines[0]
+
+
+def test_r3_partial_rollouts_at_pp2(tmp_path):
+    """``rollout.partial=true`` under r3 at PP2 (each stage records its own 2 layers; the trained batch
+    gathers all 4), two steps: step 1 trains what the weights of step 1 sampled (every recorded choice
+    agrees, with and without replay, on all 4 layers); step 2 trains responses resumed across the update
+    (partial/resumed > 0), their ids the ones each token's policy used (tests/test_moe_r3_turns.py checks
+    that token by token)."""
+    ppo("yaml/tiny_moe.yaml", tmp_path, *FAST, "rollout.partial=true", "parallel.ep=1", "parallel.pp=2", steps=2)
+    m = metrics(tmp_path)
+    for prefix in ("r3", "r3/no_replay"):
+        assert m[1][f"{prefix}/agreement"] == 1.0 and m[1][f"{prefix}/agreement/layer_3"] == 1.0
+    assert m[2]["partial/resumed"] > 0 and 0 < m[2]["r3/agreement"] <= 1.0

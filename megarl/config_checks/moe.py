@@ -68,9 +68,8 @@ def check_moe_rollout(cfg: Config, hf: dict) -> None:
 
 
 def check_router_replay(cfg: Config, hf: dict) -> None:
-    """actor.router_replay=r3 replays what the native engine recorded (check_moe_rollout: an MoE model
-    generates there only) for single-turn responses generated in one step: the agent loops append
-    tokens no router chose, and partial rollouts resume responses without their earlier ids."""
+    """actor.router_replay=r3 replays what the native engine recorded, also over multi-turn and HTTP agent
+    conversations and responses resumed across steps (megarl/rollout/expert_record.py merges their calls)."""
     a = cfg.actor
     check_counts(a, "actor", ["router_replay_probe_every"], low=0)
     if a.router_replay == "none":
@@ -78,13 +77,11 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
     if moe_experts(hf) is None:
         raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
                           "is dense: set actor.router_replay=none")
+    if cfg.rollout.engine != "native":  # the native engine records the ids (megarl/rollout/runners.py)
+        raise ConfigError(f"actor.router_replay={a.router_replay} replays the experts the native engine records; "
+                          f"rollout.engine={cfg.rollout.engine} returns none: set rollout.engine=native or "
+                          "actor.router_replay=none")
     if cfg.parallel.tp > 1:  # megarl/models/router_replay.py lays ids out for unsplit router inputs
         raise ConfigError(f"actor.router_replay={a.router_replay} at parallel.tp={cfg.parallel.tp} is not supported yet "
                           "(the replay does not split ids over sequence-parallel ranks); set parallel.tp=1 or "
                           "actor.router_replay=none")
-    for key, on, why in (("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, "appended tool and user tokens"),
-                         ("rollout.server.enable", cfg.rollout.server.enable, "appended tool and user tokens"),
-                         ("rollout.partial", cfg.rollout.partial, "responses resumed across steps")):
-        if on:
-            raise ConfigError(f"actor.router_replay={a.router_replay} with {key}=true is not supported ({why} have "
-                              "no recorded experts); set one of them off")

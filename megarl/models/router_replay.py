@@ -9,6 +9,8 @@ that prefill's). In the batch they sit per *position*, as the model reads them:
 prompt token t is at position t and the ids of response token j (prompt length P) are at position
 P + j - 1 (the prompt's last token's row sampled response token 0). Positions the engine did not
 record (a sequence's last token, padding) hold :func:`unrecorded`; there the router picks its own top-k.
+A sequence built over several engine calls (multi-turn turns, an HTTP agent's calls, a partial
+rollout resumed in a later step) carries one record merged call by call (megarl/rollout/expert_record.py).
 
 :class:`ReplayRouters` installs a :class:`LayerReplay` as ``router_replay`` of every megatron-core
 ``TopKRouter`` of a model stage. megatron-core's ``topk_routing_with_score_function`` hands it the

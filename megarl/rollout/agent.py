@@ -18,7 +18,10 @@ Token-in/token-out: a sample's response is the concatenation of the ids the
 engine sampled (loss mask 1, their log-probs) and the appended ids (loss mask
 0, log-prob 0): nothing is decoded and re-encoded. Text is decoded only to
 parse calls and to give rewards the conversation (``extra["trajectory"]``,
-OpenAI-style messages with the tool calls and results).
+OpenAI-style messages with the tool calls and results). With
+``actor.router_replay=r3`` the result also carries the expert ids of every
+position, merged turn by turn (:mod:`megarl.rollout.expert_record`: a sampled
+token's from its turn's step, appended context's from the next turn's prefill).
 
 Seeds: a sample draws turn 0 from its request's seed (turn 0 of every sample
 is one engine call, so the samples of one prompt share its prefill) and turn
@@ -54,10 +57,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
 import torch.distributed as dist
 
 from megarl.rollout.engine import GenerationResult, Request, RolloutEngine, SamplingParams, mix_seed
 from megarl.rollout.environments import EnvironmentRunner, one_line
+from megarl.rollout.expert_record import merge, positions, split
 from megarl.rollout.turns import TurnRenderer
 
 
@@ -109,6 +114,9 @@ class Trajectory:
     last_turn: list[int] = field(default_factory=list)  # the last sampled turn: the answer rewards read
     reward: float = 0.0  # environment: the sum of its steps' rewards
     error: str = ""  # environment: set when the sample failed (it then trains nothing)
+    # MoE, recorded: (positions so far, layers, k) expert ids of prompt + ids, earliest call's first
+    # (megarl/rollout/expert_record.py): sampled tokens from their turn, context from the next turn's prefill
+    experts: np.ndarray | None = None
 
     def add_sampled(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.last_turn = list(ids)
@@ -140,8 +148,9 @@ class Trajectory:
             if failed:
                 ids, logprobs = (ids, logprobs) if ids else ([pad_id], [0.0])
                 mask = [0] * len(ids)
+        prompt_experts, experts = split(self.experts, len(self.prompt_ids), len(ids))
         return GenerationResult(self.prompt_ids, ids, logprobs, self.finish or "length", self.key, extra,
-                                loss_mask=mask)
+                                loss_mask=mask, expert_ids=experts, prompt_expert_ids=prompt_experts)
 
 
 class AgentLoop:
@@ -267,9 +276,10 @@ class AgentLoop:
 
     # -- one sample's turn (both schedules) ----------------------------------
     def add_turn(self, t: Trajectory, r: GenerationResult) -> str:
-        """Appends a sampled turn to its sample; returns its text."""
+        """Appends a sampled turn (and its recorded experts) to its sample; returns its text."""
         text = self.tokenizer.decode(r.response_ids, skip_special_tokens=False)
         t.add_sampled(r.response_ids, r.logprobs, text)
+        t.experts = merge(t.experts, positions(r))  # r's prompt is t's sequence before this turn
         return text
 
     def ends_with_call(self, r: GenerationResult) -> bool:

@@ -96,7 +96,8 @@ class GenerationResult:
     #                                     (tool / user / template tokens); None: every token sampled
     # MoE with EngineOptions.record_experts: (R, layers of this stage, k) expert ids (uint8, or int16 from 256
     # experts: router_replay.ids_dtype) that routed the row sampling each response token (its previous
-    # token), largest weight first
+    # token), largest weight first; unrecorded (router_replay.unrecorded) at tokens this call did not
+    # sample (a resumed request's prefix: megarl/rollout/expert_record.py keeps their earlier ids)
     expert_ids: "np.ndarray | None" = None
     # with expert_ids: (P - 1, layers of this stage, k) the ids that routed prompt tokens 0 .. P - 2 in its
     # prefill (the same for every sample of a prompt: they share it); position P - 1 is expert_ids[0]

@@ -88,7 +88,9 @@ def cut_at_stop(r: GenerationResult, stop: list[str], decode) -> GenerationResul
         return r
     for k in range(1, len(r.response_ids) + 1):
         if any(s in decode(r.response_ids[:k]) for s in stop):
-            return replace(r, response_ids=r.response_ids[:k], logprobs=r.logprobs[:k], finish_reason="stop")
+            experts = None if r.expert_ids is None else r.expert_ids[:k]  # MoE, recorded: one row per token
+            return replace(r, response_ids=r.response_ids[:k], logprobs=r.logprobs[:k], finish_reason="stop",
+                           expert_ids=experts)
     return r
 
 

@@ -26,14 +26,20 @@ start with a node's ids extends it (the rest is appended context), else it is a
 new root.
 
 A sample's response budget (``rollout.max_new_tokens``) counts sampled and
-appended ids of a chain, as in the agent loop.
+appended ids of a chain, as in the agent loop. With ``actor.router_replay=r3`` a
+node also keeps the expert ids the engine recorded over its ids, merged call by
+call as :mod:`megarl.rollout.expert_record` says (sampled tokens from the call
+that sampled them, appended context from the next call's prefill).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from megarl.rollout.engine import GenerationResult, mix_seed
+from megarl.rollout.expert_record import merge, positions, split
 
 
 @dataclass
@@ -47,11 +53,17 @@ class Node:
     messages: list[dict]  # the messages the call that sampled this node was made with (chat), else []
     last_turn: list[int] = field(default_factory=list)  # ids sampled by that call
     finish: str = "length"
+    # MoE, recorded: (positions, layers, k) expert ids of ids, the earliest call's first
+    # (megarl/rollout/expert_record.py); None: nothing recorded
+    experts: np.ndarray | None = None
 
-    def extended(self, context: list[int], sampled: list[int], logprobs: list[float], finish: str,
-                 messages: list[dict]) -> "Node":
-        return Node(self.ids + context + sampled, self.prompt_len, self.logprobs + [0.0] * len(context) + logprobs,
-                    self.loss_mask + [0] * len(context) + [1] * len(sampled), messages, list(sampled), finish)
+    def extended(self, context: list[int], result: GenerationResult, messages: list[dict]) -> "Node":
+        """The node after ``result``, a call on this node's ids + ``context``."""
+        sampled = result.response_ids
+        return Node(self.ids + context + sampled, self.prompt_len,
+                    self.logprobs + [0.0] * len(context) + result.logprobs,
+                    self.loss_mask + [0] * len(context) + [1] * len(sampled), messages, list(sampled),
+                    result.finish_reason, merge(self.experts, positions(result)))
 
     @property
     def response_len(self) -> int:
@@ -125,8 +137,7 @@ class SampleSession:
     def record(self, prompt: Prompt, results: list[GenerationResult], messages: list[dict]) -> None:
         """The call's choices as new nodes; choice 0 is the sample's latest trajectory."""
         with self.lock:
-            new = [prompt.base.extended(prompt.context, r.response_ids, r.logprobs, r.finish_reason, messages)
-                   for r in results]
+            new = [prompt.base.extended(prompt.context, r, messages) for r in results]
             self.nodes += new
             self.last = new[0]
             self.calls += 1
@@ -139,11 +150,12 @@ class SampleSession:
             node = Node(list(fallback_prompt) + [pad_id], len(fallback_prompt), [0.0], [0], [], [], "failed")
             failed = True
         mask = [0] * len(node.loss_mask) if failed else list(node.loss_mask)
+        prompt_experts, experts = split(node.experts, node.prompt_len, node.response_len)
         return GenerationResult(node.ids[:node.prompt_len], node.ids[node.prompt_len:], list(node.logprobs),
                                 "failed" if failed else node.finish, self.key,
                                 {**extra, "final_turn_ids": node.last_turn, "agent_failed": failed,
                                  "chain_resets": self.chain_resets, "calls": self.calls},
-                                loss_mask=mask)
+                                loss_mask=mask, expert_ids=experts, prompt_expert_ids=prompt_experts)
 
 
 def _for_template(messages: list[dict]) -> list[dict]:

@@ -53,7 +53,8 @@ from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.loop import StepCounters, StepLoop
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
 from megarl.rollout.prefill_graphs import PrefillGraphs
-from megarl.rollout.runners import EagerRunner, GraphRunner, PipelineGraphRunner, SamplingRows, StepRunner
+from megarl.rollout.runners import (EagerRunner, GraphRunner, PipelineGraphRunner, SamplingRows, StepRunner,
+                                    sequence_expert_ids)
 from megarl.rollout.scheduler import Scheduler, Sequence
 from megarl.rollout.stage import ForwardBatch, StageForward
 
@@ -377,10 +378,7 @@ class NativeEngine:
     @staticmethod
     def _result(seq: Sequence) -> GenerationResult:
         """``seq``'s response, under its request's key (``rid``)."""
-        experts = np.stack([seq.experts[i] for i in range(len(seq.generated))]) if seq.experts else None
-        prompt_experts = None
-        if experts is not None:  # a one-token prompt has no prompt ids: (0, layers, k)
-            prompt_experts = seq.prompt_experts if seq.prompt_experts is not None else experts[:0]
+        experts, prompt_experts = sequence_expert_ids(seq)  # MoE, recorded
         return GenerationResult(seq.prompt, seq.generated, seq.logprobs, seq.finish or "length", seq.rid,
                                 expert_ids=experts, prompt_expert_ids=prompt_experts)
 

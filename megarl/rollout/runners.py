@@ -173,6 +173,27 @@ def _record_prompt_experts(rows: np.ndarray, plan: StepPlan) -> None:
         seq.prompt_experts[first:first + take] = rows[start:start + take]
 
 
+def sequence_expert_ids(seq) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A sequence's record for its result: (R, layers, k) the rows that sampled each response token —
+    unrecorded at tokens no step of this call sampled (a resumed request's prefix, see
+    megarl/rollout/expert_record.py) — and (P - 1, layers, k) its prompt's; (None, None) when no step
+    recorded anything of it."""
+    some = next(iter(seq.experts.values()), None)
+    if some is None and seq.prompt_experts is None:
+        return None, None
+    shape, dtype = (some.shape, some.dtype) if some is not None else (seq.prompt_experts.shape[1:],
+                                                                      seq.prompt_experts.dtype)
+    mark = unrecorded_mark(dtype)
+    response = np.full((len(seq.generated), *shape), mark, dtype)
+    for i in range(len(seq.generated)):
+        if i in seq.experts:
+            response[i] = seq.experts[i]
+    prompt = seq.prompt_experts
+    if prompt is None:  # a one-token prompt has no prompt rows: (0, layers, k)
+        prompt = np.full((max(len(seq.prompt) - 1, 0), *shape), mark, dtype)
+    return response, prompt
+
+
 class GraphRunner(StepRunner):
     """One stage: decode steps and small prefills replay a CUDA graph and return at once; with
     ``overlap`` (every sequence fits the graphs' block table) the loop launches them ahead."""

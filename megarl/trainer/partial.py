@@ -18,6 +18,9 @@ the others it costs nothing). Every response token keeps the policy version that
 sampled it (trainer steps of those weights: ``SampleBatch.token_versions``) and its
 rollout log-prob under that policy, so ``algorithm.rollout_correction`` weighs each
 token's ratio pi_old / pi_roll whether it is stale or not (``preset=async`` is made for it).
+With ``actor.router_replay=r3`` each position also keeps the experts that routed it in the
+call that first computed it (:mod:`megarl.rollout.expert_record`): the prompt's and the
+earlier tokens' under the policy that sampled them, the new tokens' under the new one.
 
 What is in flight is saved with every checkpoint (one file per rank), so a resumed run
 continues the same responses bit for bit; a resume that cannot read them (another
@@ -29,11 +32,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megarl.data.dataset import PromptBatch, PromptItem
+from megarl.models.router_replay import all_stage_layers
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams, sample_requests
+from megarl.rollout.expert_record import merge, positions, split
 from megarl.trainer.metrics import dp_sum
 from megarl.trainer.rollout import Rollout, pack_rollout
 
@@ -50,6 +56,9 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)  # each token's, under the policy that sampled it
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
     finish: str | None = None  # "stop" | "length" once done
+    # MoE, recorded: (prompt + tokens - 1, layers, k) expert ids per position, each token's from the call
+    # that sampled it (megarl/rollout/expert_record.py); None: nothing recorded
+    experts: np.ndarray | None = None
 
 
 @dataclass
@@ -112,6 +121,7 @@ class PartialRollouts:
             sample = self.groups[r.key // self.n].samples[r.key % self.n]
             sample.versions += [version] * (len(r.response_ids) - len(sample.tokens))
             sample.tokens, sample.logprobs = list(r.response_ids), list(r.logprobs)
+            sample.experts = merge(sample.experts, positions(r))  # earlier tokens keep their policy's ids
             sample.finish = None if r.finish_reason == "unfinished" else r.finish_reason
         return True
 
@@ -120,7 +130,7 @@ class PartialRollouts:
         trainer.mode=async bounds every token's age this way (:mod:`megarl.trainer.async_rollout`)."""
         stale = [s for g in self.groups for s in g.samples if s.versions and min(s.versions) < oldest]
         for s in stale:
-            s.tokens, s.logprobs, s.versions, s.finish = [], [], [], None
+            s.tokens, s.logprobs, s.versions, s.finish, s.experts = [], [], [], None, None
         self.restarted += len(stale)
         return len(stale)
 
@@ -159,10 +169,15 @@ def restore(p: PartialRollouts, checkpointer, step: int, rank0: bool) -> None:
 
 
 def group_results(groups: list[Group]) -> list[GenerationResult]:
-    """One result per sample, grouped by prompt, each with its per-token versions."""
-    return [GenerationResult(list(g.item.prompt_ids), s.tokens, s.logprobs, s.finish, gi * len(g.samples) + j,
-                             versions=s.versions)
-            for gi, g in enumerate(groups) for j, s in enumerate(g.samples)]
+    """One result per sample, grouped by prompt, each with its per-token versions (and recorded experts)."""
+    out = []
+    for gi, g in enumerate(groups):
+        for j, s in enumerate(g.samples):
+            prompt_experts, experts = split(s.experts, len(g.item.prompt_ids), len(s.tokens))
+            out.append(GenerationResult(list(g.item.prompt_ids), s.tokens, s.logprobs, s.finish,
+                                        gi * len(g.samples) + j, versions=s.versions, expert_ids=experts,
+                                        prompt_expert_ids=prompt_experts))
+    return out
 
 
 def local_sums(taken: list[Group], flight: list[Group], version: int) -> dict[str, float]:
@@ -203,6 +218,7 @@ def partial_rollout(tr) -> Rollout:
                                   tr.sampling_params(), tr.sampling_seed(), tr.step)
     dp = tr.groups.dp if tr.groups.dp_size > 1 else None
     rollout, metrics = pack_taken(tr.partial, taken, tr.step, tr.tokenizer, tr.pad_id, tr.device, dp)
+    rollout.batch.expert_ids = all_stage_layers(rollout.batch.expert_ids, tr.groups)  # MoE: every stage's layers
     tr.metrics.update(metrics)
     return rollout
 
