@@ -55,14 +55,15 @@ class Trainable:
         NaN norm and Adam writes NaN into parameters and moments.
         """
         lr = self.optimizer.param_groups[0]["lr"]
+        live = _allocated_gb()
         if not self._all_finite(loss_finite):
             self.zero_grad()
-            return {"grad_norm": 0.0, "lr": lr, "update_ok": 0.0, "nonfinite": 1.0}
+            return {"grad_norm": 0.0, "lr": lr, "update_ok": 0.0, "nonfinite": 1.0, **live}
         ok, grad_norm, _ = self.optimizer.step()
         if ok:  # as megatron's training loop: no schedule step for a skipped fp16 update
             self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
-        return {"grad_norm": float(grad_norm or 0.0), "lr": lr, "update_ok": float(bool(ok)), "nonfinite": 0.0}
+        return {"grad_norm": float(grad_norm or 0.0), "lr": lr, "update_ok": float(bool(ok)), "nonfinite": 0.0, **live}
 
     def _all_finite(self, loss_finite: bool) -> bool:
         """The loss and every gradient finite on every rank (one MAX all-reduce over the world).
@@ -77,6 +78,13 @@ class Trainable:
         flag = torch.stack([b.to(device(), torch.float32) for b in bad]).max().reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
+
+
+def _allocated_gb() -> dict[str, float]:
+    """On CUDA, ``memory_before_step_gb``: what is allocated once the backward passes are done and before the
+    optimizer step (weights, grad buffers, master weights, Adam state once made, the reference, the batch;
+    activations of a micro-batch still alive here are a leak); {} on CPU."""
+    return {"memory_before_step_gb": torch.cuda.memory_allocated() / 2**30} if torch.cuda.is_available() else {}
 
 
 CHECK_CHUNK = 1 << 26  # elements isfinite reads at once: a 64 MiB bool temporary, not one the buffer's size

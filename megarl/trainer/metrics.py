@@ -23,11 +23,14 @@ def dp_sum(values: dict[str, float], group) -> dict[str, float]:
 
 
 class PhaseTimer:
-    """Wall time (``timing/<phase>``, s) and, on CUDA, peak memory (``memory/<phase>_peak_gb``) per phase."""
+    """Wall time (``timing/<phase>``, s) and, on CUDA, peak memory (``memory/<phase>_peak_gb``) per phase,
+    and what the phase leaves allocated (``memory/<phase>_live_gb``: a phase that keeps tensors alive
+    shows here, while a peak only says the phase's own high-water mark)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self.peak_gb: dict[str, float] = {}
+        self.live_gb: dict[str, float] = {}  # allocated at the phase's end (its last run in the step)
 
     @contextmanager
     def __call__(self, phase: str):
@@ -41,11 +44,13 @@ class PhaseTimer:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**30
             self.peak_gb[phase] = max(self.peak_gb.get(phase, 0.0), peak)
+            self.live_gb[phase] = torch.cuda.memory_allocated() / 2**30
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
         out = {f"timing/{k}": v for k, v in self.seconds.items()}
         out.update({f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()})
+        out.update({f"memory/{k}_live_gb": v for k, v in self.live_gb.items()})
         if self.peak_gb:
             out["perf/peak_memory_gb"] = max(self.peak_gb.values())
         return out

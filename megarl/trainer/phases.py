@@ -193,7 +193,8 @@ class Updater:
         metrics[skipped] = metrics.get(skipped, 0.0)
         for s in steps:
             ok, nonfinite, grad_norm, lr = (s.pop(k) for k in ("update_ok", "nonfinite", "grad_norm", "lr"))
-            for key in ("dp_token_imbalance", "dp_token_imbalance_before", "oom_retries", "memory_divisor"):
+            for key in ("dp_token_imbalance", "dp_token_imbalance_before", "oom_retries", "memory_divisor",
+                        "memory_before_step_gb"):
                 # the same on every rank: the max over the step's updates
                 if key in s:
                     metrics[f"{role}/{key}"] = max(metrics.get(f"{role}/{key}", 0.0), s.pop(key))
