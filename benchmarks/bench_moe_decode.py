@@ -18,8 +18,8 @@ decoding exactly ``--new-tokens`` (no stop token), temperature 1, CUDA graphs.
 ``ms_per_step`` = wall / new tokens (prefill included); ``decode_ms_per_step`` leaves the prefill
 out. ``generate_ms_per_step``: ``generate`` on the same prompts (sampling), timed at 1 and at
 1 + ``--hf-steps`` new tokens (the fastest of 3 runs each), the difference over ``--hf-steps``
-(decode steps only, no prefill), with transformers' default experts implementation (``grouped_mm``); ``--hf-experts`` adds others
-(``eager``: a Python loop over the experts hit), each in ``generate_by_experts``.
+(decode steps only, no prefill), with transformers' default experts implementation (``grouped_mm``);
+``--hf-experts`` adds others (``eager``: a Python loop over the experts hit), each in ``generate_by_experts``.
 
 The floor of a decode step is the bytes it must read once over the HBM bandwidth
 (`bench_kernels.HBM_BYTES_PER_S`): every dense weight but the input embedding (attention, norms,
