@@ -13,6 +13,8 @@
 #   bash benchmarks/gpu_suite.sh moe_e2e   # GRPO step on Qwen3-30B-A3B cut to 8 layers, megarl vs TRL
 #   bash benchmarks/gpu_suite.sh moe_r3    # the same shape, megarl with router_replay=r3: agreement and mismatch
 #   bash benchmarks/gpu_suite.sh partial   # GRPO with and without partial rollouts, long-tailed lengths
+#   bash benchmarks/gpu_suite.sh server    # 128 chat sessions through the OpenAI endpoint vs the engine (needs openai)
+#   bash benchmarks/gpu_suite.sh rc        # the rollout-correction cost: GRPO with and without it, and the terms alone
 # T=seconds bounds each command (default 300); extra arguments after the mode go to the benchmark.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
@@ -44,6 +46,10 @@ case "$mode" in
     T=330 run ppo_1p5b python3 benchmarks/bench_ppo.py --config yaml/qwen2.5-1.5b.yaml --shape qwen2.5-1.5b --nproc 1 --steps 4 --out "$OUT/ppo_1p5b.json" "$@" ;;
   partial)
     T=590 run partial python3 benchmarks/bench_partial.py --partial-batches 3 --out "$OUT/partial_rollout.json" "$@" ;;
+  server)
+    T=300 run server python3 benchmarks/bench_server.py --stream --out "$OUT/server.json" "$@" ;;
+  rc)
+    T=400 run e2e_rc python3 benchmarks/bench_e2e.py --sides megarl,megarl_rc --steps 6 --out "$OUT/e2e_rc.json" "$@" ;;
   long)
     T=560 run long python3 benchmarks/bench_long_context.py --out "$OUT/long_context.json" "$@" ;;
   moe)
@@ -54,5 +60,5 @@ case "$mode" in
     T=560 run moe_r3 python3 benchmarks/bench_moe_e2e.py --sides '' --router-replay --work /tmp/megarl_moe_e2e \
       --out "$OUT/moe_e2e_r3run.json" --r3-out "$OUT/moe_r3.json" "$@" ;;
   *)
-    echo "unknown mode '$mode': rollout | e2e | train | kernels | models | ppo | long | moe | moe_e2e | moe_r3 | partial" >&2; exit 2 ;;
+    echo "unknown mode '$mode': rollout | e2e | train | kernels | models | ppo | long | moe | moe_e2e | moe_r3 | partial | server | rc" >&2; exit 2 ;;
 esac
