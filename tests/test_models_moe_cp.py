@@ -34,24 +34,11 @@ import pytest
 import torch
 
 from dist_helpers import spawn
+from test_moe_r3 import ChoiceCheck
+from test_roles_layout import fixed_batch
 
 ARCH = "Qwen3MoeForCausalLM"
 SETTINGS = {"none": (0.0, 0.0), "aux": (0.1, 0.0), "z": (0.0, 0.1)}  # (aux loss coef, z-loss coef)
-
-
-def fixed_batch(vocab: int = 300):
-    from megarl.roles.batch import SampleBatch
-
-    gen = torch.Generator().manual_seed(0)
-    b, width, prompt = 8, 12, 4
-    ids = torch.randint(5, vocab, (b, width), generator=gen)
-    lengths = torch.tensor([12, 9, 7, 12, 5, 10, 8, 11])  # padded to 12, 12, 8, 12, 8, 12, 8, 12 at CP2
-    mask = torch.zeros(b, width)
-    for i, n in enumerate(lengths.tolist()):
-        mask[i, prompt:n] = 1.0
-        ids[i, n:] = 0
-    return SampleBatch(ids, mask, lengths, old_logprobs=-torch.rand(b, width, generator=gen) * 4,
-                       advantages=torch.randn(b, width, generator=gen))
 
 
 def random_expert_ids(batch, layers: int = 2, k: int = 2, experts: int = 4):
@@ -105,7 +92,7 @@ def _job(rank, ckpt, cp, ep, settings):
     from megarl.distributed import init_distributed
 
     init_distributed()
-    return {name: _numbers(*_actor(ckpt, cp, ep, *SETTINGS[name]), fixed_batch()) for name in settings}
+    return {name: _numbers(*_actor(ckpt, cp, ep, *SETTINGS[name]), fixed_batch(300)) for name in settings}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +141,7 @@ def test_replay_ids_are_cut_like_the_tokens():
     from megarl.models.router_replay import model_order
     from megarl.roles.inputs import cp_packed_inputs
 
-    batch = fixed_batch()
+    batch = fixed_batch(300)
     ids = random_expert_ids(batch)
     for cp in (2, 4):
         for r in range(cp):
@@ -169,25 +156,6 @@ def test_replay_ids_are_cut_like_the_tokens():
             assert torch.equal(x.padding[0], position >= batch.lengths[row])
 
 
-class ChoiceCheck:
-    """Router forward hooks: replayed (token, layer) rows whose routing map is not their ids."""
-
-    def __init__(self, actor):
-        self.wrong = self.checked = 0
-        for m in actor.module.modules():
-            if hasattr(m, "router") and hasattr(m, "token_dispatcher"):
-                m.router.register_forward_hook(self.hook)
-
-    def hook(self, router, _inputs, out):
-        replay = router.router_replay
-        if replay.owner.ids is None:
-            return
-        ids, valid = replay.owner.ids[:, replay.layer], replay.owner.valid
-        want = torch.zeros_like(out[1]).scatter(1, torch.where(valid[:, None], ids, 0), True)
-        self.wrong += int((want[valid] != out[1][valid]).any(-1).sum())
-        self.checked += int(valid.sum())
-
-
 def _replay_job(rank, ckpt, cp):
     """Replayed log-probs, agreement and one update on the whole batch (every rank: DP deals it)."""
     from megarl.distributed import init_distributed
@@ -195,7 +163,7 @@ def _replay_job(rank, ckpt, cp):
     init_distributed()
     actor, groups, cfg = _actor(ckpt, cp, 1, 0.0, 0.0, replay=True)
     check = ChoiceCheck(actor)
-    batch = fixed_batch()
+    batch = fixed_batch(300)
     batch.expert_ids = random_expert_ids(batch)
     lp = actor.logprobs(batch, 2, 1.0)["logprobs"] * batch.response_mask
     agreement = actor.replay.read()
@@ -206,7 +174,7 @@ def _replay_job(rank, ckpt, cp):
 
 def test_cp2_replays_the_recorded_experts(ckpt):
     cp1 = pickle.loads(spawn(_replay_job, 1, ckpt, 1)[0])
-    recorded = int((fixed_batch().lengths - 1).sum())  # tokens with ids, per layer
+    recorded = int((fixed_batch(300).lengths - 1).sum())  # tokens with ids, per layer
     assert cp1["wrong"] == 0 and cp1["checked"] == 2 * 2 * recorded  # 2 layers, log-prob + update forwards
     assert cp1["agreement"]["r3/agreement"] < 0.9  # random ids: the router would mostly choose others
     cp2 = [pickle.loads(r) for r in spawn(_replay_job, 2, ckpt, 2)]

@@ -25,26 +25,12 @@ import pytest
 import torch
 
 from dist_helpers import spawn
+from test_roles_layout import fixed_batch
 
 # (tp, ep, recompute, packing, distributed optimizer)
 LAYOUTS = {"dp2": (1, 1, "none", True, True), "ep2": (1, 2, "none", True, True),
            "ep2_recompute": (1, 2, "full", True, True), "ep2_unpacked": (1, 2, "none", False, True),
            "ep2_plain_optimizer": (1, 2, "none", True, False)}
-
-
-def fixed_batch(vocab: int):
-    from megarl.roles.batch import SampleBatch
-
-    gen = torch.Generator().manual_seed(0)
-    b, width, prompt = 8, 12, 4
-    ids = torch.randint(5, vocab, (b, width), generator=gen)
-    lengths = torch.tensor([12, 9, 7, 12, 5, 10, 8, 11])
-    mask = torch.zeros(b, width)
-    for i, n in enumerate(lengths.tolist()):
-        mask[i, prompt:n] = 1.0
-        ids[i, n:] = 0
-    return SampleBatch(ids, mask, lengths, old_logprobs=-torch.rand(b, width, generator=gen) * 4,
-                       advantages=torch.randn(b, width, generator=gen))
 
 
 def _update(rank, ckpt, tp, ep, recompute, packing, distributed, aux):
