@@ -191,33 +191,57 @@ class DecodeGraphs:
         self.hidden_in.zero_()
         return self.shared.capture(lambda: self._body(b))
 
-    def run_between_stages(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
+    def bucket(self, plan) -> int:
+        """The rows of ``plan``'s graph: the smallest bucket that holds its batch."""
+        return next(x for x in self.buckets if x >= len(plan.seqs))
+
+    def run_between_stages(self, plan, rows, ep=None) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and log-probs (n,) of a decode step under PP, on every stage: hidden states in from the
         previous stage, the bucket's graph, hidden states out to the next, tokens from the last."""
         engine, n = self.engine, len(plan.seqs)
-        b = self._prepare(plan, rows)
+        b, replay = self._prepare(plan, rows, ep)
         if engine.receive_hidden(n, into=self.hidden_in[:n]) is not None:
             self.hidden_in[n:b].zero_()
-        self._replay(b)
+        self._replay(b, replay)
         engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n])
         return engine.share(self.sampled[:, :n] if engine.groups.is_last_stage else None, n)
 
-    def launch(self, plan, rows) -> "Launched":
-        """Starts a decode step (one stage, no PP) and returns at once; ``.result()`` waits."""
+    def launch(self, plan, rows, ep=None) -> "Launched":
+        """Starts a decode step (one stage, no PP) and returns at once; ``.result()`` waits. ``ep``: the
+        EP group's agreed :class:`~megarl.rollout.moe_step.StepShape` (EP across DP), else None."""
         n = len(plan.seqs)
-        self._replay(self._prepare(plan, rows))
+        self._replay(*self._prepare(plan, rows, ep))
         return Launched.copy_out(self.sampled, self.staging[self.turn][2], n)
 
-    def _prepare(self, plan, rows) -> int:
-        """Captures the bucket's graph if new, loads the inputs; returns the bucket size."""
-        b = next(x for x in self.buckets if x >= len(plan.seqs))
+    def idle(self, b: int) -> None:
+        """EP across DP, this rank done: the agreed bucket's graph with every row padding (its experts
+        serve the other ranks' rows; its outputs are not read)."""
+        self._ensure(b)
+        self.turn ^= 1
+        host, host_table, _ = (t.numpy() for t in self.staging[self.turn])
+        host[:, :b] = 0
+        host[_SRC, :b] = -1
+        host_table[:b] = 0
+        copy_words([(self.inputs, self.staging[self.turn][0]), (self.table[:b], self.staging[self.turn][1][:b])])
+        self._replay(b, True)
+
+    def _prepare(self, plan, rows, ep=None) -> tuple[int, bool]:
+        """Captures the bucket's graph if new, loads the inputs; returns the bucket size and whether its
+        graph replays. At EP across DP (``ep``) the bucket is the group's on a graph step; on an eager
+        one the step runs the body uncaptured at its own bucket (the exchange padded to ``ep.rows``)."""
+        replay = ep is None or ep.graph
+        b = ep.rows if ep is not None and ep.graph else self.bucket(plan)
+        if replay:
+            self._ensure(b)
+        self._load(plan, rows, b)
+        return b, replay
+
+    def _ensure(self, b: int) -> None:
         if self.capture and b not in self.graphs:
             self.graphs[b] = self._capture(b)
-        self._load(plan, rows, b)
-        return b
 
-    def _replay(self, b: int) -> None:
-        if self.capture:
+    def _replay(self, b: int, replay: bool) -> None:
+        if self.capture and replay:
             self.graphs[b].replay()
         else:
             self._body(b)

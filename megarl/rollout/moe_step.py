@@ -23,10 +23,24 @@ Expert parallelism (EP > 1): each rank holds experts [first, first + E_local). E
 EP group routes its own rows, the group all-gathers the rows (padded to the group's largest row
 count, pads routed to no expert) with their routing, each rank adds its experts' share of every
 row (`fused_moe_local`), and an all-reduce sums the shares; each rank keeps its own rows. The
-ranks must therefore run their MoE layers in lockstep: :class:`EpStep` agrees on the row count
-per step, and a rank with nothing left runs idle steps (no rows of its own, its experts still
-serve the others) until the whole group is done. These collectives are not captured in CUDA
-graphs: with EP > 1 the engine runs eagerly.
+ranks must therefore run their MoE layers in lockstep: every step opens with :meth:`EpStep.agree`,
+a two-integer all-reduce MAX on the host (a gloo group over the EP ranks, built once:
+`host_group`), so the loop never waits for the device and can plan ahead; and a rank with nothing
+left runs idle steps (no rows of its own, its experts still serve the others) until the whole group
+is done. Every rank thus makes the same sequence of collectives.
+
+CUDA graphs at EP across DP. Each rank brings its step's row count and whether it can take a graph
+step (a decode that fits the decode graphs, or idle on an engine that has them). If every rank can,
+the step is a graph step: every rank replays its decode graph of the group's largest bucket
+(``StepShape.rows``), idle ranks with no real rows, so the exchange inside the graph has a fixed row
+count and the graph's key is the agreed bucket: every rank captures the same buckets at the same
+steps (a capture runs the body twice before recording it, which must be matched on every rank).
+Otherwise every rank runs the step eagerly with the agreed row count (a decode or a small prefill
+still through the graphs' static buffers, uncaptured, so its tokens stay on the device and run-ahead
+keeps working; prefills are never captured at EP, as their (tokens, rows) keys differ per rank).
+Padded rows — those that write their K/V to slot 0, the scratch page that the page pool never hands
+out — are routed to no expert (id ``num_experts``): they cost no expert work and touch no real row.
+The captured path at EP is not verified on a GPU here (the CPU tests run the same buffers eagerly).
 
 Tensor parallelism (TP > 1). Every rank of a TP group holds the same rows after attention, so its
 router picks the same experts. The experts' FFN is split over the expert-tensor group (ETP, by
@@ -228,37 +242,75 @@ def rows_slot(groups) -> int:
     return next(i for i, r in enumerate(_ranks(groups.ep)) if r in tp_ranks)
 
 
+_HOST_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def host_group(group) -> dist.ProcessGroup:
+    """A gloo group of ``group``'s ranks for agreements on the host (``group`` itself where it is gloo).
+    Built once per set of ranks, by those ranks only (``use_local_synchronization``)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = tuple(_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[ranks]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the EP group agreed for one step."""
+
+    rows: int  # rows every rank's exchange carries: the largest rank's (0: every rank is done)
+    graph: bool  # every rank replays its decode graph of ``rows`` rows (else every rank runs eagerly)
+
+
 class EpStep:
     """The EP group's exchange of one step: the agreed row count, then per layer gather / reduce.
     ``slot``: the EP rank whose copy of this rank's rows is computed (`rows_slot`; ``rank`` if alone)."""
 
-    def __init__(self, group, size: int, rank: int, num_experts: int, slot: Optional[int] = None):
+    def __init__(self, group, size: int, rank: int, num_experts: int, slot: Optional[int] = None,
+                 host: Optional[dist.ProcessGroup] = None):
         self.group, self.size, self.rank, self.num_experts = group, size, rank, num_experts
         self.slot = rank if slot is None else slot
+        self.host = host if host is not None else group  # where `agree` runs (gloo)
         self.rows = 0  # the group's largest row count this step
+        self.real: Optional[torch.Tensor] = None  # (T,) bool this step's real rows (None: all), `start`
 
     @classmethod
     def of(cls, groups, num_experts: int) -> Optional["EpStep"]:
         """The lockstep of ``groups``' EP group (None at EP 1 or with EP inside TP: `ep_inside_tp`)."""
         if groups.ep_size == 1 or ep_inside_tp(groups):
             return None
-        return cls(groups.ep, groups.ep_size, groups.ep_rank, num_experts, rows_slot(groups))
+        return cls(groups.ep, groups.ep_size, groups.ep_rank, num_experts, rows_slot(groups), host_group(groups.ep))
 
-    def agree(self, rows: int, device) -> int:
-        """Every rank's row count in -> the largest (0: every rank is done)."""
-        t = torch.tensor([rows], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        self.rows = int(t.item())
-        return self.rows
+    def agree(self, rows: int, graph_ok: bool = False) -> StepShape:
+        """This rank's step in, the group's out, on the host. ``rows``: the rows of this rank's forward
+        (a graph's bucket; 0: none left); ``graph_ok``: it can take a graph step (a decode graph of
+        ``rows`` rows, or idle with decode graphs). A graph step when every rank can."""
+        t = torch.tensor([rows, int(not graph_ok)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host)
+        most, eager = t.tolist()
+        self.rows = most
+        return StepShape(most, most > 0 and not eager)
+
+    def start(self, slot_mapping: torch.Tensor) -> None:
+        """A forward of T <= ``rows`` rows begins; (T,) its K/V slots: rows writing slot 0 (the scratch
+        page, never a sequence's) are a graph's padding, routed to no expert."""
+        if slot_mapping.shape[0] > self.rows:
+            raise RuntimeError(f"an EP step of {slot_mapping.shape[0]} rows, but the group agreed on {self.rows}: "
+                               "EpStep.agree must run before every step")
+        self.real = slot_mapping != 0
 
     def experts(self, h: torch.Tensor, weights, ids, mw: MoeWeights) -> torch.Tensor:
         """(T, h) own rows and routing -> (T, h) their routed-expert output, summed over the group."""
         t, n = h.shape[0], self.rows
-        rows = h.new_zeros(n, h.shape[1])
-        rows[:t] = h
+        rows = h if t == n else torch.cat([h, h.new_zeros(n - t, h.shape[1])])  # (n, h)
         routing = torch.full((n, 2 * mw.topk), float(self.num_experts), dtype=torch.float32, device=h.device)
         if self.slot == self.rank:  # a TP peer's copy (slot elsewhere) goes to no expert: computed once
-            routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
+            ids = ids.float()  # ids < 2^24: exact in fp32
+            if self.real is not None:
+                ids = torch.where(self.real[:, None], ids, float(self.num_experts))
+            routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids
         all_rows = h.new_empty(self.size * n, h.shape[1])
         all_routing = routing.new_empty(self.size * n, 2 * mw.topk)
         dist.all_gather_into_tensor(all_rows, rows, group=self.group)
@@ -285,7 +337,9 @@ def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optio
 
 
 def idle_layer(mw: MoeWeights, ep: EpStep, hidden: int, dtype, device) -> None:
-    """A rank with no rows of its own: its share of the group's exchange for one MoE layer."""
+    """A rank with no rows of its own: its share of the group's exchange for one MoE layer (an eager
+    step of ``ep.rows`` rows, agreed)."""
     empty = torch.zeros(0, hidden, dtype=dtype, device=device)
+    ep.real = None
     ep.experts(empty, torch.zeros(0, mw.topk, device=device), torch.zeros(0, mw.topk, dtype=torch.int32,
                                                                            device=device), mw)

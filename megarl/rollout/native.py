@@ -102,10 +102,9 @@ class NativeEngine:
                                options.page_size, cfg.params_dtype)
         self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
         self.cache: KVCache | None = None
-        # EP > 1 across TP groups: the MoE layers' EP collectives (moe_step.EpStep) run eagerly, outside CUDA graphs
-        # and the expert ids are recorded from eager steps only
-        use_graphs = (options.cuda_graphs and self.device.type == "cuda" and self.stage.ep is None
-                      and not options.record_experts)
+        # the expert ids are recorded from eager steps only. EP across DP: decode graphs replayed by the whole
+        # EP group at its agreed bucket (moe_step.py; the captured path there is unverified on a GPU)
+        use_graphs = options.cuda_graphs and self.device.type == "cuda" and not options.record_experts
         self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if use_graphs else None
         self.stats: dict[str, float] = {}
@@ -195,9 +194,22 @@ class NativeEngine:
         with torch.no_grad(), cpu_compat.paused():
             self.stage.refresh_experts()
             counters = StepLoop(sched, runner, feed, stop).run()
-            self.stage.idle_until_done()  # EP > 1: serve the group's other ranks until they are done too
+            self.serve_group_until_done()  # EP across DP: serve the group's other ranks until they are done too
         self._record(sched, counters)
         return sched
+
+    def serve_group_until_done(self) -> None:
+        """EP across DP, this rank done: its experts serve the group's other ranks, step by step as agreed
+        (``EpStep.agree``), until every rank is done: the agreed bucket's decode graph with no real rows
+        on a graph step, idle MoE layers on an eager one."""
+        ep = self.stage.ep
+        if ep is None:
+            return
+        while (shape := ep.agree(0, graph_ok=self.graphs is not None)).rows:
+            if shape.graph:
+                self.graphs.idle(shape.rows)
+            else:
+                self.stage.idle_step()
 
     def update_weights(self) -> dict:
         """The engine reads the training weights in place: nothing to move (graphs check pointers)."""

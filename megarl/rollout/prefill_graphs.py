@@ -27,7 +27,9 @@ and the sampled tokens land in the decode graphs' output buffer, after the decod
 rows, so a decode planned behind a prefill still in flight reads them on the device
 (:meth:`PrefillGraphs.launch`). With PP each stage replays between receiving and
 sending hidden states, as decode does. ``capture=False`` runs the same padded
-buffers eagerly (CPU tests).
+buffers eagerly (CPU tests). At EP across DP a prefill step is never captured (its key differs per
+rank, and the group's ranks must capture together: megarl/rollout/moe_step.py): it runs the same
+padded buffers eagerly, its exchange padded to the group's agreed rows, its tokens left on the device.
 """
 from __future__ import annotations
 
@@ -79,39 +81,44 @@ class PrefillGraphs:
         return (len(plan.input_ids) <= MAX_TOKENS and max(len(plan.seqs), len(plan.sampled)) <= self.max_rows
                 and plan.block_table.shape[1] <= self.max_pages)
 
-    def run_between_stages(self, plan, rows) -> tuple[np.ndarray, np.ndarray]:
+    def bucket(self, plan) -> int:
+        """The tokens of ``plan``'s graph: the smallest token bucket that holds them."""
+        return next(b for b in TOKEN_BUCKETS if b >= len(plan.input_ids))
+
+    def run_between_stages(self, plan, rows, ep=None) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and log-probs (S,) of a prefill step under PP, on every stage: hidden states in from the
         previous stage, the bucket's graph, hidden states out to the next, tokens from the last."""
         engine, n_tokens, n_sampled = self.engine, len(plan.input_ids), len(plan.sampled)
-        self._replay(plan, rows)
+        self._replay(plan, rows, ep is None)
         engine.send_hidden(None if engine.groups.is_last_stage else self.hidden_out[:n_tokens])
         if n_sampled == 0:  # a chunk that completes no prompt (as eager: nothing to share)
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         return engine.share(self.sampled[:, :n_sampled] if engine.groups.is_last_stage else None, n_sampled)
 
-    def launch(self, plan, rows) -> Launched:
+    def launch(self, plan, rows, ep=None) -> Launched:
         """Starts a prefill step (one stage, no PP) and returns at once; ``.result()`` waits. Until the
         next prefill replays, sampled row r's token stays at the decode graphs'
         ``outputs[prefill_rows_base + r]`` (the next prefill reads its pending rows there before it
-        writes its own)."""
-        self._replay(plan, rows)
+        writes its own). ``ep``: the EP group's agreed step (EP across DP): run uncaptured."""
+        self._replay(plan, rows, ep is None)
         self.turn ^= 1
         return Launched.copy_out(self.sampled, self.out[self.turn], len(plan.sampled))
 
-    def _replay(self, plan, rows) -> None:
-        """Captures the bucket's graph if new, loads the inputs (and with PP the hidden states), replays."""
+    def _replay(self, plan, rows, replay: bool = True) -> None:
+        """Captures the bucket's graph if new, loads the inputs (and with PP the hidden states), replays
+        (or with ``replay`` False runs the body uncaptured)."""
         n_tokens = len(plan.input_ids)
-        t = next(b for b in TOKEN_BUCKETS if b >= n_tokens)
+        t = self.bucket(plan)
         c = next(b for b in self.row_buckets if b >= max(len(plan.seqs), len(plan.sampled)))
         d = plan.decoding  # decode rows: the decode kernel over a bucket >= d, the prefill one from a bucket <= d
         dc = min(next(b for b in self.row_buckets if b >= d), t) if d else 0
         key = (t, c, dc, max((b for b in self.row_buckets if b <= d), default=0))
-        if self.capture and key not in self.graphs:
+        if self.capture and replay and key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         self._load(plan, rows, t, c)
         if self.engine.receive_hidden(n_tokens, into=self.hidden_in[:n_tokens]) is not None:
             self.hidden_in[n_tokens:t].zero_()
-        if self.capture:
+        if self.capture and replay:
             self.graphs[key].replay()
         else:
             self._body(*key)

@@ -16,6 +16,12 @@ host already or still being computed. Three implementations, picked per
   the tokens to its pipeline group, synchronously.
 
 The graph runners fall back to the eager one for a step no graph fits.
+
+Expert parallelism across DP (``stage.ep``): every step opens with the EP group's agreement on the
+host (:meth:`~megarl.rollout.moe_step.EpStep.agree`): a graph step when every rank decodes within the
+graphs (or is done), the group's largest bucket replayed by all; else an eager one of the agreed rows,
+whose decodes and small prefills still run the graphs' buffers (uncaptured), so run-ahead works as at
+EP 1. A rank that is done takes part through :meth:`NativeEngine.serve_group_until_done`.
 """
 from __future__ import annotations
 
@@ -99,6 +105,8 @@ class EagerRunner(StepRunner):
 
     def execute(self, plan: StepPlan) -> StepOutput:
         engine = self.engine
+        if engine.stage.ep is not None:  # EP across DP: an eager step of the group's rows
+            engine.stage.ep.agree(len(plan.input_ids))
         batch = self.to_device(plan)
         sample_rows = torch.as_tensor(plan.sample_rows, device=engine.device)  # (S,)
         x = engine.receive_hidden(batch.input_ids.shape[0])  # (T, h) from the previous stage, or None
@@ -212,12 +220,20 @@ class GraphRunner(StepRunner):
     def runs_ahead(self, plan: StepPlan) -> bool:
         return self.overlap and self._graphs(plan) is not None
 
+    def _agree(self, plan: StepPlan, graphs):
+        """EP across DP: the group's :class:`~megarl.rollout.moe_step.StepShape` of ``plan``, whose forward
+        has its graph's rows (a decode can take a graph step, a prefill cannot); None without EP."""
+        ep = self.engine.stage.ep
+        return None if ep is None else ep.agree(graphs.bucket(plan), graph_ok=plan.decode)
+
     def execute(self, plan: StepPlan) -> StepOutput:
         graphs = self._graphs(plan)
         if graphs is None:
             return self.eager.execute(plan)
         base = 0 if plan.decode else self.engine.graphs.prefill_rows_base
-        return StepOutput(via_graph=True, launched=graphs.launch(plan, self.rows), row_base=base)
+        shape = self._agree(plan, graphs)
+        return StepOutput(via_graph=shape is None or shape.graph, launched=graphs.launch(plan, self.rows, shape),
+                          row_base=base)
 
 
 class PipelineGraphRunner(GraphRunner):
@@ -233,5 +249,6 @@ class PipelineGraphRunner(GraphRunner):
         graphs = self._graphs(plan)
         if graphs is None:
             return self.eager.execute(plan)
-        tokens, logprobs = graphs.run_between_stages(plan, self.rows)
-        return StepOutput(via_graph=True, tokens=tokens, logprobs=logprobs)
+        shape = self._agree(plan, graphs)
+        tokens, logprobs = graphs.run_between_stages(plan, self.rows, shape)
+        return StepOutput(via_graph=shape is None or shape.graph, tokens=tokens, logprobs=logprobs)

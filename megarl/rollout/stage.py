@@ -180,15 +180,13 @@ class StageForward:
             if lw.moe is not None:
                 lw.moe.refresh()
 
-    def idle_until_done(self) -> None:
-        """EP > 1, this rank done: idle steps (its experts serve the group) until every rank is done."""
-        if self.ep is None:
-            return
+    def idle_step(self) -> None:
+        """EP across DP, this rank done: one eager step of the group's (rows agreed, ``ep.agree``) with no
+        rows of its own, its experts serving the others'."""
         device = self.layers[0].proj.device
-        while self.ep.agree(0, device):
-            for lw in self.layers:
-                if lw.moe is not None:
-                    idle_layer(lw.moe, self.ep, self.hidden, self.dtype, device)
+        for lw in self.layers:
+            if lw.moe is not None:
+                idle_layer(lw.moe, self.ep, self.hidden, self.dtype, device)
 
     @staticmethod
     def _head_weight(module) -> torch.Tensor:
@@ -231,8 +229,8 @@ class StageForward:
         (``megarl_kernels.rms_norm``), the same numbers as ``x = x + f(x); h = rms_norm(x)``.
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
-        if self.ep is not None:
-            self.ep.agree(h.shape[0], h.device)
+        if self.ep is not None:  # the group agreed on the step's rows before it (EpStep.agree)
+            self.ep.start(batch.slot_mapping)
         mixed = self._mixed_rows(batch)
         plan = self._decode_plan(batch, mixed, cache.keys(0))
         for i, lw in enumerate(self.layers):
