@@ -2,22 +2,23 @@
 
 A tiny random fp32 Qwen3-MoE (4 experts, top-2; megarl/models/tiny.py) runs in 2 processes at EP2
 across DP2 (TP1: each rank holds 2 experts and its own requests; every MoE layer all-gathers the
-group's rows). Rank 0 generates 3 prompts (6 samples, more than ``max_batch`` 5: refills and mixed
-steps), rank 1 one short prompt: their decode buckets differ (4 or 5 rows against 1 or 2), and
-rank 1 runs out of work first and serves rank 0's rows until rank 0 is done. The same requests go
+group's rows), and in 4 at TP2 x EP4 x ETP1 (one expert a rank; the EP group holds both TP groups,
+whose second ranks' copies of the rows are routed nowhere: `EpStep.slot`). DP rank 0 generates 3
+prompts (6 samples, more than ``max_batch`` 5: refills and mixed steps), DP rank 1 one short prompt: their decode buckets differ (4 or 5 rows against 1 or 2), and
+it runs out of work first and serves rank 0's rows until rank 0 is done. The same requests go
 through an engine without graphs (the eager reference) and one with the decode and prefill graphs'
 buffers run uncaptured (``capture=False``, as on CPU), where every step opens with the EP group's
 agreement on the host:
 
-- greedy and sampled (temperature 0.8, top-k 3) tokens equal the eager engine's exactly on both
-  ranks, and their log-probs to 1e-5. Not bit for bit: on CPU a row's GEMM result depends on the
+- greedy and sampled (temperature 0.8, top-k 3) tokens equal the eager engine's exactly on every
+  rank, and their log-probs to 1e-5. Not bit for bit: on CPU a row's GEMM result depends on the
   batch's row count (``F.linear`` of 1 or 2 rows differs by ~1e-6 from the same rows among more),
   and a graph pads its batch to a bucket — the dense graph path at EP1 differs from eager by as much;
 - decode steps replayed graphs (``rollout/graph_steps`` > 0), and were launched ahead of the last
   step's read-back (``rollout/planned_ahead_steps`` > 0): run-ahead keeps working at EP;
-- the graph replays, idle ones included, are the same buckets in the same order on both ranks (the
-  lockstep that lets ranks capture together), and rank 1 replayed buckets larger than any batch of
-  its own (the group's bucket, its padding and its idle steps);
+- the graph replays, idle ones included, are the same buckets in the same order on every rank (the
+  lockstep that lets ranks capture together), and DP rank 1 replayed buckets larger than any batch
+  of its own (the group's bucket, its padding and its idle steps);
 - the rows routed to experts (id < num_experts in every ``fused_moe_local`` call) are as many as
   eagerly: a bucket's padding and an idle rank's graph cost no expert work.
 
@@ -27,7 +28,8 @@ row count (eager) or on padded buckets (a graph step: pad rows of large values w
 whether a rank that is done runs an idle layer or a bucket of padding only; a forward of more rows
 than agreed is refused.
 
-Not covered: graph capture itself and NCCL inside it (no GPU here), TP > 1 with EP, pipeline stages.
+Not covered: graph capture itself and NCCL inside it (no GPU here), pipeline stages, ETP > 1 with EP
+across DP.
 """
 import pytest
 
@@ -36,6 +38,7 @@ from dist_helpers import spawn
 PROMPTS = {0: [[7, 8, 9, 10, 11, 12], list(range(20, 33)), [44, 45, 46, 47]], 1: [[40, 41, 42]]}
 MAX_NEW = {0: 9, 1: 5}
 MAX_BATCH = 5  # decode buckets 1, 2, 4, 5
+LAYOUTS = {"ep2": (1, 2, 1), "tp2ep4etp1": (2, 4, 1)}  # (tp, ep, etp): processes = 2 tp (DP2)
 
 
 def _engine(actor, groups, graphs: bool):
@@ -65,11 +68,11 @@ def _watch(engine, expert_rows: list) -> list:
     return replays
 
 
-def _job(rank, ckpt):
+def _job(rank, ckpt, layout):
     from megarl.distributed import init_distributed
     from megarl.rollout import moe_step
     from megarl.rollout.engine import SamplingParams, sample_requests
-    from test_rollout_moe import _actor
+    from test_rollout_moe_tp import _actor
 
     init_distributed()
     routed = []
@@ -80,16 +83,17 @@ def _job(rank, ckpt):
         return fused(rows, w13, w2, weights, ids, first)
 
     moe_step.fused_moe_local = counting
-    actor, groups = _actor(ckpt, 2)
-    assert groups.ep_size == 2 and groups.tp_size == 1
-    prompts = PROMPTS[rank]
-    calls = [(sample_requests(prompts, 1, 0, MAX_NEW[rank]), SamplingParams(temperature=0.0)),
-             (sample_requests(prompts, 2, 100, MAX_NEW[rank]), SamplingParams(temperature=0.8, top_k=3))]
-    out = {}
+    actor, groups = _actor(ckpt, *LAYOUTS[layout])
+    assert groups.dp_size == 2
+    dp = groups.dp_rank
+    calls = [(sample_requests(PROMPTS[dp], 1, 0, MAX_NEW[dp]), SamplingParams(temperature=0.0)),
+             (sample_requests(PROMPTS[dp], 2, 100, MAX_NEW[dp]), SamplingParams(temperature=0.8, top_k=3))]
+    out = {"dp": dp}
     for name in ("eager", "graphs"):
         engine = _engine(actor, groups, graphs=name == "graphs")
         replays = _watch(engine, routed) if name == "graphs" else None
         routed.clear()
+        out["slot"] = engine.stage.ep.slot
         results, stats = [], []
         for requests, params in calls:
             results.append([(r.response_ids, r.logprobs) for r in engine.generate(requests, params)])
@@ -100,16 +104,19 @@ def _job(rank, ckpt):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """layout -> per rank results."""
     from megarl.models.tiny import make_tiny_checkpoint
 
     path = str(tmp_path_factory.mktemp("ep_graphs") / "qwen3moe")
     make_tiny_checkpoint(path, "Qwen3MoeForCausalLM", seed=40)
-    return spawn(_job, 2, path)
+    return {layout: spawn(_job, LAYOUTS[layout][0] * 2, path, layout) for layout in LAYOUTS}
 
 
-def test_graph_path_equals_eager(runs):
-    for rank in (0, 1):
-        eager, graphs = runs[rank]["eager"]["results"], runs[rank]["graphs"]["results"]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graph_path_equals_eager(runs, layout):
+    for r in runs[layout]:
+        rank = r["dp"]
+        eager, graphs = r["eager"]["results"], r["graphs"]["results"]
         assert [[ids for ids, _ in call] for call in graphs] == [[ids for ids, _ in call] for call in eager]
         diff = max(abs(a - b) for ce, cg in zip(eager, graphs) for (_, le), (_, lg) in zip(ce, cg)
                    for a, b in zip(le, lg))
@@ -118,26 +125,35 @@ def test_graph_path_equals_eager(runs):
         assert all(len(ids) == MAX_NEW[rank] for call in eager for ids, _ in call)
 
 
-def test_decode_steps_replay_graphs_and_run_ahead(runs):
-    for rank in (0, 1):
-        for stats in runs[rank]["graphs"]["stats"]:
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_decode_steps_replay_graphs_and_run_ahead(runs, layout):
+    for r in runs[layout]:
+        for stats in r["graphs"]["stats"]:
             assert stats["rollout/graph_steps"] > 0
             assert stats["rollout/graph_steps"] <= stats["rollout/decode_steps"]
             assert stats["rollout/planned_ahead_steps"] > 0
             assert stats["rollout/prefill_graph_steps"] == 0  # prefills at EP run uncaptured
-        for stats in runs[rank]["eager"]["stats"]:
+        for stats in r["eager"]["stats"]:
             assert stats["rollout/graph_steps"] == 0
 
 
-def test_ranks_replay_the_same_buckets(runs):
-    zero, one = runs[0]["graphs"]["replays"], runs[1]["graphs"]["replays"]
-    assert zero == one and len(zero) > 0
-    assert max(one) > 2  # rank 1's own batches (1 or 2 sequences) fit bucket 2: it replayed the group's
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ranks_replay_the_same_buckets(runs, layout):
+    replays = [r["graphs"]["replays"] for r in runs[layout]]
+    assert all(one == replays[0] for one in replays) and len(replays[0]) > 0
+    assert max(replays[0]) > 2  # DP rank 1's own batches (1 or 2 sequences) fit bucket 2: it replayed the group's
 
 
-def test_padding_routes_to_no_expert(runs):
-    for rank in (0, 1):
-        assert runs[rank]["graphs"]["routed"] == runs[rank]["eager"]["routed"] > 0
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_padding_routes_to_no_expert(runs, layout):
+    for r in runs[layout]:
+        assert r["graphs"]["routed"] == r["eager"]["routed"] > 0
+
+
+def test_tp_peers_share_a_slot(runs):
+    """TP2 x EP4: slots 1 and 3 are TP copies of slots 0 and 2 (routed nowhere, read from their peer's)."""
+    assert [r["slot"] for r in runs["ep2"]] == [0, 1]
+    assert [r["slot"] for r in runs["tp2ep4etp1"]] == [0, 0, 2, 2]
 
 
 def _exchange_job(rank):

@@ -27,6 +27,12 @@ very same buffers and padding eagerly (CPU tests of this path). What every graph
 of an engine shares — the memory pool, the weight pointers, the per-row sampling
 settings — is :class:`GraphShared`, which the prefill graphs
 (``prefill_graphs.py``) use too.
+
+Expert parallelism across DP (megarl/rollout/moe_step.py): the EP group's ranks agree on each step on
+the host; a decode step that every rank can take as a graph replays, on every rank, the graph of the
+group's largest bucket (``launch``'s ``ep``), and a rank that is done replays it with padding only
+(:meth:`DecodeGraphs.idle`); so every rank captures the same buckets at the same steps. Otherwise the
+step runs this body uncaptured at its own bucket. The captured path at EP is unverified on a GPU.
 """
 from __future__ import annotations
 
@@ -215,13 +221,15 @@ class DecodeGraphs:
 
     def idle(self, b: int) -> None:
         """EP across DP, this rank done: the agreed bucket's graph with every row padding (its experts
-        serve the other ranks' rows; its outputs are not read)."""
+        serve the other ranks' rows; its outputs are not read). Idle steps are never waited for: each
+        fills the whole staging set, so a copy still queued reads padding whatever its bucket (the
+        call's last real step was waited for when its loop ended)."""
         self._ensure(b)
         self.turn ^= 1
         host, host_table, _ = (t.numpy() for t in self.staging[self.turn])
-        host[:, :b] = 0
-        host[_SRC, :b] = -1
-        host_table[:b] = 0
+        host[:] = 0
+        host[_SRC] = -1
+        host_table[:] = 0
         copy_words([(self.inputs, self.staging[self.turn][0]), (self.table[:b], self.staging[self.turn][1][:b])])
         self._replay(b, True)
 
@@ -231,6 +239,9 @@ class DecodeGraphs:
         one the step runs the body uncaptured at its own bucket (the exchange padded to ``ep.rows``)."""
         replay = ep is None or ep.graph
         b = ep.rows if ep is not None and ep.graph else self.bucket(plan)
+        if b not in self.buckets:
+            raise RuntimeError(f"the EP group agreed on a decode graph of {b} rows, which is not a bucket of "
+                               f"rollout.max_batch={self.max_batch} here: every rank must set the same max_batch")
         if replay:
             self._ensure(b)
         self._load(plan, rows, b)
