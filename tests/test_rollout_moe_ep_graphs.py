@@ -14,8 +14,10 @@ agreement on the host:
   rank, and their log-probs to 1e-5. Not bit for bit: on CPU a row's GEMM result depends on the
   batch's row count (``F.linear`` of 1 or 2 rows differs by ~1e-6 from the same rows among more),
   and a graph pads its batch to a bucket — the dense graph path at EP1 differs from eager by as much;
-- decode steps replayed graphs (``rollout/graph_steps`` > 0), and were launched ahead of the last
-  step's read-back (``rollout/planned_ahead_steps`` > 0): run-ahead keeps working at EP;
+- decode steps replayed graphs (``rollout/graph_steps`` > 0), but DP rank 1's not all: those while
+  rank 0 prefilled ran eagerly, as agreed; decodes and refills (mixed ones too, fed the pending
+  tokens on the device) were launched ahead of the last step's read-back (``planned_ahead_*`` > 0):
+  run-ahead keeps working at EP;
 - the graph replays, idle ones included, are the same buckets in the same order on every rank (the
   lockstep that lets ranks capture together), and DP rank 1 replayed buckets larger than any batch
   of its own (the group's bucket, its padding and its idle steps);
@@ -133,6 +135,11 @@ def test_decode_steps_replay_graphs_and_run_ahead(runs, layout):
             assert stats["rollout/graph_steps"] <= stats["rollout/decode_steps"]
             assert stats["rollout/planned_ahead_steps"] > 0
             assert stats["rollout/prefill_graph_steps"] == 0  # prefills at EP run uncaptured
+        if r["dp"] == 0:  # refills (mixed ones too) launched ahead of a pending decode, uncaptured
+            assert all(st["rollout/planned_ahead_prefills"] > 0 for st in r["graphs"]["stats"])
+            assert r["graphs"]["stats"][1]["rollout/mixed_steps"] > 0
+        else:  # its decodes while DP rank 0 prefilled ran eagerly, the rest replayed
+            assert all(0 < st["rollout/graph_steps"] < st["rollout/decode_steps"] for st in r["graphs"]["stats"])
         for stats in r["eager"]["stats"]:
             assert stats["rollout/graph_steps"] == 0
 
