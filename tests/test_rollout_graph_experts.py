@@ -100,3 +100,52 @@ def test_pipeline_stages_record_their_own_layers(runs):
     pp, by_rank = runs
     layers = [out["graphs"]["experts"][0].shape[1] for out in by_rank]
     assert sum(layers) == layers[0] * pp  # each stage its half (tiny: an even layer count)
+
+
+GPU_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                 moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, vocab_size=1000,
+                 max_position_embeddings=512)
+
+
+def _cuda_job(rank, ckpt):
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import Config
+    from megarl.distributed import build_parallel_groups, init_distributed
+    from megarl.roles.build import build_actor
+    from megarl.rollout.engine import SamplingParams, sample_requests
+    from megarl.rollout.native import EngineOptions, NativeEngine
+
+    init_distributed()
+    groups = build_parallel_groups(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype = ckpt, "bfloat16"
+    actor = build_actor(cfg, groups, optimizer_steps=1)
+    g = torch.Generator().manual_seed(0)
+    # 32 prompts of 32 tokens on 8 slots: refills of 256 tokens and decode batches of 8, bucket sizes
+    # exactly, so the graphs run eager's GEMM shapes (bf16: bitwise the same routing)
+    requests = sample_requests([torch.randint(5, 1000, (32,), generator=g).tolist() for _ in range(32)], 1, 0, 24)
+    out = {}
+    for graphs in (True, False):
+        engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0,
+                              EngineOptions(max_batch=8, cuda_graphs=graphs, max_model_len=96, record_experts=True))
+        results = engine.generate(requests, SamplingParams(temperature=0.0))
+        out[graphs] = {"tokens": [r.response_ids for r in results], "experts": [r.expert_ids for r in results],
+                       "prompt_experts": [r.prompt_expert_ids for r in results], "stats": dict(engine.stats)}
+    return out
+
+
+@pytest.mark.gpu
+def test_captured_graphs_record_what_eager_steps_record(tmp_path):
+    from megarl.models.tiny import make_tiny_checkpoint
+
+    make_tiny_checkpoint(str(tmp_path), "Qwen3MoeForCausalLM", seed=5, **GPU_SHAPE)
+    (r,) = spawn(_cuda_job, 1, str(tmp_path))
+    graphed, eager = r[True], r[False]
+    assert graphed["stats"]["rollout/graph_steps"] > 0 and graphed["stats"]["rollout/planned_ahead_prefills"] > 0
+    assert graphed["tokens"] == eager["tokens"]
+    for key in ("experts", "prompt_experts"):
+        for got, want in zip(graphed[key], eager[key]):
+            np.testing.assert_array_equal(got, want)
