@@ -25,7 +25,7 @@ run() { local name=$1; shift; echo "== $name: $*"; timeout "${T:-300}" "$@" > "$
 mode=${1:-rollout}; shift || true
 case "$mode" in
   rollout)
-    T=200 run gpu_tests python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_kernel_decode_ops.py tests/test_kernel_fc1_swiglu.py
+    T=200 run gpu_tests python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_rollout_graph_experts.py tests/test_kernel_decode_ops.py tests/test_kernel_fc1_swiglu.py
     T=400 run rollout python3 benchmarks/bench_rollout.py --device cuda --shape qwen2.5-1.5b --batches 32,128,512 --prompt-len 128 --new-tokens 512 --hf-batches 128 --ragged 128 --ragged-waves 8 --out "$OUT/rollout.json" "$@" ;;
   e2e)
     T=560 run e2e python3 benchmarks/bench_e2e.py --out "$OUT/e2e_grpo.json" "$@" ;;

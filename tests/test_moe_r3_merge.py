@@ -74,7 +74,7 @@ def test_merge_keeps_earlier_rows_and_split_pads(dtype):
 
 
 def test_native_result_of_a_resumed_request_leaves_its_prefix_unrecorded():
-    from megarl.rollout.runners import sequence_expert_ids
+    from megarl.rollout.step_experts import sequence_expert_ids
     from megarl.rollout.scheduler import Sequence
 
     seq = Sequence(0, 0, [5, 6, 7], 1, 8, generated=[1, 2, 3, 4])  # prefix of 2, then 2 sampled

@@ -44,6 +44,7 @@ from megarl_kernels.host_copy import copy_words
 from megarl_kernels.sampling import sample_tokens
 from megarl.rollout.pages import pages_for
 from megarl.rollout.stage import ForwardBatch
+from megarl.rollout.step_experts import GraphIds
 
 # Batch sizes with a graph: padding a batch up to its bucket costs at most ~1/3 extra rows,
 # and decode time is dominated by reading the weights, not by the rows.
@@ -63,20 +64,27 @@ def host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
 
 
 class Launched:
-    """A decode step in flight: its (2, n) [tokens; log-probs] land in a host buffer."""
+    """A step in flight: its (2, n) [tokens; log-probs] land in a host buffer (and, where the engine
+    records experts, its (T, layers, k) expert ids in ``expert_rows``)."""
 
-    def __init__(self, out: torch.Tensor, done):
-        self.out, self.done = out, done
+    def __init__(self, out: torch.Tensor, done, expert_rows: np.ndarray | None = None):
+        self.out, self.done, self.expert_rows = out, done, expert_rows
 
     @classmethod
-    def copy_out(cls, sampled: torch.Tensor, host: torch.Tensor, n: int) -> "Launched":
+    def copy_out(cls, sampled: torch.Tensor, host: torch.Tensor, n: int, ids: GraphIds | None = None,
+                 id_rows: int = 0) -> "Launched":
         """Queues the copy of the whole (2, W) ``sampled`` buffer into the pinned ``host`` buffer of
-        2 W elements (one kernel, `copy_words`); its first n columns are the step's."""
-        copy_words([(host, sampled.view(-1))])
+        2 W elements (one kernel, `copy_words`, with the first ``id_rows`` rows of ``ids``); its first
+        n columns are the step's."""
+        pairs, expert_rows = [(host, sampled.view(-1))], None
+        if ids is not None:
+            pair, expert_rows = ids.copy_pair(id_rows)
+            pairs.append(pair)
+        copy_words(pairs)
         done = torch.cuda.Event() if sampled.is_cuda else None
         if done is not None:
             done.record()
-        return cls(host.view(2, -1)[:, :n], done)
+        return cls(host.view(2, -1)[:, :n], done, expert_rows)
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         if self.done is not None:
@@ -164,6 +172,7 @@ class DecodeGraphs:
         stage = engine.stage  # with PP: hidden states in from the previous stage, out to the next
         self.hidden_in = torch.zeros(b, stage.hidden, dtype=stage.dtype, device=dev)
         self.hidden_out = torch.zeros_like(self.hidden_in)
+        self.expert_ids = GraphIds.of(engine, b)  # rollout.record_experts: each row's ids, per MoE layer
 
     @property
     def captured(self) -> bool:
@@ -185,7 +194,8 @@ class DecodeGraphs:
                              self.cu[: b + 1], 1, True, self.engine.max_len)
         engine = self.engine
         x = None if engine.groups.is_first_stage else self.hidden_in[:b]
-        out = engine.compute(batch, x, None)  # every row samples
+        forward = lambda: engine.compute(batch, x, None)  # noqa: E731 (every row samples)
+        out = forward() if self.expert_ids is None else self.expert_ids.compute(engine.stage, b, forward)
         if not engine.groups.is_last_stage:
             self.hidden_out[:b].copy_(out)
             return
@@ -217,7 +227,7 @@ class DecodeGraphs:
         EP group's agreed :class:`~megarl.rollout.moe_step.StepShape` (EP across DP), else None."""
         n = len(plan.seqs)
         self._replay(*self._prepare(plan, rows, ep))
-        return Launched.copy_out(self.sampled, self.staging[self.turn][2], n)
+        return Launched.copy_out(self.sampled, self.staging[self.turn][2], n, self.expert_ids, n)
 
     def idle(self, b: int) -> None:
         """EP across DP, this rank done: the agreed bucket's graph with every row padding (its experts

@@ -53,10 +53,10 @@ from megarl.rollout.graphs import DecodeGraphs
 from megarl.rollout.loop import StepCounters, StepLoop
 from megarl.rollout.pages import KVCache, KVLayout, PagePool, pages_for, pool_pages
 from megarl.rollout.prefill_graphs import PrefillGraphs
-from megarl.rollout.runners import (EagerRunner, GraphRunner, PipelineGraphRunner, SamplingRows, StepRunner,
-                                    sequence_expert_ids)
+from megarl.rollout.runners import EagerRunner, GraphRunner, PipelineGraphRunner, SamplingRows, StepRunner
 from megarl.rollout.scheduler import Scheduler, Sequence
 from megarl.rollout.stage import ForwardBatch, StageForward
+from megarl.rollout.step_experts import sequence_expert_ids
 
 
 def _rollout_default(key: str):
@@ -78,7 +78,7 @@ class EngineOptions:
     prefix_cache: bool = _rollout_default("prefix_cache")
     mixed_prefill: bool = _rollout_default("mixed_prefill")
     max_model_len: int = 0  # longest prompt + response the graphs are sized for; 0: the model's maximum
-    record_experts: bool = _rollout_default("record_experts")  # GenerationResult.expert_ids (eager steps)
+    record_experts: bool = _rollout_default("record_experts")  # GenerationResult.expert_ids
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, max_model_len: int = 0) -> "EngineOptions":
@@ -102,9 +102,10 @@ class NativeEngine:
                                options.page_size, cfg.params_dtype)
         self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
         self.cache: KVCache | None = None
-        # the expert ids are recorded from eager steps only. EP across DP: decode graphs replayed by the whole
-        # EP group at its agreed bucket (moe_step.py; the captured path there is unverified on a GPU)
-        use_graphs = options.cuda_graphs and self.device.type == "cuda" and not options.record_experts
+        # EP across DP: decode graphs replayed by the whole EP group at its agreed bucket (moe_step.py; the captured
+        # path there is unverified on a GPU), without expert recording (eager at EP as before)
+        use_graphs = (options.cuda_graphs and self.device.type == "cuda"
+                      and (self.stage.ep is None or not options.record_experts))
         self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if use_graphs else None
         self.stats: dict[str, float] = {}

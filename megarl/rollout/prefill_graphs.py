@@ -40,6 +40,7 @@ from megarl_kernels.feed_tokens import feed_tokens
 from megarl_kernels.host_copy import copy_words
 from megarl.rollout.graphs import Launched, buckets_up_to, host_buffer
 from megarl.rollout.stage import ForwardBatch, prefill_cu
+from megarl.rollout.step_experts import GraphIds
 
 # Token buckets. Graphs cover prefills up to 2048 tokens (refills and follow-ups: run eagerly, their
 # wall time was a multiple of their kernel time); a larger prefill runs eagerly, its launches small
@@ -76,6 +77,7 @@ class PrefillGraphs:
         stage = engine.stage
         self.hidden_in = torch.zeros(t, stage.hidden, dtype=stage.dtype, device=dev)
         self.hidden_out = torch.zeros_like(self.hidden_in)
+        self.expert_ids = GraphIds.of(engine, t)  # rollout.record_experts: each token's ids, per MoE layer
 
     def fits(self, plan) -> bool:
         return (len(plan.input_ids) <= MAX_TOKENS and max(len(plan.seqs), len(plan.sampled)) <= self.max_rows
@@ -102,7 +104,8 @@ class PrefillGraphs:
         writes its own). ``ep``: the EP group's agreed step (EP across DP): run uncaptured."""
         self._replay(plan, rows, ep is None)
         self.turn ^= 1
-        return Launched.copy_out(self.sampled, self.out[self.turn], len(plan.sampled))
+        return Launched.copy_out(self.sampled, self.out[self.turn], len(plan.sampled), self.expert_ids,
+                                 len(plan.input_ids))
 
     def _replay(self, plan, rows, replay: bool = True) -> None:
         """Captures the bucket's graph if new, loads the inputs (and with PP the hidden states), replays
@@ -133,7 +136,8 @@ class PrefillGraphs:
         batch = ForwardBatch(ids, tok[1], tok[2], self.table[:c], row[0, :c], row[1, : c + 1], t, False,
                              engine.max_len, dc, start, row[5, : c + 1] if dc else None)
         x = None if engine.groups.is_first_stage else self.hidden_in[:t]
-        out = engine.compute(batch, x, row[2, :c])  # (c, V_padded) logits on the last stage
+        forward = lambda: engine.compute(batch, x, row[2, :c])  # noqa: E731 ((c, V_padded) logits on the last stage)
+        out = forward() if self.expert_ids is None else self.expert_ids.compute(engine.stage, t, forward)
         if not engine.groups.is_last_stage:
             self.hidden_out[:t].copy_(out)
             return

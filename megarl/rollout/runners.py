@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megarl.models.router_replay import ids_dtype, unrecorded_mark
 from megarl.rollout.engine import SamplingParams
 from megarl_kernels.sampling import sample_tokens
 from megarl.rollout.graphs import Launched
 from megarl.rollout.prefill_graphs import MAX_TOKENS as PREFILL_GRAPH_TOKENS
 from megarl.rollout.scheduler import StepPlan
 from megarl.rollout.stage import ForwardBatch, prefill_cu
+from megarl.rollout.step_experts import StepExperts, small_ids
 
 
 @dataclass
@@ -49,12 +49,17 @@ class StepOutput:
     tokens: np.ndarray | None = None  # (S,) int64 of a step that ran synchronously
     logprobs: np.ndarray | None = None  # (S,) float32
     row_base: int = 0  # in flight: sampled row r's token stays in the device output row row_base + r
+    experts: StepExperts | None = None  # in flight, recording experts: where its ids go once they are here
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """(S,) tokens and log-probs on the host (waits for a step in flight)."""
-        if self.launched is not None:
-            return self.launched.result()
-        return self.tokens, self.logprobs
+        """(S,) tokens and log-probs on the host (waits for a step in flight, and files its expert ids)."""
+        if self.launched is None:
+            return self.tokens, self.logprobs
+        out = self.launched.result()
+        if self.experts is not None:
+            self.experts.record(self.launched.expert_rows)
+            self.experts = None
+        return out
 
 
 class SamplingRows:
@@ -95,6 +100,11 @@ class StepRunner(ABC):
             self.engine.cache.copy_pages(*plan.copies)
         return self.execute(plan)
 
+    def experts_of(self, plan: StepPlan) -> StepExperts | None:
+        """Where ``plan``'s expert ids go when the engine records them (an MoE stage), else None."""
+        stage = self.engine.stage
+        return StepExperts(plan) if self.engine.options.record_experts and stage.has_moe else None
+
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepOutput:
         """The forward and sampling of ``plan`` (its pages already copied)."""
@@ -110,11 +120,11 @@ class EagerRunner(StepRunner):
         batch = self.to_device(plan)
         sample_rows = torch.as_tensor(plan.sample_rows, device=engine.device)  # (S,)
         x = engine.receive_hidden(batch.input_ids.shape[0])  # (T, h) from the previous stage, or None
-        record = engine.options.record_experts and engine.stage.has_moe
-        engine.stage.moe_ids = [] if record else None
+        experts = self.experts_of(plan)
+        engine.stage.moe_ids = [] if experts is not None else None
         logits = engine.send_hidden(engine.compute(batch, x, sample_rows))  # (S, V_padded) on the last stage
-        if record:
-            _record_experts(engine.stage.moe_ids, sample_rows, plan, engine.stage.num_experts)
+        if experts is not None:
+            experts.record(small_ids(engine.stage.moe_ids, engine.stage.num_experts).cpu().numpy())
             engine.stage.moe_ids = None
         tokens, logprobs = self._sample_and_share(logits, plan)
         return StepOutput(tokens=tokens, logprobs=logprobs)
@@ -149,59 +159,6 @@ class EagerRunner(StepRunner):
         return engine.share(packed, s)
 
 
-def _record_experts(layer_ids: list, sample_rows: torch.Tensor, plan: StepPlan, num_experts: int) -> None:
-    """Each MoE layer's (T, k) expert ids of the step, as small integers -> every sampled sequence's
-    (layers, k) of the row its token came from, under the index of that token in its response; and
-    the rows of prompt tokens 0 .. P - 2 a prefill chunk fed, into its sequence's ``prompt_experts``."""
-    dtype = np.uint8 if ids_dtype(num_experts) == torch.uint8 else np.int16
-    ids = torch.stack(layer_ids, dim=1)  # (T, layers, k) int32
-    rows = ids.cpu().numpy().astype(dtype) if not plan.decode else None  # a prefill: every row
-    picked = rows[sample_rows.cpu().numpy()] if rows is not None else ids[sample_rows].cpu().numpy().astype(dtype)
-    for row, (seq, offset) in enumerate(zip(plan.sampled, plan.offsets)):
-        seq.experts[int(offset)] = picked[row]  # (layers, k)
-    if rows is not None:
-        _record_prompt_experts(rows, plan)
-
-
-def _record_prompt_experts(rows: np.ndarray, plan: StepPlan) -> None:
-    """(T, layers, k) ids of a prefill step -> the prompt positions (but the last) of each chunk, in its
-    sequence's ``prompt_experts``: a chunk from position 0 starts a fresh array (a preempted sequence
-    prefilled again keeps its siblings' record apart), which the sequence's forks share."""
-    cu = plan.cu_seqlens_q
-    for i in range(plan.decoding, len(plan.seqs)):
-        seq, start, end = plan.seqs[i], int(cu[i]), int(cu[i + 1])
-        first, count = int(plan.positions[start]), len(seq.prompt) - 1  # positions first .. first + end - start - 1
-        take = min(end - start, count - first)
-        if take <= 0:
-            continue  # a chunk of response tokens (a preempted sequence's recompute): recorded when decoded
-        if first == 0 or seq.prompt_experts is None:
-            seq.prompt_experts = np.full((count, *rows.shape[1:]), unrecorded_mark(rows.dtype), dtype=rows.dtype)
-            for fork in seq.forks:
-                fork.prompt_experts = seq.prompt_experts
-        seq.prompt_experts[first:first + take] = rows[start:start + take]
-
-
-def sequence_expert_ids(seq) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """A sequence's record for its result: (R, layers, k) the rows that sampled each response token —
-    unrecorded at tokens no step of this call sampled (a resumed request's prefix, see
-    megarl/rollout/expert_record.py) — and (P - 1, layers, k) its prompt's; (None, None) when no step
-    recorded anything of it."""
-    some = next(iter(seq.experts.values()), None)
-    if some is None and seq.prompt_experts is None:
-        return None, None
-    shape, dtype = (some.shape, some.dtype) if some is not None else (seq.prompt_experts.shape[1:],
-                                                                      seq.prompt_experts.dtype)
-    mark = unrecorded_mark(dtype)
-    response = np.full((len(seq.generated), *shape), mark, dtype)
-    for i in range(len(seq.generated)):
-        if i in seq.experts:
-            response[i] = seq.experts[i]
-    prompt = seq.prompt_experts
-    if prompt is None:  # a one-token prompt has no prompt rows: (0, layers, k)
-        prompt = np.full((max(len(seq.prompt) - 1, 0), *shape), mark, dtype)
-    return response, prompt
-
-
 class GraphRunner(StepRunner):
     """One stage: decode steps and small prefills replay a CUDA graph and return at once; with
     ``overlap`` (every sequence fits the graphs' block table) the loop launches them ahead."""
@@ -231,9 +188,10 @@ class GraphRunner(StepRunner):
         if graphs is None:
             return self.eager.execute(plan)
         base = 0 if plan.decode else self.engine.graphs.prefill_rows_base
+        experts = self.experts_of(plan)  # before the loop advances the plan
         shape = self._agree(plan, graphs)
         return StepOutput(via_graph=shape is None or shape.graph, launched=graphs.launch(plan, self.rows, shape),
-                          row_base=base)
+                          row_base=base, experts=experts)
 
 
 class PipelineGraphRunner(GraphRunner):
@@ -249,6 +207,9 @@ class PipelineGraphRunner(GraphRunner):
         graphs = self._graphs(plan)
         if graphs is None:
             return self.eager.execute(plan)
+        experts = self.experts_of(plan)
         shape = self._agree(plan, graphs)
         tokens, logprobs = graphs.run_between_stages(plan, self.rows, shape)
+        if experts is not None:
+            experts.record(graphs.expert_ids.read(len(plan.input_ids)))
         return StepOutput(via_graph=shape is None or shape.graph, tokens=tokens, logprobs=logprobs)
