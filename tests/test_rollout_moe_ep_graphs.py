@@ -22,7 +22,8 @@ agreement on the host:
   lockstep that lets ranks capture together), and DP rank 1 replayed buckets larger than any batch
   of its own (the group's bucket, its padding and its idle steps);
 - the rows routed to experts (id < num_experts in every ``fused_moe_local`` call) are as many as
-  eagerly: a bucket's padding and an idle rank's graph cost no expert work.
+  eagerly: a bucket's padding and an idle rank's graph cost no expert work;
+- with ``record_experts`` the graphs' buffers record the same expert ids as the eager engine.
 
 The exchange alone, bit for bit (`_exchange_job`): random rows and expert weights on 2 ranks; one
 MoE layer's routed output of each rank's real rows is the same whether the group agreed on its real
@@ -43,12 +44,13 @@ MAX_BATCH = 5  # decode buckets 1, 2, 4, 5
 LAYOUTS = {"ep2": (1, 2, 1), "tp2ep4etp1": (2, 4, 1)}  # (tp, ep, etp): processes = 2 tp (DP2)
 
 
-def _engine(actor, groups, graphs: bool):
+def _engine(actor, groups, graphs: bool, record: bool = False):
     from megarl.rollout.graphs import DecodeGraphs
     from megarl.rollout.native import EngineOptions, NativeEngine
     from megarl.rollout.prefill_graphs import PrefillGraphs
 
-    options = EngineOptions(max_batch=MAX_BATCH, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.002)
+    options = EngineOptions(max_batch=MAX_BATCH, page_size=8, max_num_batched_tokens=8, kv_cache_gb=0.002,
+                            record_experts=record)
     engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)
     if graphs:  # the graph path's buffers and agreement, uncaptured
         engine.graphs = DecodeGraphs(engine, MAX_BATCH, capture=False)
@@ -56,8 +58,8 @@ def _engine(actor, groups, graphs: bool):
     return engine
 
 
-def _watch(engine, expert_rows: list) -> list:
-    """Records the buckets of the engine's graph replays (idle ones too); counts routed rows."""
+def _watch(engine) -> list:
+    """The buckets of the engine's graph replays (idle ones too), as they run."""
     replays, graphs = [], engine.graphs
     replay = graphs._replay
 
@@ -93,7 +95,7 @@ def _job(rank, ckpt, layout):
     out = {"dp": dp}
     for name in ("eager", "graphs"):
         engine = _engine(actor, groups, graphs=name == "graphs")
-        replays = _watch(engine, routed) if name == "graphs" else None
+        replays = _watch(engine) if name == "graphs" else None
         routed.clear()
         out["slot"] = engine.stage.ep.slot
         results, stats = [], []
@@ -101,6 +103,9 @@ def _job(rank, ckpt, layout):
             results.append([(r.response_ids, r.logprobs) for r in engine.generate(requests, params)])
             stats.append(dict(engine.stats))
         out[name] = {"results": results, "stats": stats, "routed": sum(routed), "replays": replays}
+        recorded = _engine(actor, groups, graphs=name == "graphs", record=True).generate(*calls[1])
+        out[name]["recorded"] = [(r.response_ids, r.expert_ids.tolist(), r.prompt_expert_ids.tolist())
+                                 for r in recorded]
     return out
 
 
@@ -149,6 +154,15 @@ def test_ranks_replay_the_same_buckets(runs, layout):
     replays = [r["graphs"]["replays"] for r in runs[layout]]
     assert all(one == replays[0] for one in replays) and len(replays[0]) > 0
     assert max(replays[0]) > 2  # DP rank 1's own batches (1 or 2 sequences) fit bucket 2: it replayed the group's
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graph_buffers_record_the_eager_experts(runs, layout):
+    """``rollout.record_experts`` through the graphs' buffers at EP (the engine itself builds no graphs
+    at EP when recording): the same tokens, response and prompt expert ids as eagerly."""
+    for r in runs[layout]:
+        assert r["graphs"]["recorded"] == r["eager"]["recorded"]
+        assert len(r["eager"]["recorded"]) == 2 * len(PROMPTS[r["dp"]])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
