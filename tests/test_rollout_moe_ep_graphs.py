@@ -4,11 +4,11 @@ A tiny random fp32 Qwen3-MoE (4 experts, top-2; megarl/models/tiny.py) runs in 2
 across DP2 (TP1: each rank holds 2 experts and its own requests; every MoE layer all-gathers the
 group's rows), and in 4 at TP2 x EP4 x ETP1 (one expert a rank; the EP group holds both TP groups,
 whose second ranks' copies of the rows are routed nowhere: `EpStep.slot`). DP rank 0 generates 3
-prompts (6 samples, more than ``max_batch`` 5: refills and mixed steps), DP rank 1 one short prompt: their decode buckets differ (4 or 5 rows against 1 or 2), and
-it runs out of work first and serves rank 0's rows until rank 0 is done. The same requests go
-through an engine without graphs (the eager reference) and one with the decode and prefill graphs'
-buffers run uncaptured (``capture=False``, as on CPU), where every step opens with the EP group's
-agreement on the host:
+prompts (6 samples, more than ``max_batch`` 5: refills and mixed steps), DP rank 1 one short prompt:
+their decode buckets differ (4 or 5 rows against 1 or 2), and rank 1 runs out of work first and
+serves rank 0's rows until rank 0 is done. The same requests go through an engine without graphs
+(the eager reference) and one with the decode and prefill graphs' buffers run uncaptured
+(``capture=False``, as on CPU), where every step opens with the EP group's agreement on the host:
 
 - greedy and sampled (temperature 0.8, top-k 3) tokens equal the eager engine's exactly on every
   rank, and their log-probs to 1e-5. Not bit for bit: on CPU a row's GEMM result depends on the
