@@ -304,7 +304,7 @@ class EpStep:
     def experts(self, h: torch.Tensor, weights, ids, mw: MoeWeights) -> torch.Tensor:
         """(T, h) own rows and routing -> (T, h) their routed-expert output, summed over the group."""
         t, n = h.shape[0], self.rows
-        rows = h if t == n else torch.cat([h, h.new_zeros(n - t, h.shape[1])])  # (n, h)
+        rows = h.contiguous() if t == n else torch.cat([h, h.new_zeros(n - t, h.shape[1])])  # (n, h)
         routing = torch.full((n, 2 * mw.topk), float(self.num_experts), dtype=torch.float32, device=h.device)
         if self.slot == self.rank:  # a TP peer's copy (slot elsewhere) goes to no expert: computed once
             ids = ids.float()  # ids < 2^24: exact in fp32
