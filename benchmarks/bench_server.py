@@ -14,7 +14,10 @@ repeat, timed by wall clock:
   all at once, each calling ``/samples/<id>/v1/chat/completions`` with the official ``openai`` client
   (``AsyncOpenAI`` on one event loop, a connection per session) and ``max_tokens`` = ``--new-tokens``;
   the server tokenizes the messages, queues the calls into the running batch and records the
-  sessions; ``--stream`` adds a streamed run (SSE chunks every engine step).
+  sessions; ``--stream`` adds a streamed run (SSE chunks every engine step);
+* http_processes (``--agent-processes N``): the http run with the agents in N worker processes
+  (``rollout.server.agent_processes``), each with its own client loop, so the clients' Python work
+  does not share the engine's interpreter lock.
 
 tokens/s = sessions x new tokens / seconds (prefill included), the median over ``--repeats``, after a
 warm-up of both paths (and every CUDA-graph batch size). A sample's tokens depend on its prompt and
@@ -54,8 +57,11 @@ class ClientLoop:
 
     @staticmethod
     async def _make(sessions: int):
-        import httpx
         from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+        try:  # the HTTP stack openai's client is built on (httpx2 from openai 3.x, httpx before)
+            import httpx2 as httpx
+        except ImportError:
+            import httpx
 
         limits = httpx.Limits(max_connections=2 * sessions, max_keepalive_connections=2 * sessions)
         return AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="local", max_retries=0, timeout=3600,
@@ -76,9 +82,17 @@ async def _chat(client, messages: list[dict], max_tokens: int, stream: bool) -> 
     return {"chunks": chunks}
 
 
-def chat_agent(clients: ClientLoop, max_tokens: int, stream: bool, sample: dict, base_url: str) -> dict:
-    """One session: one chat call of ``max_tokens`` tokens on the sample's base URL."""
-    return clients.run(_chat(clients.client.with_options(base_url=base_url), sample["messages"], max_tokens, stream))
+_CLIENTS: ClientLoop | None = None  # this process's client loop (the bench's, or an agent worker process's)
+
+
+def chat_agent(sessions: int, max_tokens: int, stream: bool, sample: dict, base_url: str) -> dict:
+    """One session: one chat call of ``max_tokens`` tokens on the sample's base URL, through this
+    process's ``AsyncOpenAI`` (made at its first call: the bench's, or an agent process's own)."""
+    global _CLIENTS
+    if _CLIENTS is None:
+        _CLIENTS = ClientLoop(sessions)
+    return _CLIENTS.run(_chat(_CLIENTS.client.with_options(base_url=base_url), sample["messages"], max_tokens,
+                              stream))
 
 
 def make_prompts(tok, n: int, length: int, vocab: int) -> list[list[dict]]:
@@ -104,7 +118,7 @@ def checkpoint(shape: str, work: str) -> str:
 
 
 def build(args):
-    """(engine, HTTP rollout, tokenizer, vocab size) on the shape's checkpoint."""
+    """(engine, HTTP rollouts by agent_processes (0: threads; --agent-processes), tokenizer, vocab size)."""
     from megarl.data.tokenizer import load_tokenizer
     from megarl.rollout.http_agents import HttpAgentRollout
     from megarl.rollout.native import EngineOptions, NativeEngine
@@ -117,13 +131,15 @@ def build(args):
                             prefix_cache=False, kv_cache_gb=args.kv_cache_gb)
     engine = NativeEngine(module, groups, info.vocab_size, [], 0, options)  # no stop ids: fixed lengths
     tok = load_tokenizer(path)
-    http = HttpAgentRollout(engine, tok, None, parse_hermes, [tok.eos_token_id], 0, host="127.0.0.1", port=0,
-                            workers=args.sessions, timeout_s=3600, model_name=MODEL, max_len=longest, stop_ids=[])
+    http = {n: HttpAgentRollout(engine, tok, None, parse_hermes, [tok.eos_token_id], 0, host="127.0.0.1", port=0,
+                                workers=args.sessions, timeout_s=3600, model_name=MODEL, max_len=longest,
+                                stop_ids=[], agent_processes=n)
+            for n in sorted({0, args.agent_processes})}
     return engine, http, tok, info.vocab_size
 
 
-def run_http(http, clients, conversations, requests, params, max_tokens: int, stream: bool):
-    http.agent = partial(chat_agent, clients, max_tokens, stream)
+def run_http(http, conversations, requests, params, max_tokens: int, stream: bool):
+    http.agent = partial(chat_agent, len(requests), max_tokens, stream)
     http.bind_items({r.key: {"messages": c} for r, c in zip(requests, conversations)})
     return http.generate(requests, params)
 
@@ -132,7 +148,6 @@ def measure(args) -> dict:
     from megarl.rollout.engine import SamplingParams, sample_requests
 
     engine, http, tok, vocab = build(args)
-    clients = ClientLoop(args.sessions)
     conversations = make_prompts(tok, args.sessions, args.prompt_len, vocab)
     prompts = [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
                           add_special_tokens=False) for c in conversations]
@@ -140,20 +155,25 @@ def measure(args) -> dict:
     requests = sample_requests(prompts, 1, 1, args.new_tokens)
     capture_buckets(engine, prompts)
     engine.generate(sample_requests(prompts, 1, 0, 4), params)  # warm-up of both paths
-    run_http(http, clients, conversations, sample_requests(prompts, 1, 0, 4), params, 4, args.stream)
+    for rollout in http.values():  # (starts the agent processes)
+        run_http(rollout, conversations, sample_requests(prompts, 1, 0, 4), params, 4, args.stream)
     paths = {"direct": lambda: engine.generate(requests, params),
-             "http": lambda: run_http(http, clients, conversations, requests, params, args.new_tokens, False)}
+             "http": lambda: run_http(http[0], conversations, requests, params, args.new_tokens, False)}
+    if args.agent_processes:
+        paths["http_processes"] = lambda: run_http(http[args.agent_processes], conversations, requests, params,
+                                                   args.new_tokens, False)
     if args.stream:
-        paths["http_stream"] = lambda: run_http(http, clients, conversations, requests, params, args.new_tokens, True)
+        paths["http_stream"] = lambda: run_http(http[0], conversations, requests, params, args.new_tokens, True)
     seconds, out = {name: [] for name in paths}, {}
     for _ in range(args.repeats):
         for name, fn in paths.items():
             seconds[name].append(timed(lambda: out.__setitem__(name, fn())))  # noqa: B023 - called at once
-    http.close()
+    for rollout in http.values():
+        rollout.close()
     direct = {r.key: r.response_ids for r in out["direct"]}
     assert all(len(ids) == args.new_tokens for ids in direct.values()), "a direct response stopped early"
     same = all(r.response_ids == direct[r.key] and not r.extra["agent_failed"]
-               for name in ("http", "http_stream") if name in out for r in out[name])
+               for name in ("http", "http_processes", "http_stream") if name in out for r in out[name])
     tokens = args.sessions * args.new_tokens
     rates = {k: tokens / statistics.median(v) for k, v in seconds.items()}
     return {"rates": rates, "seconds": seconds, "same_tokens": same}
@@ -169,6 +189,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each path (the median is reported)")
     ap.add_argument("--stream", action="store_true", help="also time the sessions with stream=true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--agent-processes", type=int, default=0,
+                    help="also time the sessions with the agents in this many worker processes "
+                         "(rollout.server.agent_processes; the plain http run keeps them on threads)")
     ap.add_argument("--kv-cache-gb", type=float, default=0.0, help="KV cache (0: rollout.kv_cache_fraction)")
     ap.add_argument("--work", default="/tmp/megarl_bench", help="where the random checkpoint is written")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/server.json"))
@@ -198,12 +221,19 @@ def main() -> None:
     }
     if "http_stream" in rates:
         result["http_stream_tokens_per_s"] = rates["http_stream"]
+    if "http_processes" in rates:
+        result["http_processes_tokens_per_s"] = rates["http_processes"]
+        result["http_processes_over_direct"] = rates["http_processes"] / rates["direct"]
+        result["workload"]["agent_processes"] = args.agent_processes
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{args.sessions} sessions, {args.prompt_len} + {args.new_tokens} tokens ({args.shape}, {args.device}): "
           f"direct {rates['direct']:.0f} tokens/s, http {rates['http']:.0f} tokens/s "
-          f"({100 * result['http_over_direct']:.1f}%)" + (f", streamed {rates['http_stream']:.0f} tokens/s"
+          f"({100 * result['http_over_direct']:.1f}%)"
+          + (f", agents in {args.agent_processes} processes {rates['http_processes']:.0f} tokens/s "
+             f"({100 * result['http_processes_over_direct']:.1f}%)" if "http_processes" in rates else "")
+          + (f", streamed {rates['http_stream']:.0f} tokens/s"
                                                            if "http_stream" in rates else "")
           + f"; same tokens: {got['same_tokens']}")
 

@@ -47,7 +47,7 @@ case "$mode" in
   partial)
     T=590 run partial python3 benchmarks/bench_partial.py --partial-batches 3 --out "$OUT/partial_rollout.json" "$@" ;;
   server)
-    T=300 run server python3 benchmarks/bench_server.py --stream --out "$OUT/server.json" "$@" ;;
+    T=300 run server python3 benchmarks/bench_server.py --stream --agent-processes 8 --out "$OUT/server.json" "$@" ;;
   rc)
     T=400 run e2e_rc python3 benchmarks/bench_e2e.py --sides megarl,megarl_rc --steps 6 --out "$OUT/e2e_rc.json" "$@" ;;
   long)

@@ -2,7 +2,7 @@
 
 The tiny-llama shape, 8 sessions of 64 prompt + 16 new tokens, one timed repeat of each path (and
 the streamed one). Checked: the four keys the issue asks for, rates > 0, the HTTP (and streamed)
-responses equal to the direct ones (a sample's tokens depend on its prompt and seed only), the
+(and agent-process) responses equal to the direct ones (a sample's tokens depend on its prompt and seed only), the
 workload as asked. Not checked: any speed (a GPU run's question; this CPU is shared).
 """
 import json
@@ -21,6 +21,7 @@ def test_bench_server_tiny_writes_its_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "kernels"),
                                                          os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "benchmarks/bench_server.py", "--tiny", "--stream", "--repeats", "1",
+                        "--agent-processes", "2",
                         "--work", str(tmp_path), "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -28,6 +29,7 @@ def test_bench_server_tiny_writes_its_json(tmp_path):
     assert {"direct_tokens_per_s", "http_tokens_per_s", "sessions", "workload"} <= set(got)
     assert got["sessions"] == 8 and got["same_tokens"] is True
     assert got["direct_tokens_per_s"] > 0 and got["http_tokens_per_s"] > 0 and got["http_stream_tokens_per_s"] > 0
+    assert got["http_processes_tokens_per_s"] > 0 and got["workload"]["agent_processes"] == 2
     assert got["http_over_direct"] == pytest.approx(got["http_tokens_per_s"] / got["direct_tokens_per_s"])
     assert {k: got["workload"][k] for k in ("shape", "prompt_len", "new_tokens", "client")} == {
         "shape": "tiny-llama", "prompt_len": 64, "new_tokens": 16, "client": "openai.AsyncOpenAI"}

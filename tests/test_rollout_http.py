@@ -9,7 +9,9 @@ of this module) call ``http://127.0.0.1:<free port>/samples/<id>/v1``. Checked:
   (``GenerationResult``), 64 sessions at once;
 * tool calls: the agent of ``megarl/agents/calculator_http.py`` gets OpenAI ``tool_calls`` (the SFT
   model calls the calculator on some samples), runs them and sends the results back; a two-turn sample's trained sequence is turn 1's prompt + sampled ids + the template's tool context +
-  turn 2's sampled ids, loss mask 1 exactly at sampled ids;
+  turn 2's sampled ids, loss mask 1 exactly at sampled ids; with the agents on 2 worker processes
+  (``rollout.server.agent_processes``) every sample is the same as on threads (log-probs to 1e-5:
+  calls arrive in another order, so other batches);
 * streaming: the SSE chunks rebuild the non-streamed message (with ``n`` and ``stop`` too); logprobs
   per token; chunks go out while the engine decodes (a request cannot finish before its client has
   received tokens), over several steps;
@@ -163,6 +165,12 @@ def _run(rank):
     out = {"prompts": [it.prompt_ids for it in items], "answers": [it.answer for it in items]}
     out["chat"] = rollout(chat_agent, 64)
     out["tools"] = rollout(solve, 16, n=4, temperature=1.0)
+    from megarl.rollout.agent_workers import AgentProcesses
+
+    threads, engine.workers = engine.workers, AgentProcesses(workers=8, processes=2)
+    out["tools_processes"] = rollout(solve, 16, n=4, temperature=1.0)  # rollout.server.agent_processes=2
+    engine.workers.close()
+    engine.workers = threads
     from functools import partial
 
     from megarl.agents.calculator_env import CalculatorEnv
@@ -231,6 +239,15 @@ def test_tool_calls_train_the_sampled_ids_and_the_template_context(run):
         (call,), _ = parse_hermes(tok.decode(response[:first]))
         assert context.split("\n")[2].removesuffix("<|im_end|>") == calculate(call.arguments["expression"])
     assert right >= 0.6 * len(two)
+
+
+def test_agents_in_worker_processes_give_the_same_samples(run):
+    """The calculator agent on 2 worker processes: each sample's ids, log-probs and reward as on threads."""
+    (threads, _), (processes, stats) = run["tools"], run["tools_processes"]
+    assert stats["agent_http/failed_frac"] == 0.0 and len(processes) == len(threads) == 64
+    for got, want in zip(processes, threads):  # log-probs: requests arrive in other orders, other batches
+        assert got[:3] == want[:3] and got[4:6] == want[4:6] and got[6]["agent_reward"] == want[6]["agent_reward"]
+        assert got[3] == pytest.approx(want[3], abs=1e-5)
 
 
 def test_streaming_rebuilds_the_message(run):

@@ -131,5 +131,5 @@ def check_server(cfg: Config) -> None:
     if cfg.rollout.ignore_eos:
         raise ConfigError("rollout.ignore_eos=true with rollout.server.enable=true: a turn would never end")
     check_counts(s, "rollout.server", ["workers", "max_turns"])
-    check_counts(s, "rollout.server", ["port"], low=0)
+    check_counts(s, "rollout.server", ["port", "agent_processes"], low=0)
     check_numbers(s, "rollout.server", ["timeout_s"], low=0, strict=True)

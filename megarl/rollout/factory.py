@@ -81,7 +81,7 @@ def _server(cfg: Config, engine: RolloutEngine, tokenizer, stop_ids: list[int], 
     ends = [single_token_id(tokenizer, s.tool_call_end, "rollout.server.tool_call_end")] if s.tool_call_end else []
     return HttpAgentRollout(engine, tokenizer, agent, resolve_parser(s.parser), stop_ids, pad_id, host=s.host,
                             port=s.port, workers=s.workers, timeout_s=s.timeout_s, model_name=s.model_name,
-                            max_len=engine_options(cfg).max_model_len, stop_ids=ends)
+                            max_len=engine_options(cfg).max_model_len, stop_ids=ends, agent_processes=s.agent_processes)
 
 
 def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> RolloutEngine:

@@ -2,8 +2,9 @@
 
 :class:`HttpAgentRollout` is a :class:`~megarl.rollout.engine.RolloutEngine`:
 per ``generate`` call it opens a session per request (sample), runs the agent
-``module:function(sample, base_url) -> reward | dict`` for every sample in a
-thread pool (``rollout.server.workers``), and meanwhile runs the engine's
+``module:function(sample, base_url) -> reward | dict`` for every sample on
+``rollout.server.workers`` threads, of this process or of
+``rollout.server.agent_processes`` worker processes (:mod:`megarl.rollout.agent_workers`), and meanwhile runs the engine's
 ``serve`` loop, whose follow-ups are the HTTP calls the agents make
 (:class:`~megarl.rollout.http_server.EngineQueue`): calls that arrive while a
 step runs join the next one. The loop ends when every agent has returned,
@@ -26,9 +27,9 @@ refused at config time.
 from __future__ import annotations
 
 import time
-import traceback
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 
+from megarl.rollout.agent_workers import AgentFailed, agent_workers
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams
 from megarl.rollout.http_server import EngineQueue, HttpServer, ServerState
 from megarl.rollout.http_sessions import SampleSession
@@ -62,7 +63,8 @@ class HttpAgentRollout:
     """Rollout through agents that call an OpenAI endpoint; see the module docstring."""
 
     def __init__(self, engine, tokenizer, agent, parser, eos_ids: list[int], pad_id: int, *, host: str,
-                 port: int, workers: int, timeout_s: float, model_name: str, max_len: int, stop_ids: list[int]):
+                 port: int, workers: int, timeout_s: float, model_name: str, max_len: int, stop_ids: list[int],
+                 agent_processes: int = 0):
         if not hasattr(engine, "serve"):
             raise ValueError(f"rollout.server needs an engine that admits requests while it runs (serve); "
                              f"{type(engine).__name__} has none")
@@ -70,7 +72,7 @@ class HttpAgentRollout:
         self.pad_id, self.timeout_s, self.max_len, self.stop_ids = pad_id, timeout_s, max_len, tuple(stop_ids)
         self.state = ServerState(tokenizer, TurnRenderer(tokenizer), parser, model_name, eos_ids)
         self.server = HttpServer(self.state, host, port)
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="megarl-agent")
+        self.workers = agent_workers(workers, agent_processes)
         self.items: dict[int, dict] = {}
         self.stats: dict[str, float] = {}
 
@@ -85,14 +87,14 @@ class HttpAgentRollout:
         state.longest = self.max_len
         sessions = {r.key: SampleSession(r.key, r.seed, r.max_new_tokens, state.eos_ids) for r in requests}
         state.sessions = {str(k): s for k, s in sessions.items()}
-        futures = {r.key: self.pool.submit(self.agent, self._sample(r), f"{self.server.url}/samples/{r.key}/v1")
-                   for r in requests}
+        calls = [(r.key, self._sample(r), f"{self.server.url}/samples/{r.key}/v1") for r in requests]
+        futures = self.workers.start(self.agent, calls, self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         done = lambda: time.monotonic() > deadline or all(f.done() for f in futures.values())  # noqa: E731
         params = SamplingParams(params.temperature, params.top_p, params.top_k,
                                 tuple(params.stop_token_ids) + self.stop_ids)
         self.engine.serve([], params, _AgentFeed(state.queue, done), reserve=(len(requests), self.max_len))
-        wait(list(futures.values()), timeout=max(0.0, deadline - time.monotonic()))
+        wait(list(futures.values()), timeout=max(0.0, deadline + self.workers.report_s - time.monotonic()))
         for s in sessions.values():
             s.closed = True
         state.queue.fail_waiting("the rollout this sample belonged to has ended")
@@ -115,8 +117,8 @@ class HttpAgentRollout:
                 extra = {"agent_reward": None if reward is None else float(reward),
                          "agent_result": out if isinstance(out, dict) else {}}
                 failed = False
-            except Exception as e:  # noqa: BLE001 - an agent's exception is its sample's failure, not the step's
-                extra = {"agent_error": "".join(traceback.format_exception_only(e)).strip()}
+            except AgentFailed as e:  # it raised, or timed out in its worker process: a failed sample
+                extra = {"agent_error": str(e)}
         return session.result(r.prompt, self.pad_id, failed, extra)
 
     def _record(self, sessions, results: list[GenerationResult]) -> None:
@@ -141,4 +143,4 @@ class HttpAgentRollout:
 
     def close(self) -> None:
         self.server.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.workers.close()
