@@ -48,15 +48,25 @@ def _job(rank, ckpt, pp):
     cfg.model.path = ckpt
     cfg.parallel.pp = pp
     actor = build_actor(cfg, groups, optimizer_steps=1)
+    from megarl.rollout import moe_step
+
+    routed, fused = [], moe_step.fused_moe_local
+
+    def counting(rows, w13, w2, weights, ids, first):  # token-expert pairs sent to an expert (4 experts)
+        routed.append(int((ids < 4).sum()))
+        return fused(rows, w13, w2, weights, ids, first)
+
+    moe_step.fused_moe_local = counting
     requests = sample_requests(PROMPTS, 2, 100, MAX_NEW)  # 10 sequences: forks, refills, mixed steps
     out = {}
     for name in ("eager", "graphs"):
         engine = _engine(actor, groups, name == "graphs")
+        routed.clear()
         results = engine.generate(requests, SamplingParams(temperature=0.9))
         out[name] = {"tokens": [r.response_ids for r in results], "logprobs": [r.logprobs for r in results],
                      "experts": [r.expert_ids for r in results],
                      "prompt_experts": [r.prompt_expert_ids for r in results],
-                     "stats": dict(engine.stats)}
+                     "stats": dict(engine.stats), "routed": sum(routed)}
     return out
 
 
@@ -83,6 +93,7 @@ def test_graph_steps_record_what_eager_steps_record(runs):
         if pp == 1:  # one stage: graph steps are launched ahead, their ids read back later
             assert graphs["stats"]["rollout/planned_ahead_steps"] > 0
         assert eager["stats"]["rollout/graph_steps"] == 0
+        assert graphs["routed"] == eager["routed"] > 0  # the graphs' padded rows go to no expert
         assert graphs["tokens"] == eager["tokens"]
         for got, want in zip(graphs["logprobs"], eager["logprobs"]):  # padded batches: other GEMM shapes
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -158,8 +158,8 @@ def test_ranks_replay_the_same_buckets(runs, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_graph_buffers_record_the_eager_experts(runs, layout):
-    """``rollout.record_experts`` through the graphs' buffers at EP (the engine itself builds no graphs
-    at EP when recording): the same tokens, response and prompt expert ids as eagerly."""
+    """``rollout.record_experts`` through the graphs' buffers at EP: the same tokens, response and prompt
+    expert ids as eagerly."""
     for r in runs[layout]:
         assert r["graphs"]["recorded"] == r["eager"]["recorded"]
         assert len(r["eager"]["recorded"]) == 2 * len(PROMPTS[r["dp"]])

@@ -322,13 +322,16 @@ class EpStep:
 
 
 def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None,
-            sums: MoeSums = MoeSums((), None)) -> torch.Tensor:
+            sums: MoeSums = MoeSums((), None), real: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(T, h) -> (T, h): routed experts (+ the shared expert), partials summed by ``sums``. ``record``
-    collects the (T, k) ids."""
+    collects the (T, k) ids; without EP, rows not ``real`` (T,) bool (a graph's padding) go to no expert
+    (with EP, `EpStep.start` marks them)."""
     weights, ids = route(h, mw)
     if record is not None:
         record.append(ids)
     if ep is None:
+        if real is not None:  # id E (router (E, h)): past every rank's experts, fused_moe_local skips it
+            ids = torch.where(real[:, None], ids, mw.router.shape[0])
         routed = fused_moe_local(h, mw.w13, mw.w2, weights, ids, mw.first_expert)
     else:
         routed = ep.experts(h, weights, ids, mw)

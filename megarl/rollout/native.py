@@ -103,9 +103,8 @@ class NativeEngine:
         self.max_len = min(options.max_model_len or module.max_sequence_length, module.max_sequence_length)
         self.cache: KVCache | None = None
         # EP across DP: decode graphs replayed by the whole EP group at its agreed bucket (moe_step.py; the captured
-        # path there is unverified on a GPU), without expert recording (eager at EP as before)
-        use_graphs = (options.cuda_graphs and self.device.type == "cuda"
-                      and (self.stage.ep is None or not options.record_experts))
+        # path there is unverified on a GPU)
+        use_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, options.max_batch) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self, self.graphs) if use_graphs else None
         self.stats: dict[str, float] = {}
