@@ -57,6 +57,10 @@ class OverlappedTurns:
         if loop.is_first_rank:
             self.replies[key] = loop.submit_reply(t, text, called)
 
+    def pending(self) -> bool:
+        """More turns may come: some trajectory awaits its tool results (the same on every TP rank)."""
+        return bool(self.awaiting)
+
     def poll(self, idle: bool) -> list[Request]:
         start = time.perf_counter()
         requests: list[Request] = []

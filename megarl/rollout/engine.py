@@ -118,6 +118,9 @@ class FollowUps(Protocol):
     def poll(self, idle: bool) -> list[Request]:
         """Requests to admit now. ``idle``: nothing else runs, so wait for one; [] then ends the call."""
 
+    # Optional, for expert parallelism across DP: ``pending() -> bool``, whether more requests may still
+    # come (the same on every TP rank); with it, an idle rank keeps serving its EP group's steps while it
+    # waits instead of blocking in ``poll(idle=True)`` (which would hold the group's other ranks).
     # Optional, for streaming: ``streamed``, a collection of keys (checked with ``in`` between steps),
     # and ``progress(key, ids, logprobs)``, called between steps with every token recorded so far of
     # each running request in ``streamed`` (the engine's own lists: copy what is kept). The last

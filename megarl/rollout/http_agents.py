@@ -52,6 +52,10 @@ class _AgentFeed:
     def progress(self, key: int, ids: list[int], logprobs: list[float]) -> None:
         self.queue.progress(key, ids, logprobs)
 
+    def pending(self) -> bool:
+        """More calls may come: some agent is still running."""
+        return not self.agents_done()
+
     def poll(self, idle: bool) -> list[Request]:
         while True:
             got = self.queue.take(0.02 if idle else 0)

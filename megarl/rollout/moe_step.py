@@ -27,7 +27,9 @@ ranks must therefore run their MoE layers in lockstep: every step opens with :me
 a two-integer all-reduce MAX on the host (a gloo group over the EP ranks, built once:
 `host_group`), so the loop never waits for the device and can plan ahead; and a rank with nothing
 left runs idle steps (no rows of its own, its experts still serve the others) until the whole group
-is done. Every rank thus makes the same sequence of collectives.
+is done — and so does a rank of ``serve`` that waits for follow-up requests (an agent's next call, a
+tool's result) whose caller says more may come (``FollowUps.pending``), so the others decode on
+meanwhile. Every rank thus makes the same sequence of collectives.
 
 CUDA graphs at EP across DP. Each rank brings its step's row count and whether it can take a graph
 step (a decode that fits the decode graphs, or idle on an engine that has them). If every rank can,
@@ -260,8 +262,9 @@ def host_group(group) -> dist.ProcessGroup:
 class StepShape:
     """What the EP group agreed for one step."""
 
-    rows: int  # rows every rank's exchange carries: the largest rank's (0: every rank is done)
+    rows: int  # rows every rank's exchange carries: the largest rank's (0: no rank has a step to run)
     graph: bool  # every rank replays its decode graph of ``rows`` rows (else every rank runs eagerly)
+    waiting: bool = False  # some rank has nothing to run but waits for follow-up requests (``serve``)
 
 
 class EpStep:
@@ -283,15 +286,16 @@ class EpStep:
             return None
         return cls(groups.ep, groups.ep_size, groups.ep_rank, num_experts, rows_slot(groups), host_group(groups.ep))
 
-    def agree(self, rows: int, graph_ok: bool = False) -> StepShape:
+    def agree(self, rows: int, graph_ok: bool = False, waiting: bool = False) -> StepShape:
         """This rank's step in, the group's out, on the host. ``rows``: the rows of this rank's forward
-        (a graph's bucket; 0: none left); ``graph_ok``: it can take a graph step (a decode graph of
-        ``rows`` rows, or idle with decode graphs). A graph step when every rank can."""
-        t = torch.tensor([rows, int(not graph_ok)], dtype=torch.int64)
+        (a graph's bucket; 0: none); ``graph_ok``: it can take a graph step (a decode graph of ``rows``
+        rows, or idle with decode graphs); ``waiting``: it has none but may get follow-ups. A graph step
+        when every rank can; the group is done when no rank has rows or waits."""
+        t = torch.tensor([rows, int(not graph_ok), int(waiting)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host)
-        most, eager = t.tolist()
+        most, eager, anyone_waiting = t.tolist()
         self.rows = most
-        return StepShape(most, most > 0 and not eager)
+        return StepShape(most, most > 0 and not eager, bool(anyone_waiting))
 
     def start(self, slot_mapping: torch.Tensor) -> None:
         """A forward of T <= ``rows`` rows begins; (T,) its K/V slots: rows writing slot 0 (the scratch

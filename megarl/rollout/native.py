@@ -38,6 +38,7 @@ runner shares: the KV cache, the graphs and the stage's forward pieces
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
@@ -58,6 +59,7 @@ from megarl.rollout.scheduler import Scheduler, Sequence
 from megarl.rollout.stage import ForwardBatch, StageForward
 from megarl.rollout.step_experts import sequence_expert_ids
 
+GROUP_IDLE_S = 0.001  # EP across DP, every rank idle and some waiting for follow-ups: pause between agreements
 
 def _rollout_default(key: str):
     """``rollout.<key>``'s default, read from :class:`~megarl.config.RolloutConfig` (its one source)."""
@@ -161,7 +163,8 @@ class NativeEngine:
         ``reserve = (sequences, longest)``: size the call for that many follow-ups of up to ``longest``
         tokens as well (a caller whose requests all arrive as follow-ups passes ``requests=[]``)."""
         seqs, longest = self._sequences(requests, reserve[1])
-        self._run(seqs, params, longest, _Feed(feed, longest), reserve=reserve[0] * longest)
+        group_step = self.serve_group_step if self.stage.ep is not None else None
+        self._run(seqs, params, longest, _Feed(feed, longest, group_step), reserve=reserve[0] * longest)
 
     def _sequences(self, requests: list[Request], at_least: int = 0) -> tuple[list[Sequence], int]:
         """A sequence per request (``rid`` = its key, ``prompt_index`` = its prompt's group: the order in
@@ -200,16 +203,23 @@ class NativeEngine:
 
     def serve_group_until_done(self) -> None:
         """EP across DP, this rank done: its experts serve the group's other ranks, step by step as agreed
-        (``EpStep.agree``), until every rank is done: the agreed bucket's decode graph with no real rows
-        on a graph step, idle MoE layers on an eager one."""
-        ep = self.stage.ep
-        if ep is None:
-            return
-        while (shape := ep.agree(0, graph_ok=self.graphs is not None)).rows:
-            if shape.graph:
-                self.graphs.idle(shape.rows)
-            else:
-                self.stage.idle_step()
+        (``EpStep.agree``), until no rank has a step to run or waits for follow-ups."""
+        if self.stage.ep is not None:
+            while self.serve_group_step(waiting=False):
+                pass
+
+    def serve_group_step(self, waiting: bool) -> bool:
+        """EP across DP, nothing of this rank's to run (``waiting``: but follow-ups may come): one agreement
+        and, if some rank has a step, this rank's part of it — the agreed bucket's decode graph with no
+        real rows on a graph step, idle MoE layers on an eager one. False once no rank has a step or waits."""
+        shape = self.stage.ep.agree(0, graph_ok=self.graphs is not None, waiting=waiting)
+        if shape.rows and shape.graph:
+            self.graphs.idle(shape.rows)
+        elif shape.rows:
+            self.stage.idle_step()
+        elif shape.waiting:
+            time.sleep(GROUP_IDLE_S)  # every rank idle, some waiting for follow-ups: agree again shortly
+        return bool(shape.rows or shape.waiting)
 
     def update_weights(self) -> dict:
         """The engine reads the training weights in place: nothing to move (graphs check pointers)."""
@@ -397,10 +407,25 @@ class NativeEngine:
 
 class _Feed:
     """``serve``'s end of :class:`~megarl.rollout.engine.FollowUps`: finished sequences out (under their
-    keys), requests in (each alone, its seed as is)."""
+    keys), requests in (each alone, its seed as is). At EP across DP (``group_step``: the engine's
+    ``serve_group_step``) an idle rank waiting for follow-ups keeps taking part in the group's steps,
+    so the other ranks decode on meanwhile, where the follow-ups say whether more may come
+    (``pending()``); without it the rank blocks in ``poll`` and the group waits for it."""
 
-    def __init__(self, followups: FollowUps, longest: int):
+    def __init__(self, followups: FollowUps, longest: int, group_step: Callable[[bool], bool] | None = None):
         self.followups, self.longest = followups, longest
+        self.group_step = group_step if hasattr(followups, "pending") else None
+
+    def _poll(self, idle: bool) -> list[Request]:
+        if not idle or self.group_step is None:
+            return self.followups.poll(idle)
+        while True:
+            got = self.followups.poll(False)
+            if got:
+                return got
+            if not self.followups.pending():
+                return self.followups.poll(False)  # one that came in meanwhile, or [] (the call ends)
+            self.group_step(True)
 
     def exchange(self, sched: Scheduler, idle: bool) -> None:
         for seq in sched.take_finished():
@@ -410,7 +435,7 @@ class _Feed:
             for seq in sched.running:
                 if seq.rid in streamed:
                     self.followups.progress(seq.rid, seq.generated, seq.logprobs)
-        for req in self.followups.poll(idle):
+        for req in self._poll(idle):
             if req.max_new_tokens < 1 or len(req.prompt) + req.max_new_tokens > self.longest:
                 raise ValueError(f"follow-up request {req.key}: prompt {len(req.prompt)} + max_new_tokens "
                                  f"{req.max_new_tokens} must be in [prompt + 1, {self.longest}], the longest "
