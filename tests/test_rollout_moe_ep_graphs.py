@@ -31,8 +31,8 @@ row count (eager) or on padded buckets (a graph step: pad rows of large values w
 whether a rank that is done runs an idle layer or a bucket of padding only; a forward of more rows
 than agreed is refused.
 
-Not covered: graph capture itself and NCCL inside it (no GPU here), ETP > 1 with EP across DP
-(pipeline stages: tests/test_rollout_moe_pp_ep.py).
+Not covered: graph capture itself and NCCL inside it (no GPU here); other layouts
+(pipeline stages, ETP2 across DP: tests/test_rollout_moe_ep_layouts.py).
 """
 import pytest
 
