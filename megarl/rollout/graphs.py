@@ -173,6 +173,7 @@ class DecodeGraphs:
         self.hidden_in = torch.zeros(b, stage.hidden, dtype=stage.dtype, device=dev)
         self.hidden_out = torch.zeros_like(self.hidden_in)
         self.expert_ids = GraphIds.of(engine, b)  # rollout.record_experts: each row's ids, per MoE layer
+        self.idle_done = None  # CUDA: the event after the last idle step (EP across DP), until a real one
 
     @property
     def captured(self) -> bool:
@@ -230,10 +231,11 @@ class DecodeGraphs:
         return Launched.copy_out(self.sampled, self.staging[self.turn][2], n, self.expert_ids, n)
 
     def idle(self, b: int) -> None:
-        """EP across DP, this rank done: the agreed bucket's graph with every row padding (its experts
-        serve the other ranks' rows; its outputs are not read). Idle steps are never waited for: each
-        fills the whole staging set, so a copy still queued reads padding whatever its bucket (the
-        call's last real step was waited for when its loop ended)."""
+        """EP across DP, this rank idle (done, or waiting for follow-ups): the agreed bucket's graph with
+        every row padding (its experts serve the other ranks' rows; its outputs are not read). Idle
+        steps are not waited for: each fills the whole staging set, so a copy still queued reads
+        padding whatever its bucket, and the next real step's ``_load`` first waits for the last one
+        (its inputs go into a staging set that a queued idle copy may still read)."""
         self._ensure(b)
         self.turn ^= 1
         host, host_table, _ = (t.numpy() for t in self.staging[self.turn])
@@ -242,6 +244,9 @@ class DecodeGraphs:
         host_table[:] = 0
         copy_words([(self.inputs, self.staging[self.turn][0]), (self.table[:b], self.staging[self.turn][1][:b])])
         self._replay(b, True)
+        if self.inputs.is_cuda:
+            self.idle_done = torch.cuda.Event()
+            self.idle_done.record()
 
     def _prepare(self, plan, rows, ep=None) -> tuple[int, bool]:
         """Captures the bucket's graph if new, loads the inputs; returns the bucket size and whether its
@@ -270,6 +275,9 @@ class DecodeGraphs:
     def _load(self, plan, rows, b: int) -> None:
         """The step's inputs into the static buffers (padded rows zero): two host fills, two copies."""
         n, width = len(plan.seqs), plan.block_table.shape[1]
+        if self.idle_done is not None:  # idle steps ran since the last real one: their copies are done
+            self.idle_done.synchronize()
+            self.idle_done = None
         self.turn ^= 1  # the other set's copies may still be queued
         host, host_table, _ = (t.numpy() for t in self.staging[self.turn])
         host[:, n:b] = 0
