@@ -168,24 +168,27 @@ def rows(plan):
 
 
 def test_prompt_ids_recorded_per_chunk_and_shared_by_forks():
-    from megarl.rollout.runners import _record_prompt_experts
     from megarl.rollout.scheduler import Sequence
+    from megarl.rollout.step_experts import StepExperts
 
     lead, fork, other = (Sequence(i, i, list(range(10 * i, 10 * i + n)), 0, 4) for i, n in ((0, 6), (1, 6), (2, 3)))
     lead.forks = [fork]
 
     first = _prefill_plan([other, lead], [(1, 0, 4)], decoding=2)  # 2 decode rows of `other`, lead's 0..3
-    _record_prompt_experts(rows(first), first)
+    experts = StepExperts(first)  # when the step runs: its forks now
+    lead.forks = []  # the step advanced before its ids were read (launched ahead): the forks decode now
+    experts.record(rows(first))
+    lead.forks = [fork]
     assert fork.prompt_experts is lead.prompt_experts and lead.prompt_experts.shape == (5, 2, 2)
     assert lead.prompt_experts[:, 0, 0].tolist() == [2, 3, 4, 5, 255]
     rest = _prefill_plan([lead, other], [(0, 4, 6), (1, 0, 3)])  # lead's 4, 5 (5: the last, not kept); other's
-    _record_prompt_experts(rows(rest), rest)
+    StepExperts(rest).record(rows(rest))
     assert lead.prompt_experts[:, 0, 0].tolist() == [2, 3, 4, 5, 0]
     assert other.prompt_experts[:, 1, 1].tolist() == [2, 3]
     kept = fork.prompt_experts.copy()
     lead.forks = []  # decoding now; preempted, prefilled again with its response token
     again = _prefill_plan([lead], [(0, 0, 7)])
-    _record_prompt_experts(rows(again) + 50, again)
+    StepExperts(again).record(rows(again) + 50)
     assert lead.prompt_experts[:, 0, 0].tolist() == [50, 51, 52, 53, 54]
     assert fork.prompt_experts is not lead.prompt_experts and np.array_equal(fork.prompt_experts, kept)
 
