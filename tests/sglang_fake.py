@@ -90,7 +90,7 @@ def hf_model(model_path: str, weights: dict | None):
 
     transformers.utils.logging.disable_progress_bar()
     config = transformers.AutoConfig.from_pretrained(model_path)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):  # (the CPU CUDA shim has no device RNG to fork)
         torch.manual_seed(0)
         if weights is None:
             return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
