@@ -28,6 +28,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -187,7 +188,7 @@ def bf16_moe(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     path = tmp_path_factory.mktemp("tiny_moe_bf16")
-    src = ROOT / "megarl/assets/tiny_moe/sft"
+    src = Path(ROOT) / "megarl/assets/tiny_moe/sft"
     for name in os.listdir(src):
         shutil.copy(src / name, path)
     weights = load_file(str(src / "model.safetensors"))
