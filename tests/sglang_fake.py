@@ -160,8 +160,8 @@ class FakeEngine:
                 routed = routed_experts(model, list(ids) + out["output_ids"])
                 out["meta_info"]["routed_experts"] = base64.b64encode(routed.tobytes()).decode("utf-8")
         self.calls.append(("generate", {"input_ids": input_ids, "sampling_params": sampling_params,
-                                        "return_logprob": return_logprob, "return_routed_experts": return_routed_experts,
-                                        "weights": weights}, outs))
+                                        "return_logprob": return_logprob, "weights": weights,
+                                        "return_routed_experts": return_routed_experts}, outs))
         return outs
 
     def _routing_model(self, weights_checksum):

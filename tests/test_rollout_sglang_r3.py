@@ -68,9 +68,11 @@ def _job(rank, ckpt, tp):
     init_distributed()
     actor, groups, _ = _actor(ckpt, tp, 1, None)
     out = {}
-    for name, record, factory in (("r3", True, FakeEngine), ("no_flag", True, _without_flag), ("off", False, FakeEngine)):
-        engine = SGLangEngine(actor.module, groups, actor.info, [EOS], SGLangOptions(model_path=ckpt, record_experts=record),
-                              engine_factory=factory, tensor_wrapper=FakeSerialized)
+    cases = (("r3", True, FakeEngine), ("no_flag", True, _without_flag), ("off", False, FakeEngine))
+    for name, record, factory in cases:
+        options = SGLangOptions(model_path=ckpt, record_experts=record)
+        engine = SGLangEngine(actor.module, groups, actor.info, [EOS], options, engine_factory=factory,
+                              tensor_wrapper=FakeSerialized)
         results = engine.generate(_requests(), SamplingParams(temperature=1.0))
         calls = engine.engine.calls if engine.engine is not None else []
         out[name] = {"results": results, "flag": [c[1]["enable_return_routed_experts"] for c in calls[:1]],
