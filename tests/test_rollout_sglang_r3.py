@@ -18,7 +18,8 @@ routers over prompt + response under the weights it was streamed (bfloat16, SGLa
    one step, from the shipped checkpoint rounded to bfloat16 (so the fake's bfloat16 weights are the
    actor's fp32 ones): the dumped batch holds the HF router's ids on every position but each row's last,
    and the fp32 training router agrees with them on every choice (r3/agreement = 1, with and without
-   replay, per layer too). Started without the flag, the same run exits with require_expert_ids' one line.
+   replay, per layer too); so too with trainer.mode=async (SGLang on 2 rollout ranks, the ids sent to the
+   2 training ranks). Started without the flag, the same run exits with require_expert_ids' one line.
 Not covered: a real SGLang (its capture, kernels and bf16 routing; GPU only), Qwen2-MoE's shared
 expert fused into SGLang's top-k (SGLang cuts those columns before returning), partial rollouts (refused).
 """
@@ -198,11 +199,11 @@ def bf16_moe(tmp_path_factory):
     return str(path), transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def _sglang_ppo(tmp_path, name, model_path, *env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/sglang_fake_launch.py",
+def _sglang_ppo(tmp_path, name, model_path, *env, nproc=2, overrides=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "tests/sglang_fake_launch.py",
            "yaml/tiny_moe.yaml", f"trainer.run_dir={tmp_path / name}", "trainer.steps=1", *FAST,
            f"model.path={model_path}", "rollout.engine=sglang", "actor.router_replay=r3",
-           f"trainer.dump_rollouts={tmp_path / name / 'dumps'}"]
+           f"trainer.dump_rollouts={tmp_path / name / 'dumps'}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                MEGARL_TEST_SGLANG_LOG=str(tmp_path / f"{name}.log"), **dict(env))
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -232,3 +233,13 @@ def test_r3_run_without_the_flag_fails_in_one_line(tmp_path, bf16_moe):
     assert out.returncode != 0
     lines = [x for x in (out.stdout + out.stderr).splitlines() if "holds no recorded expert ids" in x]
     assert lines and "SGLang that returned none" in lines[0] and "actor.router_replay=none" in lines[0]
+
+
+def test_r3_async_run_on_sglang(tmp_path, bf16_moe):
+    """trainer.mode=async: the rollout ranks' SGLang records, the ids travel to the training ranks (EP2)."""
+    out = _sglang_ppo(tmp_path, "async", bf16_moe[0], nproc=4, overrides=(
+        "trainer.mode=async", "placement.rollout_ranks=2", "async.max_staleness=0", "data.eval_path="))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = metrics(tmp_path / "async")[1]
+    for prefix in ("r3", "r3/no_replay"):
+        assert m[f"{prefix}/agreement"] == 1.0 and m[f"{prefix}/agreement/layer_3"] == 1.0
