@@ -70,8 +70,9 @@ Verified only where SGLang is installed (the CPU tests use a fake engine with
 its signatures, output format and the behaviours above): that Engine starts
 with these arguments beside Megatron, that its ``load_weights`` takes the
 streamed names, that CUDA IPC tensors reach its workers, that seeds make tokens
-batch-independent, that its log-probs match the training forward, and what
-release_memory frees.
+batch-independent, that its log-probs match the training forward, what
+release_memory frees, and that its routed experts come back in the layout above
+(and agree with the training router in bf16).
 """
 from __future__ import annotations
 
