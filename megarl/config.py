@@ -138,7 +138,7 @@ class RolloutConfig:
     kv_cache_gb: float = opt(0.0, "KV-cache budget in GiB; 0: rollout.kv_cache_fraction of free memory")
     kv_cache_fraction: float = opt(0.5, "share of free device memory (CPU: available RAM) the KV cache may take")
     cuda_graphs: bool = opt(True, "replay the decode step as CUDA graphs on CUDA; false: eager")
-    record_experts: bool = opt(False, "native engine, MoE model: keep every prompt and response token's top-k expert ids per MoE layer in the result (in CUDA graphs too; the prefix cache is not read then)")
+    record_experts: bool = opt(False, "MoE model: keep every prompt and response token's top-k expert ids per MoE layer in the result (native engine: in CUDA graphs too, the prefix cache is not read then; sglang: SGLang's routed-experts capture)")
     prefix_cache: bool = opt(False, "reuse full K/V pages of equal token prefixes (a request prefilled after another that starts the same way; a conversation's earlier turns) until the weights change; off: every call starts cold, so results never depend on earlier calls")
     seed: int = opt(1234, "sampling seed (identical across a TP group)")
     partial: bool = opt(False, "partial rollouts: a step stops generating once enough whole groups (a prompt's n samples) have finished to fill the batch; unfinished responses keep their tokens and resume in the next step under the new weights (each token records the policy version that sampled it; native engine; pair with algorithm.rollout_correction.preset=async)")

@@ -22,16 +22,26 @@ Behaviours (each the SGLang 0.5.23 code path named):
 - idleness (``release_memory_occupation`` asserts the scheduler is idle, ``flush_cache`` reports it):
   ``running`` requests make ``flush_cache`` fail, and a release while running kills the fake (as the
   assertion kills SGLang's scheduler process); a dead fake answers nothing.
+- routed experts (``RoutedExpertsCapturer``, ``_maybe_collect_routed_experts``, the tokenizer manager's
+  base64): only when started with ``enable_return_routed_experts`` and asked per call with
+  ``return_routed_experts`` does a result's ``meta_info`` carry ``routed_experts``, the base64 of an int32
+  (P + R - 1, num_hidden_layers, num_experts_per_tok) array: each layer's router top-k (largest first) for
+  prompt + response tokens but the last, as ``transformers`` routes them with the weights the fake holds
+  (upcast to float32; the dummy start: seeded random values). The tokens themselves stay the fake's
+  random ones, not the model's.
 Every generate records a checksum of the weights it sampled from (None: values no one chose).
 """
 from __future__ import annotations
 
+import base64
 import gc
 import logging
 import multiprocessing
 import os
 import random
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -73,6 +83,35 @@ def checksum(named: dict) -> float:
     return float(sum((k + 1) * t.double().sum() for k, (_, t) in enumerate(sorted(named.items()))))
 
 
+def hf_model(model_path: str, weights: dict | None):
+    """A float32 ``transformers`` model of ``model_path``'s config.json holding ``weights`` (HF names, as
+    streamed); seeded random values for None (the dummy start), the caller's random state untouched."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.random.fork_rng(devices=[]):  # (the CPU CUDA shim has no device RNG to fork)
+        torch.manual_seed(0)
+        if weights is None:
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy(os.path.join(model_path, "config.json"), tmp)
+            save_file({n: t.float().contiguous() for n, t in weights.items()}, os.path.join(tmp, "model.safetensors"))
+            return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+def routed_experts(model, tokens: list[int]):
+    """(len(tokens) - 1, layers, k) int32 numpy: each layer router's top-k experts (largest probability
+    first) of every token but the last."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    k, rows = model.config.num_experts_per_tok, len(tokens) - 1
+    return torch.stack([torch.topk(logits[:rows].softmax(-1), k).indices for logits in out.router_logits],
+                       dim=1).to(torch.int32).numpy()
+
+
 class FakeEngine:
     """Stands in for ``sglang.srt.entrypoints.engine.Engine`` (0.5.23) and records every call."""
 
@@ -109,14 +148,27 @@ class FakeEngine:
     def _alive(self):
         assert not self.dead, "SGLang's scheduler died (a release while requests were running)"
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False):
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                 return_routed_experts=False):
         self._alive()
         assert prompt is None and not self.released, "token ids in; memory resumed"
         outs = [self._one(ids, sp, return_logprob) for ids, sp in zip(input_ids, sampling_params)]
         weights = None if self.weights is None else checksum(self.weights)
+        if return_routed_experts and self.kwargs.get("enable_return_routed_experts"):
+            model = self._routing_model(weights)
+            for ids, out in zip(input_ids, outs):
+                routed = routed_experts(model, list(ids) + out["output_ids"])
+                out["meta_info"]["routed_experts"] = base64.b64encode(routed.tobytes()).decode("utf-8")
         self.calls.append(("generate", {"input_ids": input_ids, "sampling_params": sampling_params,
-                                        "return_logprob": return_logprob, "weights": weights}, outs))
+                                        "return_logprob": return_logprob, "weights": weights,
+                                        "return_routed_experts": return_routed_experts}, outs))
         return outs
+
+    def _routing_model(self, weights_checksum):
+        """``transformers``' model of ``model_path``'s config.json with the weights held, built once per weights."""
+        if getattr(self, "_routing", (object(),))[0] != weights_checksum:
+            self._routing = (weights_checksum, hf_model(self.kwargs["model_path"], self.weights))
+        return self._routing[1]
 
     @staticmethod
     def _one(ids, sp, return_logprob):

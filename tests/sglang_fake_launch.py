@@ -1,7 +1,8 @@
 """launch/ppo.py with rollout.engine=sglang served by tests/sglang_fake.py (never used by megarl itself).
 
 Every generate of the fake appends the checksum of the weights it sampled from (null: values no one
-chose) as one JSON line to ``$MEGARL_TEST_SGLANG_LOG.rank<RANK>``.
+chose) as one JSON line to ``$MEGARL_TEST_SGLANG_LOG.rank<RANK>``. With ``MEGARL_TEST_SGLANG_NO_EXPERTS`` set the fake starts
+without ``enable_return_routed_experts`` whatever the adapter asks (SGLang without its expert capture).
 
 Run it like the entry script: ``torchrun ... tests/sglang_fake_launch.py yaml/tiny.yaml key=value ...``.
 """
@@ -22,6 +23,11 @@ def _install() -> None:
     log = f"{os.environ['MEGARL_TEST_SGLANG_LOG']}.rank{os.environ.get('RANK', '0')}"
 
     class LoggingFake(FakeEngine):
+        def __init__(self, **kwargs):
+            if os.environ.get("MEGARL_TEST_SGLANG_NO_EXPERTS"):
+                kwargs["enable_return_routed_experts"] = False
+            super().__init__(**kwargs)
+
         def generate(self, **kwargs):
             outs = super().generate(**kwargs)
             with open(log, "a") as f:

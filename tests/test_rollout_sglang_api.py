@@ -8,7 +8,7 @@ load format, memory tags, result keys and finish types the adapter relies on.
    every ``self.engine.<method>(...)`` call (keywords only, no positional
    arguments), the keys of ``_server_kwargs`` (Engine's keyword arguments) and
    ``_sampling_kwargs`` (a request's sampling dict), the string subscripts of
-   ``parse_output`` (result keys), the finish types of ``_FINISH``, the
+   ``parse_output`` and ``parse_experts`` (result keys), the finish types of ``_FINISH``, the
    ``MEMORY_TAGS`` and the import of the Engine class; each is in the manifest.
    The fake engine of test_rollout_sglang.py has every manifest method with
    those parameter names.
@@ -70,7 +70,7 @@ def test_adapter_uses_only_manifest_names():
     server = _dict_keys(_function(ADAPTER, "_server_kwargs"))
     assert server == set(MANIFEST["server_args"]["fields"])
     assert _dict_keys(_function(ADAPTER, "_sampling_kwargs")) == set(MANIFEST["sampling_params"]["fields"])
-    subscripts = {n.slice.value for n in ast.walk(_function(ADAPTER, "parse_output"))
+    subscripts = {n.slice.value for f in ("parse_output", "parse_experts") for n in ast.walk(_function(ADAPTER, f))
                   if isinstance(n, ast.Subscript) and isinstance(getattr(n.slice, "value", None), str)}
     assert subscripts == set(MANIFEST["output_keys"]["keys"]) | set(MANIFEST["finish_reasons"]["keys"])
     assert _dict_keys(_assigned(ADAPTER, "_FINISH")) <= set(MANIFEST["finish_reasons"]["values"])

@@ -68,9 +68,10 @@ def check_moe_rollout(cfg: Config, hf: dict) -> None:
 
 
 def check_router_replay(cfg: Config, hf: dict) -> None:
-    """actor.router_replay=r3 replays what the native engine recorded, also over multi-turn and HTTP agent
-    conversations and responses resumed across steps (megarl/rollout/expert_record.py merges their calls), at
-    any TP layout check_experts accepts (sequence parallelism: each TP rank replays its slice of the ids)."""
+    """actor.router_replay=r3 replays what the rollout engine recorded (the native engine, or SGLang's
+    routed-experts capture: megarl/rollout/sglang.py), also over multi-turn and HTTP agent conversations and
+    responses resumed across steps (megarl/rollout/expert_record.py merges their calls), at any TP layout
+    check_experts accepts (sequence parallelism: each TP rank replays its slice of the ids)."""
     a = cfg.actor
     check_counts(a, "actor", ["router_replay_probe_every"], low=0)
     if a.router_replay == "none":
@@ -78,7 +79,3 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
     if moe_experts(hf) is None:
         raise ConfigError(f"actor.router_replay={a.router_replay} needs a mixture-of-experts model; {cfg.model.path} "
                           "is dense: set actor.router_replay=none")
-    if cfg.rollout.engine != "native":  # the native engine records the ids (megarl/rollout/runners.py)
-        raise ConfigError(f"actor.router_replay={a.router_replay} replays the experts the native engine records; "
-                          f"rollout.engine={cfg.rollout.engine} returns none: set rollout.engine=native or "
-                          "actor.router_replay=none")

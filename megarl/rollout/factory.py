@@ -9,11 +9,17 @@ from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.native import EngineOptions, NativeEngine
 
 
+def records_experts(cfg: Config) -> bool:
+    """Whether the engine returns each token's expert ids: ``rollout.record_experts``, or
+    ``actor.router_replay=r3``, which replays them."""
+    return cfg.rollout.record_experts or cfg.actor.router_replay == "r3"
+
+
 def engine_options(cfg: Config) -> EngineOptions:
     """The native engine's options: ``rollout.*``, graphs sized for the longest prompt + response; expert
     ids recorded also when ``actor.router_replay=r3`` replays them."""
     options = EngineOptions.from_config(cfg.rollout, max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-    return replace(options, record_experts=True) if cfg.actor.router_replay == "r3" else options
+    return replace(options, record_experts=records_experts(cfg))
 
 
 def engine_title(cfg: Config) -> str:
@@ -92,7 +98,8 @@ def _sglang(cfg: Config, actor, groups, stop_ids: list[int], pad_id: int) -> Rol
         model_path=cfg.model.path, mem_fraction_static=s.mem_fraction_static, dtype=s.dtype,
         seed=cfg.rollout.seed, deterministic=s.deterministic, enable_memory_saver=s.enable_memory_saver,
         weights_cpu_backup=s.weights_cpu_backup, max_running_requests=s.max_running_requests,
-        update_bucket_mb=s.update_bucket_mb, start_timeout_s=s.start_timeout_s)
+        update_bucket_mb=s.update_bucket_mb, start_timeout_s=s.start_timeout_s,
+        record_experts=records_experts(cfg) and actor.info.moe is not None)  # a dense model has no experts
     return SGLangEngine(actor.module, groups, actor.info, stop_ids, options)  # SGLang needs no pad id
 
 

@@ -25,6 +25,19 @@ Log-probs: ``meta_info["output_token_logprobs"]``, (logprob, token id, text)
 per token, computed under the temperature (greedy: 1.0) before top-k / top-p.
 Finish types "stop" / "length" map through; "abort" raises.
 
+Expert ids (``record_experts``: ``actor.router_replay=r3`` or ``rollout.record_experts``, MoE model):
+SGLang starts with ``enable_return_routed_experts`` (its routed-experts capturer: every forward writes
+each token's top-k ids per layer into a host buffer indexed by KV slot) and each request asks for
+``return_routed_experts``. A finished request's ``meta_info["routed_experts"]`` is the base64 of an int32
+(P + R - 1, num_hidden_layers, num_experts_per_tok) array (positions 0 .. P + R - 2, read through its KV
+slots; shared experts fused into the top-k are cut off; every layer is MoE, which megarl requires):
+prompt tokens 0 .. P - 2 and then the row that sampled each response token, megarl's record layout
+(megarl/rollout/expert_record.py), so :func:`parse_experts` splits it into ``prompt_expert_ids`` and
+``expert_ids`` in the dtype of router_replay.ids_dtype. A radix-cache hit's prefix rows are the ids of
+the forward that computed those KV slots: an earlier request of this call or since the last weight sync
+(the cache is flushed at every sync), under the same weights. Without the capturer SGLang returns no key;
+then no result carries ids (the trainer's r3 check names the fix), and a call where only some do is an error.
+
 update_weights: :func:`~megarl.rollout.weight_stream.iter_hf_buckets` (the HF
 export's tensors, cast to ``dtype``) in buckets of at most ``update_bucket_mb``
 on every TP rank; each rank serializes its own copy and TP rank 0 sends one
@@ -57,11 +70,13 @@ Verified only where SGLang is installed (the CPU tests use a fake engine with
 its signatures, output format and the behaviours above): that Engine starts
 with these arguments beside Megatron, that its ``load_weights`` takes the
 streamed names, that CUDA IPC tensors reach its workers, that seeds make tokens
-batch-independent, that its log-probs match the training forward, and what
-release_memory frees.
+batch-independent, that its log-probs match the training forward, what
+release_memory frees, and that its routed experts come back in the layout above
+(and agree with the training router in bf16).
 """
 from __future__ import annotations
 
+import base64
 import importlib.util
 import socket
 import time
@@ -69,13 +84,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megarl.errors import ConfigError
 from megarl.distributed import ParallelGroups
 from megarl.models.hf_config import ModelInfo
+from megarl.models.router_replay import ids_dtype
 from megarl.rollout.engine import GenerationResult, Request, SamplingParams
+from megarl.rollout.expert_record import split
 from megarl.rollout.sglang_process import isolated_process_state, startup_group
 from megarl.rollout.sglang_shards import gather_bucket
 from megarl.rollout.weight_stream import NamedTensors, iter_hf_buckets, tensor_bytes
@@ -104,6 +122,7 @@ class SGLangOptions:
     nccl_port: int = 0  # 0: SGLang picks one; else nccl_port + global rank of TP rank 0 (one per engine)
     update_bucket_mb: float = 512.0  # weight-sync bucket size
     start_timeout_s: float = 1800.0  # how long TP peers wait for TP rank 0 to start the engine
+    record_experts: bool = False  # MoE: each token's top-k expert ids per layer in the results (router replay)
 
 
 def load_engine_class() -> Callable:
@@ -131,7 +150,8 @@ def _server_kwargs(o: SGLangOptions, tp_size: int, base_gpu_id: int, nccl_port: 
             "load_format": "dummy", "skip_tokenizer_init": True, "enable_memory_saver": o.enable_memory_saver,
             "enable_weights_cpu_backup": o.weights_cpu_backup,
             "enable_deterministic_inference": o.deterministic, "nccl_port": nccl_port,
-            "max_running_requests": o.max_running_requests or None}
+            "max_running_requests": o.max_running_requests or None,
+            "enable_return_routed_experts": o.record_experts}
 
 
 def _sampling_kwargs(params: SamplingParams, seed: int, max_new_tokens: int, stops: list[int]) -> dict:
@@ -159,6 +179,26 @@ def parse_output(out: dict, k: int) -> tuple[list[int], list[float], str]:
     if [int(e[1]) for e in entries] != ids:
         raise RuntimeError(f"SGLang request {k}: output_token_logprobs do not match output_ids")
     return ids, [float(e[0]) for e in entries], _FINISH[kind]
+
+
+def parse_experts(out: dict, k: int, prompt_len: int, response_len: int,
+                  info: ModelInfo) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(prompt_expert_ids (P - 1, layers, topk), expert_ids (R, layers, topk)) of SGLang's result dict for
+    request ``k``, in router_replay.ids_dtype; None when it carries no ``routed_experts``."""
+    meta = out["meta_info"]
+    if "routed_experts" not in meta:
+        return None
+    moe = info.moe
+    flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+    shape = (prompt_len + response_len - 1, info.num_layers, moe.topk)  # positions 0 .. P + R - 2
+    if flat.size != np.prod(shape):
+        raise RuntimeError(f"SGLang request {k}: routed_experts hold {flat.size} ids, not {shape[0]} rows "
+                           f"(P + R - 1 = {prompt_len} + {response_len} - 1) of ({shape[1]} layers, top-{shape[2]})")
+    ids = flat.reshape(shape)
+    if ids.size and (ids.min() < 0 or ids.max() >= moe.num_experts):
+        raise RuntimeError(f"SGLang request {k}: routed_experts hold ids outside 0 .. {moe.num_experts - 1}")
+    dtype = np.uint8 if ids_dtype(moe.num_experts) == torch.uint8 else np.int16
+    return split(ids.astype(dtype), prompt_len, response_len)
 
 
 def _check(result, what: str) -> None:
@@ -204,6 +244,9 @@ class SGLangEngine:
         :meth:`load_weights`; ``engine_factory(**server kwargs)`` builds the engine (default: SGLang's
         Engine class); ``tensor_wrapper(values)`` wraps one tensor's per-TP-rank payloads (default: SGLang's)."""
         _check_layout(groups)
+        if options.record_experts and getattr(info, "moe", None) is None:
+            raise ConfigError("rollout.engine=sglang records expert ids (actor.router_replay=r3) of a "
+                              "mixture-of-experts model only; set actor.router_replay=none")
         if engine_factory is None and importlib.util.find_spec("sglang") is None:
             raise ConfigError(NOT_INSTALLED)
         self.module, self.groups, self.info, self.options = module, groups, info, options
@@ -237,16 +280,24 @@ class SGLangEngine:
         self.resume_memory()
         sampling = build_requests(requests, params, self.eos_ids)
         outputs, self.stats = self._call(lambda: self._generate([list(r.prompt) for r in requests], sampling))
-        return [GenerationResult(list(r.prompt), ids, lps, reason, r.key)
-                for r, (ids, lps, reason) in zip(requests, outputs)]
+        return [GenerationResult(list(r.prompt), ids, lps, reason, r.key, prompt_expert_ids=experts[0],
+                                 expert_ids=experts[1]) for r, (ids, lps, reason, experts) in zip(requests, outputs)]
 
     def _generate(self, input_ids: list[list[int]], sampling: list[dict]):
+        """(ids, log-probs, finish reason, (prompt expert ids, expert ids) or (None, None)) per request, stats."""
         start = time.perf_counter()
-        raw = self.engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+        raw = self.engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True,
+                                   return_routed_experts=self.options.record_experts)
         outputs = [parse_output(out, k) for k, out in enumerate(raw)]
+        experts = [parse_experts(out, k, len(p), len(o[0]), self.info) if self.options.record_experts else None
+                   for k, (out, p, o) in enumerate(zip(raw, input_ids, outputs))]
+        missing = [k for k, e in enumerate(experts) if e is None]
+        if self.options.record_experts and 0 < len(missing) < len(experts):
+            raise RuntimeError(f"SGLang request {missing[0]}: no routed_experts in its result while other "
+                               "requests of the call have them")
         stats = {"rollout/requests": float(len(sampling)), "rollout/engine_seconds": time.perf_counter() - start,
                  "rollout/response_tokens": float(sum(len(ids) for ids, _, _ in outputs))}
-        return outputs, stats
+        return [(*o, e or (None, None)) for o, e in zip(outputs, experts)], stats
 
     def update_weights(self) -> dict:
         """Streams the actor's weights into SGLang (weights resumed first, the KV cache left as it is).

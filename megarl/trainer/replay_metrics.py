@@ -22,8 +22,8 @@ def require_expert_ids(batch) -> None:
     """r3 needs the rollout's expert ids in the batch."""
     if batch.expert_ids is None:
         raise DataError("actor.router_replay=r3: the rollout batch holds no recorded expert ids (dumps written "
-                        "without r3 or rollout.record_experts?); dump them again with actor.router_replay=r3, "
-                        "or set actor.router_replay=none")
+                        "without r3 or rollout.record_experts, or an SGLang that returned none?); dump them again "
+                        "with actor.router_replay=r3, or set actor.router_replay=none")
 
 
 def probe_without_replay(batch, actor, step: int, every: int, forward) -> dict[str, float]:
