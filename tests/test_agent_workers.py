@@ -91,3 +91,17 @@ def test_a_dead_worker_fails_its_samples_and_the_next_rollout_runs():
     again = _outcomes(workers.start(double, _calls(4), 30.0), 30.0)
     assert [again[k]["reward"] for k in range(4)] == [0.0, 2.0, 4.0, 6.0]
     workers.close()
+
+
+def test_an_environment_episode_travels_to_a_worker_process():
+    """rollout.server.environment's agent (megarl/rollout/factory.py): a partial of run_episode over the
+    environment class, sent by reference."""
+    import pickle
+    from functools import partial
+
+    from megarl.agents.calculator_env import CalculatorEnv
+    from megarl.agents.environment import run_episode
+
+    agent = partial(run_episode, CalculatorEnv, max_turns=2, model="m")
+    back = pickle.loads(pickle.dumps(agent))
+    assert back.func is run_episode and back.args == (CalculatorEnv,) and back.keywords == agent.keywords
