@@ -273,6 +273,8 @@ def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
     Under a launcher only the first process of each host prints the line; every
     process exits 2, the others after a pause: a launcher stops the rest once one
     fails, and under load it stopped the first before it printed (seen in CI).
+    A CUDA out-of-memory error that ends the run first prints the largest live
+    device tensors (megarl/monitor/oom_report.py), then propagates.
     """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -290,3 +292,11 @@ def main_guard(main, argv=None, cls=None, usage: str = "") -> None:
         else:
             time.sleep(QUIET_EXIT_PAUSE_S)
         sys.exit(2)
+    except Exception as e:
+        torch = sys.modules.get("torch")  # not imported here for --help's sake; a run has imported it
+        if torch is not None and isinstance(e, torch.OutOfMemoryError):
+            from megarl.monitor.oom_report import oom_report
+
+            print(f"rank {os.environ.get('RANK', '0')}: CUDA out of memory; {oom_report()}", file=sys.stderr,
+                  flush=True)
+        raise
