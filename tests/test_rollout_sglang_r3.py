@@ -5,7 +5,7 @@ per request with ``return_routed_experts``: ``meta_info["routed_experts"]``, bas
 (P + R - 1, layers, k). The fake (tests/sglang_fake.py) answers so, with the top-k of ``transformers``'
 routers over prompt + response under the weights it was streamed (bfloat16, SGLang's dtype).
 
-1. The adapter on a tiny random Qwen3-MoE and Qwen2-MoE (2 layers, 4 experts, top-2; Qwen2-MoE's shared
+1. The adapter on a tiny random Qwen3-MoE, Mixtral and Qwen2-MoE (2 layers, 4 experts, top-2; Qwen2-MoE's shared
    expert is not among the returned ids, as SGLang cuts a fused shared expert's columns), at TP1 and at TP2 (sequence
    parallelism; only TP rank 0 holds an engine, the other gets the results by broadcast): 4 prompts
    (one of a single token) x 2 samples, stops and length limits both reached. Each result's
@@ -21,7 +21,7 @@ routers over prompt + response under the weights it was streamed (bfloat16, SGLa
    and the fp32 training router agrees with them on every choice (r3/agreement = 1, with and without
    replay, per layer too); so too with trainer.mode=async (SGLang on 2 rollout ranks, the ids sent to the
    2 training ranks). Started without the flag, the same run exits with require_expert_ids' one line.
-Not covered: a real SGLang (its capture, kernels and bf16 routing; GPU only), Mixtral, partial rollouts
+Not covered: a real SGLang (its capture, kernels and bf16 routing; GPU only), partial rollouts
 (refused with SGLang).
 """
 import base64
@@ -42,7 +42,7 @@ from test_moe_r3_runs import FAST
 from test_rollout_moe import hf_experts
 from test_trainer_runs import ROOT, metrics
 
-ARCHS = ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]  # Qwen2-MoE: a shared expert beside the routed ones
+ARCHS = ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"]  # Qwen2-MoE: a shared expert too
 EOS = 3
 PROMPTS = [[7, 8, 9, 10], [13], [20, 21, 22, 23, 24, 25], [30, 31]]
 LIMITS = [6, 3, 8, 5]
