@@ -182,8 +182,8 @@ class StageForward:
                 lw.moe.refresh()
 
     def idle_step(self) -> None:
-        """EP across DP, this rank done: one eager step of the group's (rows agreed, ``ep.agree``) with no
-        rows of its own, its experts serving the others'."""
+        """EP across DP, this rank idle (done, or waiting for follow-ups): one eager step of the group's
+        (rows agreed, ``ep.agree``) with no rows of its own, its experts serving the others'."""
         device = self.layers[0].proj.device
         for lw in self.layers:
             if lw.moe is not None:
