@@ -184,7 +184,7 @@ def megarl_numbers(steps: list[dict], m: dict, sequences: int) -> dict:
     """From metrics.jsonl's step rows and their medians after the warm-up step (bench_ppo.summarize)."""
     step_s, rollout_s = [r["perf/step_seconds"] for r in steps], [r["timing/rollout"] for r in steps]
     tok_s = [r["perf/tokens_per_s_per_gpu"] for r in steps]  # one GPU: the step's tokens / its seconds
-    tokens = statistics.median(t * x for t, x in zip(tok_s[1:], step_s[1:]))
+    tokens = round(statistics.median(t * x for t, x in zip(tok_s[1:], step_s[1:])))  # a count: rate x seconds
     response = m.get("response/length_mean", 0.0)
     return dict(step_s=m["perf/step_seconds"], tokens_per_s=statistics.median(tok_s[1:]),
                 rollout_s=m["timing/rollout"], rollout_frac=m["timing/rollout"] / m["perf/step_seconds"],
