@@ -188,13 +188,10 @@ def _pp_job(rank, ckpt):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from megarl.models.tiny import make_tiny_checkpoint
+    from megarl.models.tiny import make_tiny_checkpoints
 
     root = tmp_path_factory.mktemp("moe_r3")
-    ckpts = {}
-    for i, arch in enumerate(ARCHS):
-        ckpts[arch] = str(root / arch)
-        make_tiny_checkpoint(ckpts[arch], arch, seed=60 + i)
+    ckpts = make_tiny_checkpoints(root, ARCHS, 60)
     return {"ckpts": ckpts, "root": root, "runs": [pickle.loads(r) for r in spawn(_job, 2, ckpts, str(root))]}
 
 

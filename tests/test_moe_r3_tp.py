@@ -45,23 +45,16 @@ LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "tp2ep2": (2, 2, 1)}  # (tp
 
 
 def _actor(ckpt, tp, ep, etp):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from test_rollout_moe_tp import _actor as rollout_actor
 
-    from megarl.config import Config
-    from megarl.distributed import build_parallel_groups
-    from megarl.roles.build import build_actor
+    def r3(cfg):
+        cfg.parallel.sequence_parallel = tp > 1
+        cfg.actor.router_replay = "r3"
+        cfg.actor.optim.lr = 0.05
+        cfg.actor.optim.eps = 1e-2  # module docstring: layouts compared after updates
+        cfg.actor.micro_batch_size = 2
 
-    groups = build_parallel_groups(tp=tp, pp=1, ep=ep, etp=etp)
-    model_parallel_cuda_manual_seed(0)
-    cfg = Config()
-    cfg.model.path = ckpt
-    cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.etp = tp, ep, etp
-    cfg.parallel.sequence_parallel = tp > 1
-    cfg.actor.router_replay = "r3"
-    cfg.actor.optim.lr = 0.05
-    cfg.actor.optim.eps = 1e-2  # module docstring: layouts compared after updates
-    cfg.actor.micro_batch_size = 2
-    return build_actor(cfg, groups, optimizer_steps=4), groups, cfg
+    return rollout_actor(ckpt, tp, ep, etp, settings=r3, optimizer_steps=4)
 
 
 def _rollout(actor, groups):
@@ -135,13 +128,10 @@ def _job(rank, ckpts, root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from megarl.models.tiny import make_tiny_checkpoint
+    from megarl.models.tiny import make_tiny_checkpoints
 
     root = tmp_path_factory.mktemp("moe_r3_tp")
-    ckpts = {}
-    for i, arch in enumerate(ARCHS):
-        ckpts[arch] = str(root / arch)
-        make_tiny_checkpoint(ckpts[arch], arch, seed=80 + i)
+    ckpts = make_tiny_checkpoints(root, ARCHS, 80)
     return [pickle.loads(r) for r in spawn(_job, 2, ckpts, str(root))]
 
 

@@ -54,11 +54,9 @@ def _job(rank, ckpt, case):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from megarl.models.tiny import make_tiny_checkpoint
+    from megarl.models.tiny import make_tiny_checkpoints
 
-    path = str(tmp_path_factory.mktemp("ep_layouts") / "qwen3moe")
-    make_tiny_checkpoint(path, "Qwen3MoeForCausalLM", seed=40)
-    return path
+    return make_tiny_checkpoints(tmp_path_factory.mktemp("ep_layouts"), ["Qwen3MoeForCausalLM"], 40)["Qwen3MoeForCausalLM"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -35,7 +35,8 @@ LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "tp2ep2etp1": (2, 2, 1),  #
            "tp2ep2": (2, 2, None), "tp2ep4etp1": (2, 4, 1)}
 
 
-def _actor(ckpt, tp, ep, etp):
+def _actor(ckpt, tp, ep, etp, settings=None, optimizer_steps=1):
+    """(actor, groups) at TP x EP (x ETP); with ``settings(cfg)`` (more config set before the build) also cfg."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megarl.config import Config
@@ -47,7 +48,10 @@ def _actor(ckpt, tp, ep, etp):
     cfg = Config()
     cfg.model.path = ckpt
     cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.etp = tp, ep, etp
-    return build_actor(cfg, groups, optimizer_steps=1), groups
+    if settings is None:
+        return build_actor(cfg, groups, optimizer_steps=optimizer_steps), groups
+    settings(cfg)
+    return build_actor(cfg, groups, optimizer_steps=optimizer_steps), groups, cfg
 
 
 def _job(rank, ckpts, cases):

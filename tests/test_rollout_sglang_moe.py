@@ -54,12 +54,10 @@ def _job(rank, ckpts, out_root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from megarl.models.tiny import make_tiny_checkpoint
+    from megarl.models.tiny import make_tiny_checkpoints
 
     root = tmp_path_factory.mktemp("sglang_moe")
-    ckpts = {arch: str(root / "src" / arch) for arch in ARCHS}
-    for i, arch in enumerate(ARCHS):
-        make_tiny_checkpoint(ckpts[arch], arch, seed=60 + i)
+    ckpts = make_tiny_checkpoints(root / "src", ARCHS, 60)
     ranks = spawn(_job, 2, ckpts, str(root / "export"))
     return root / "export", [torch.load(io.BytesIO(r), weights_only=False) for r in ranks]
 

@@ -8,6 +8,8 @@ for the logits, and saves it with ``save_pretrained`` in fp32.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 BASE = dict(
@@ -62,3 +64,12 @@ def make_tiny_checkpoint(out_dir: str, arch: str, seed: int = 0, max_shard_size=
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model
+
+
+def make_tiny_checkpoints(root, archs: list[str], first_seed: int) -> dict[str, str]:
+    """A tiny random checkpoint per architecture under ``root``/<arch> (seeds first_seed, first_seed + 1, ...);
+    arch -> its directory."""
+    dirs = {arch: str(Path(root) / arch) for arch in archs}
+    for i, arch in enumerate(archs):
+        make_tiny_checkpoint(dirs[arch], arch, seed=first_seed + i)
+    return dirs
