@@ -27,7 +27,7 @@ serves rank 0's rows until rank 0 is done. The same requests go through an engin
 
 The exchange alone, bit for bit (`_exchange_job`): random rows and expert weights on 2 ranks; one
 MoE layer's routed output of each rank's real rows is the same whether the group agreed on its real
-row count (eager) or on padded buckets (a graph step: pad rows of large values writing slot 0), and
+row count (eager) or on padded buckets (a graph step: pad rows of large values, not real), and
 whether a rank that is done runs an idle layer or a bucket of padding only; a forward of more rows
 than agreed is refused.
 
@@ -182,7 +182,7 @@ def _exchange_job(rank):
     import torch.distributed as dist
 
     from megarl.distributed import init_distributed
-    from megarl.rollout.moe_step import EpStep, MoeWeights, idle_layer, route
+    from megarl.rollout.moe_step import EpStep, MoeWeights, idle_layer, moe_mlp
 
     init_distributed()
     gen = torch.Generator().manual_seed(5)  # the same draws on both ranks, then each takes its part
@@ -196,9 +196,9 @@ def _exchange_job(rank):
 
     def layer(x, bucket, graph_ok):  # one MoE layer's routed output of this rank's first len(x) rows
         shape = ep.agree(bucket, graph_ok)
-        padded = torch.cat([x, torch.full((bucket - len(x), h), 1e4)])  # pads: large, slot 0
-        ep.start(torch.cat([torch.arange(1, len(x) + 1) * 8, torch.zeros(bucket - len(x), dtype=torch.long)]))
-        return shape, ep.experts(padded, *route(padded, mw), mw)[:len(x)]
+        padded = torch.cat([x, torch.full((bucket - len(x), h), 1e4)])  # pads: large, marked not real
+        ep.start(bucket)
+        return shape, moe_mlp(padded, mw, ep, real=torch.arange(bucket) < len(x))[:len(x)]
 
     x = rows[rank]
     eager_shape, eager = layer(x, len(x), False)
@@ -213,7 +213,7 @@ def _exchange_job(rank):
         layer(torch.zeros(0, h), 4, True)
     try:
         ep.agree(2)
-        ep.start(torch.ones(3, dtype=torch.long))
+        ep.start(3)
         refused = ""
     except RuntimeError as e:
         refused = str(e)

@@ -277,7 +277,6 @@ class EpStep:
         self.slot = rank if slot is None else slot
         self.host = host if host is not None else group  # where `agree` runs (gloo)
         self.rows = 0  # the group's largest row count this step
-        self.real: Optional[torch.Tensor] = None  # (T,) bool this step's real rows (None: all), `start`
 
     @classmethod
     def of(cls, groups, num_experts: int) -> Optional["EpStep"]:
@@ -297,13 +296,11 @@ class EpStep:
         self.rows = most
         return StepShape(most, most > 0 and not eager, bool(anyone_waiting))
 
-    def start(self, slot_mapping: torch.Tensor) -> None:
-        """A forward of T <= ``rows`` rows begins; (T,) its K/V slots: rows writing slot 0 (the scratch
-        page, never a sequence's) are a graph's padding, routed to no expert."""
-        if slot_mapping.shape[0] > self.rows:
-            raise RuntimeError(f"an EP step of {slot_mapping.shape[0]} rows, but the group agreed on {self.rows}: "
+    def start(self, rows: int) -> None:
+        """A forward of ``rows`` <= the agreed rows begins."""
+        if rows > self.rows:
+            raise RuntimeError(f"an EP step of {rows} rows, but the group agreed on {self.rows}: "
                                "EpStep.agree must run before every step")
-        self.real = slot_mapping != 0
 
     def experts(self, h: torch.Tensor, weights, ids, mw: MoeWeights) -> torch.Tensor:
         """(T, h) own rows and routing -> (T, h) their routed-expert output, summed over the group."""
@@ -311,10 +308,7 @@ class EpStep:
         rows = h.contiguous() if t == n else torch.cat([h, h.new_zeros(n - t, h.shape[1])])  # (n, h)
         routing = torch.full((n, 2 * mw.topk), float(self.num_experts), dtype=torch.float32, device=h.device)
         if self.slot == self.rank:  # a TP peer's copy (slot elsewhere) goes to no expert: computed once
-            ids = ids.float()  # ids < 2^24: exact in fp32
-            if self.real is not None:
-                ids = torch.where(self.real[:, None], ids, float(self.num_experts))
-            routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids
+            routing[:t, :mw.topk], routing[:t, mw.topk:] = weights, ids.float()  # ids < 2^24: exact in fp32
         all_rows = h.new_empty(self.size * n, h.shape[1])
         all_routing = routing.new_empty(self.size * n, 2 * mw.topk)
         dist.all_gather_into_tensor(all_rows, rows, group=self.group)
@@ -328,14 +322,13 @@ class EpStep:
 def moe_mlp(h: torch.Tensor, mw: MoeWeights, ep: Optional[EpStep], record: Optional[list] = None,
             sums: MoeSums = MoeSums((), None), real: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(T, h) -> (T, h): routed experts (+ the shared expert), partials summed by ``sums``. ``record``
-    collects the (T, k) ids; without EP, rows not ``real`` (T,) bool (a graph's padding) go to no expert
-    (with EP, `EpStep.start` marks them)."""
+    collects the (T, k) ids; rows not ``real`` (T,) bool (a graph's padding) go to no expert."""
     weights, ids = route(h, mw)
     if record is not None:
         record.append(ids)
+    if real is not None:  # id E (router (E, h)): past every rank's experts, fused_moe_local skips it
+        ids = torch.where(real[:, None], ids, mw.router.shape[0])
     if ep is None:
-        if real is not None:  # id E (router (E, h)): past every rank's experts, fused_moe_local skips it
-            ids = torch.where(real[:, None], ids, mw.router.shape[0])
         routed = fused_moe_local(h, mw.w13, mw.w2, weights, ids, mw.first_expert)
     else:
         routed = ep.experts(h, weights, ids, mw)
@@ -347,6 +340,5 @@ def idle_layer(mw: MoeWeights, ep: EpStep, hidden: int, dtype, device) -> None:
     """A rank with no rows of its own: its share of the group's exchange for one MoE layer (an eager
     step of ``ep.rows`` rows, agreed)."""
     empty = torch.zeros(0, hidden, dtype=dtype, device=device)
-    ep.real = None
     ep.experts(empty, torch.zeros(0, mw.topk, device=device), torch.zeros(0, mw.topk, dtype=torch.int32,
                                                                            device=device), mw)

@@ -161,7 +161,7 @@ class StageForward:
         moe = [lw.moe for lw in self.layers if lw.moe is not None]
         self.has_moe, self.num_experts = bool(moe), cfg.num_moe_experts or 0
         self.moe_ids: Optional[list] = None  # a list: each MoE layer's (T, k) expert ids of the step append
-        self.real_rows: Optional[torch.Tensor] = None  # (T,) bool at EP 1: the step's rows that are not padding
+        self.real_rows: Optional[torch.Tensor] = None  # (T,) bool: the step's rows that are not padding
         # EP over several TP groups: the group's ranks run their MoE layers in lockstep (moe_step.EpStep);
         # TP / ETP > 1: the experts' partial sums are all-reduced (moe_step.MoeSums)
         self.ep = EpStep.of(groups, cfg.num_moe_experts) if moe else None
@@ -231,8 +231,8 @@ class StageForward:
         """
         h, residual = add_rms_norm(x, None, self.layers[0].attn_norm, self.eps)
         if self.ep is not None:  # the group agreed on the step's rows before it (EpStep.agree)
-            self.ep.start(batch.slot_mapping)
-        elif self.has_moe:  # a graph's padded rows write slot 0 (the scratch page): routed to no expert
+            self.ep.start(h.shape[0])
+        if self.has_moe:  # a graph's padded rows write slot 0 (the scratch page, never a sequence's): no expert
             self.real_rows = batch.slot_mapping != 0
         mixed = self._mixed_rows(batch)
         plan = self._decode_plan(batch, mixed, cache.keys(0))
