@@ -57,7 +57,7 @@ from megarl.rollout.prefill_graphs import PrefillGraphs
 from megarl.rollout.runners import EagerRunner, GraphRunner, PipelineGraphRunner, SamplingRows, StepRunner
 from megarl.rollout.scheduler import Scheduler, Sequence
 from megarl.rollout.stage import ForwardBatch, StageForward
-from megarl.rollout.step_experts import sequence_expert_ids
+from megarl.rollout.step_experts import record_layout, sequence_expert_ids
 
 GROUP_IDLE_S = 0.001  # EP across DP, every rank idle and some waiting for follow-ups: pause between agreements
 
@@ -257,10 +257,10 @@ class NativeEngine:
         needed = prompt_tokens + sum(s.max_new + o.page_size for s in seqs) + reserve
         self._ensure_cache(needed, longest, min(o.max_batch, len(seqs) + reserve // max(longest, 1)))
         max_pages = pages_for(max(longest, self.max_len), o.page_size)
-        # recording experts computes every prompt token (their routing is recorded as they are prefilled):
-        # no K/V pages from the prefix cache, whose tokens' routing no step of this call saw
+        if o.record_experts and o.prefix_cache and self.stage.has_moe:  # cached pages keep their tokens' ids
+            self.cache.pool.keep_experts(o.page_size, *record_layout(self.stage))
         sched = Scheduler(self.cache.pool, o.page_size, o.max_batch, o.max_num_batched_tokens, max_pages, stops,
-                          prefix_cache=o.prefix_cache and not o.record_experts, mixed=o.mixed_prefill)
+                          prefix_cache=o.prefix_cache, mixed=o.mixed_prefill, record_experts=o.record_experts)
         for group in groups:
             sched.add_group(group)
         return sched

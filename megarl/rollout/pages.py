@@ -10,14 +10,23 @@ between turns (hold a reference, extend the table) instead of recomputing them.
 
 Page 0 is scratch: never handed out, it receives the writes of padded rows of
 a CUDA-graph batch.
+
+MoE with recorded experts (``rollout.record_experts``) and the prefix cache: the
+pool also keeps, row for row beside the K/V, the top-k expert ids of the forward
+that computed each cached token (:class:`PageExperts`), so a sequence reusing a
+page gets its prompt positions' ids as well (SGLang's routed-experts buffer,
+indexed by KV slot, does the same).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from megarl.models.router_replay import unrecorded_mark
 
 SCRATCH_PAGE = 0
 
@@ -36,13 +45,20 @@ class PagePool:
     registered page that nobody holds is *idle*: still cached, but handed out
     (least recently used first) when the free list runs dry, so it counts as
     free. :meth:`forget` drops the cache (new weights make its K/V stale).
+    ``experts`` (:meth:`keep_experts`): the cached tokens' expert ids, dropped with their pages.
     """
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
             raise ValueError(f"a page pool needs at least 2 pages (one is scratch), got {num_pages}")
         self.num_pages = num_pages
+        self.experts: PageExperts | None = None
         self.reset()
+
+    def keep_experts(self, page_size: int, shape: tuple[int, int], dtype: np.dtype) -> None:
+        """From now on (once), keep each page's (page_size, layers, k) expert ids in ``experts``."""
+        if self.experts is None:
+            self.experts = PageExperts(self.num_pages, page_size, shape, dtype)
 
     def reset(self) -> None:
         """Every page free again and nothing cached (a new generate call reusing the storage)."""
@@ -52,6 +68,8 @@ class PagePool:
         self._page_of: dict[tuple, int] = {}  # prefix key -> page
         self._key_of: dict[int, tuple] = {}  # page -> prefix key
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
+        if self.experts is not None:
+            self.experts.drop(slice(None))
 
     @property
     def free(self) -> int:
@@ -67,6 +85,8 @@ class PagePool:
     def _evict(self) -> int:
         page, _ = self._idle.popitem(last=False)
         del self._page_of[self._key_of.pop(page)]
+        if self.experts is not None:
+            self.experts.drop([page])
         return page
 
     def share(self, pages: list[int]) -> None:
@@ -89,26 +109,66 @@ class PagePool:
         return self.refs[page] > 1
 
     # -- prefix cache --------------------------------------------------------
-    def register(self, page: int, key: tuple) -> None:
-        """``page`` (full, held) holds the K/V of the tokens that ``key`` names."""
-        if key not in self._page_of and page not in self._key_of:
-            self._page_of[key] = page
-            self._key_of[page] = key
+    def register(self, page: int, key: tuple) -> bool:
+        """``page`` (full, held) holds the K/V of the tokens that ``key`` names; False when either is
+        cached already (nothing changes)."""
+        if key in self._page_of or page in self._key_of:
+            return False
+        self._page_of[key] = page
+        self._key_of[page] = key
+        return True
 
-    def lookup(self, key: tuple) -> int | None:
-        """The cached page for ``key``, now held once more by the caller; None on a miss."""
+    def lookup(self, key: tuple, unless: Container[int] = ()) -> int | None:
+        """The cached page for ``key``, now held once more by the caller; None on a miss, or when the
+        page is one of ``unless`` (then it is not taken)."""
         page = self._page_of.get(key)
-        if page is not None:
-            self._idle.pop(page, None)
-            self.refs[page] += 1
+        if page is None or page in unless:
+            return None
+        self._idle.pop(page, None)
+        self.refs[page] += 1
         return page
 
     def forget(self) -> None:
-        """Drops every cached prefix; idle pages become free."""
+        """Drops every cached prefix (and its expert ids); idle pages become free."""
+        if self.experts is not None:
+            self.experts.drop(list(self._key_of))
         self._free += list(self._idle)
         self._idle.clear()
         self._page_of.clear()
         self._key_of.clear()
+
+
+class PageExperts:
+    """MoE, recorded: (pages, page_size, layers, k) host ids, row for row where the pool's K/V are.
+
+    Every recorded step writes its tokens' ids at the cache rows its K/V went to (``write``, with its
+    copy-on-write page copies first), so a full cached page holds the ids of the forward that computed
+    its K/V. Rows of pages that leave the cache are set back to the unrecorded mark (``drop``); a page
+    is read only once the scheduler knows its ids are written (megarl/rollout/scheduler.py). Per
+    token it costs layers x k bytes (uint8 below 256 experts) beside the K/V's
+    2 x layers x kv_heads x head_dim x dtype bytes.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, shape: tuple[int, int], dtype: np.dtype):
+        self.page_size, self.mark = page_size, unrecorded_mark(np.dtype(dtype))
+        self.rows = np.full((num_pages, page_size, *shape), self.mark, dtype=dtype)  # (pages, page_size, layers, k)
+
+    def write(self, cache_rows: np.ndarray, ids: np.ndarray) -> None:
+        """(T,) cache rows (page * page_size + offset) <- (T, layers, k) ids of the tokens computed there."""
+        self.rows.reshape(-1, *self.rows.shape[2:])[cache_rows] = ids
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Copy-on-write, as :meth:`KVCache.copy_pages`: pages ``src`` -> ``dst``."""
+        if len(src):
+            self.rows[list(dst)] = self.rows[list(src)]
+
+    def read(self, pages: list[int], tokens: int) -> np.ndarray:
+        """(tokens, layers, k) ids of the first ``tokens`` tokens laid out in ``pages``."""
+        return self.rows[pages].reshape(-1, *self.rows.shape[2:])[:tokens]
+
+    def drop(self, pages) -> None:
+        """``pages`` (a list, or a slice) no longer hold cached ids."""
+        self.rows[pages] = self.mark
 
 
 def prefix_keys(tokens: list[int], page_size: int, pages: int) -> list[tuple]:

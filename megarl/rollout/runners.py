@@ -102,8 +102,10 @@ class StepRunner(ABC):
 
     def experts_of(self, plan: StepPlan) -> StepExperts | None:
         """Where ``plan``'s expert ids go when the engine records them (an MoE stage), else None."""
-        stage = self.engine.stage
-        return StepExperts(plan) if self.engine.options.record_experts and stage.has_moe else None
+        engine = self.engine
+        if not (engine.options.record_experts and engine.stage.has_moe):
+            return None
+        return StepExperts(plan, engine.cache.pool.experts)
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepOutput:

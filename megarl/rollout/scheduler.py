@@ -37,6 +37,17 @@ A sequence is *finished* once its last token is recorded (a stop token, or the
 ``max_new``-th): :meth:`Scheduler.take_finished` hands those out step by step,
 for a caller that answers them with new requests while others still decode
 (``NativeEngine.serve``); new requests join the waiting queue like any other.
+
+MoE with recorded experts (``record_experts``) and the prefix cache: a sequence that
+reuses cached pages takes their tokens' expert ids into its prompt record
+(``Sequence.prompt_experts``) from the pool's :class:`~megarl.rollout.pages.PageExperts`,
+where each recorded step wrote its ids at its K/V's cache rows. Those ids arrive when
+the step is *recorded*, while its pages are registered when it is *advanced* (a step
+launched ahead is recorded after the next one is planned), so a page registered with
+tokens fed by a step not recorded yet (past ``Sequence.ids_written``) is not reused
+before the last step advanced then is recorded (``_ids_due``). The rule is the
+schedule's alone, so every rank of a replica agrees on it, a pipeline stage with no
+MoE layer (nothing recorded) included.
 """
 from __future__ import annotations
 
@@ -72,8 +83,10 @@ class Sequence:
     forks: list["Sequence"] = field(default_factory=list)  # siblings waiting on this prefill
     finish: str | None = None
     experts: dict = field(default_factory=dict)  # MoE, recorded: response index -> (layers, k) expert ids
-    # MoE, recorded: (P - 1, layers, k) expert ids that routed prompt tokens 0 .. P - 2 (the prefill's;
-    # one array for a prefill group, a fresh one when a preempted sequence is prefilled again)
+    ids_written: int = 0  # MoE, recorded, prefix cache: leading tokens whose ids the steps recorded so far wrote
+    # MoE, recorded: (P - 1, layers, k) expert ids that routed prompt tokens 0 .. P - 2 (the prefill's, and at
+    # positions in reused prefix-cache pages the forward's that computed them; one array for a prefill group,
+    # a fresh one when a preempted sequence is prefilled again)
     prompt_experts: np.ndarray | None = None
 
     @property
@@ -108,9 +121,12 @@ class Scheduler:
     """Queues, slots and pages for one ``generate`` call."""
 
     def __init__(self, pool: PagePool, page_size: int, max_seqs: int, max_tokens: int,
-                 max_pages: int, stop_ids: set[int], prefix_cache: bool = False, mixed: bool = False):
+                 max_pages: int, stop_ids: set[int], prefix_cache: bool = False, mixed: bool = False,
+                 record_experts: bool = False):
         self.pool, self.page_size, self.prefix_cache, self.mixed = pool, page_size, prefix_cache, mixed
+        self.record_experts = record_experts  # MoE: reused pages bring their expert ids (module docstring)
         self.reused_tokens = 0  # prompt tokens whose K/V came from the prefix cache
+        self._ids_due: dict[int, int] = {}  # record_experts: page registered -> the step whose record fills its ids
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.admit_slots = max(1, int(max_seqs * ADMIT_FRACTION))
         self.stop_ids = set(stop_ids)
@@ -241,23 +257,42 @@ class Scheduler:
         return self._step_plan(chunks, list(self.running) if decoding else [], copies)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Cached full pages that start ``seq``'s tokens (at least its last token is left to compute)."""
+        """Cached full pages that start ``seq``'s tokens (at least its last token is left to compute);
+        recording experts, only pages whose ids are written, and their ids go to its prompt record."""
         tokens = seq.tokens
+        unless = self._ids_due if self.record_experts else ()
         for key in prefix_keys(tokens, self.page_size, (len(tokens) - 1) // self.page_size):
-            page = self.pool.lookup(key)
+            page = self.pool.lookup(key, unless)
             if page is None:
                 break
             seq.pages.append(page)
             seq.cached += self.page_size
         self.reused_tokens += seq.cached
         self._set_table(seq)
+        if self.record_experts and seq.cached and self.pool.experts is not None:
+            self._reused_prompt_experts(seq)
+
+    def _reused_prompt_experts(self, seq: Sequence) -> None:
+        """A fresh prompt record for ``seq`` (shared with its forks) holding its reused pages' ids at its
+        prompt positions (but the last, never in a reused page); its prefill records the rest. Reused
+        positions past the prompt (a preempted or resumed sequence's response) keep the rows that
+        sampled them."""
+        store, count = self.pool.experts, len(seq.prompt) - 1
+        seq.prompt_experts = np.full((count, *store.rows.shape[2:]), store.mark, dtype=store.rows.dtype)
+        reused = min(seq.cached, count)
+        seq.prompt_experts[:reused] = store.read(seq.pages, reused)  # (reused, layers, k)
+        for fork in seq.forks:
+            fork.prompt_experts = seq.prompt_experts
 
     def _remember(self, seq: Sequence) -> None:
-        """Registers ``seq``'s full pages of computed K/V in the prefix cache."""
+        """Registers ``seq``'s full pages of computed K/V in the prefix cache (recording experts: a page
+        holding tokens past those whose ids are written has them once the last step advanced is recorded)."""
         if self.prefix_cache:
             full = min(seq.cached, len(seq.tokens)) // self.page_size  # a pending token's page waits
-            for page, key in zip(seq.pages, prefix_keys(seq.tokens, self.page_size, full)):
-                self.pool.register(page, key)
+            keys = prefix_keys(seq.tokens, self.page_size, full)
+            for k, (page, key) in enumerate(zip(seq.pages, keys)):
+                if self.pool.register(page, key) and self.record_experts and (k + 1) * self.page_size > seq.ids_written:
+                    self._ids_due[page] = self._advanced - 1
 
     def _step_plan(self, chunks, decoding: list[Sequence], copies) -> StepPlan:
         """Prompt chunks (seq, start, end), after one decode row of each of ``decoding`` (a mixed step):
@@ -344,7 +379,7 @@ class Scheduler:
         """
         self._remember(seq)  # its recompute (or a neighbour) may find these pages again
         self.pool.release(seq.pages)
-        seq.pages, seq.cached = [], 0
+        seq.pages, seq.cached, seq.ids_written = [], 0, 0
         for member in [seq] + seq.forks:
             self._free_slot(member)
         if seq in self.running:
@@ -370,6 +405,7 @@ class Scheduler:
         """The token-independent half of a step: cached tokens, lengths, and sequences that reach
         their length limit with this step's token end now. ``on_device``: the sampled tokens stay
         in the step's output rows, ``row_base`` + row (the next decode reads them there)."""
+        plan.step, self._advanced = self._advanced, self._advanced + 1
         for seq, start, end in zip(plan.seqs, plan.cu_seqlens_q[:-1], plan.cu_seqlens_q[1:]):
             seq.cached += int(end - start)
         if not plan.decode:
@@ -380,7 +416,6 @@ class Scheduler:
         slots = np.array([s.slot for s in plan.sampled], dtype=np.int64)
         self.lens[slots] += 1
         self.pending[slots] = row_base + np.arange(len(slots)) if on_device else -1
-        plan.step, self._advanced = self._advanced, self._advanced + 1
         self.pending_step[slots] = plan.step
         at_limit = self.lens[slots] - self.prompt_len[slots] >= self.max_new[slots]
         for i in np.flatnonzero(at_limit):
@@ -390,6 +425,9 @@ class Scheduler:
 
     def record(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray) -> None:
         """The sampled tokens (S,) of an advanced step; a stop token ends its sequence."""
+        if self.record_experts and self.prefix_cache:  # this step's ids are written: up to each fed token's
+            for seq, end in zip(plan.seqs, plan.positions[plan.cu_seqlens_q[1:] - 1].tolist()):
+                seq.ids_written = end + 1
         for seq, tok, lp in zip(plan.sampled, tokens.tolist(), logprobs.tolist()):
             if seq.finish == "stop":
                 continue  # a row planned ahead past the sequence's stop token
@@ -405,6 +443,8 @@ class Scheduler:
                 seq.finish = "stop"
             if seq.finish == "stop" or (seq.finish == "length" and len(seq.generated) == seq.max_new):
                 self.finished.append(seq)  # its last token: later rows of it are skipped above
+        if self._ids_due:  # steps are recorded in order: the ids of this one and those before are written
+            self._ids_due = {page: step for page, step in self._ids_due.items() if step > plan.step}
 
     def unfinished(self) -> list[Sequence]:
         """Sequences not done (running, waiting, and the forks of waiting leaders), each with the tokens

@@ -4,7 +4,9 @@ Every MoE layer's router appends its (T, k) ids to ``StageForward.moe_ids`` whil
 
 - :class:`StepExperts` files a step's (T, layers, k) ids under its sequences: each sampled row's under
   the index of its token in the response, and a prefill chunk's prompt rows (but the last prompt
-  token) in its sequence's ``prompt_experts``, shared with the forks that sample from that prefill.
+  token) in its sequence's ``prompt_experts``, shared with the forks that sample from that prefill;
+  with the prefix cache, also every row at its K/V's cache row in the pool's
+  :class:`~megarl.rollout.pages.PageExperts` (copy-on-write copies first, as the K/V's).
   It is made when the step runs, so it knows the forks even when the ids are read back later (a
   step launched ahead is recorded after the scheduler advanced it, which starts the forks decoding
   and forgets them).
@@ -24,6 +26,12 @@ import torch
 from megarl.models.router_replay import ids_dtype, unrecorded_mark
 
 
+def record_layout(stage) -> tuple[tuple[int, int], np.dtype]:
+    """(layers, k) of one token's ids on ``stage`` (its MoE layers) and their numpy dtype."""
+    moe = [lw.moe for lw in stage.layers if lw.moe is not None]
+    return (len(moe), moe[0].topk), torch.empty(0, dtype=ids_dtype(stage.num_experts)).numpy().dtype
+
+
 def small_ids(layer_ids: list, num_experts: int) -> torch.Tensor:
     """Each MoE layer's (T, k) int32 ids -> (T, layers, k) in the record's dtype (`ids_dtype`)."""
     return torch.stack(layer_ids, dim=1).to(ids_dtype(num_experts))
@@ -32,14 +40,17 @@ def small_ids(layer_ids: list, num_experts: int) -> torch.Tensor:
 class StepExperts:
     """Where one step's expert ids go: made when the step runs, given the ids when they are on the host."""
 
-    def __init__(self, plan):
-        self.plan = plan
+    def __init__(self, plan, pages=None):
+        self.plan, self.pages = plan, pages  # pages: the pool's PageExperts (the prefix cache keeps ids), or None
         # a prefill's sequences and their forks now (advancing the step forgets the forks)
         self.forks = [list(seq.forks) for seq in plan.seqs[plan.decoding:]] if not plan.decode else []
 
     def record(self, rows: np.ndarray) -> None:
         """(T, layers, k) ids of every row of the step (T: its tokens) -> its sequences' records."""
         plan = self.plan
+        if self.pages is not None:  # after the steps recorded before it, as its K/V after theirs
+            self.pages.copy(*plan.copies)
+            self.pages.write(plan.slot_mapping, rows[:len(plan.slot_mapping)])
         picked = rows[np.asarray(plan.sample_rows)]  # (S, layers, k), a copy
         for row, (seq, offset) in enumerate(zip(plan.sampled, plan.offsets)):
             seq.experts[int(offset)] = picked[row]  # (layers, k)
@@ -68,8 +79,7 @@ class GraphIds:
     """A graph's static (rows, layers, k) expert-id buffer on the device and its two pinned host copies."""
 
     def __init__(self, stage, rows: int, device):
-        moe = [lw.moe for lw in stage.layers if lw.moe is not None]
-        self.num_experts, self.shape = stage.num_experts, (len(moe), moe[0].topk)  # (layers, k) a row
+        self.num_experts, self.shape = stage.num_experts, record_layout(stage)[0]  # (layers, k) a row
         self.dtype = ids_dtype(stage.num_experts)
         self.row_bytes = self.shape[0] * self.shape[1] * torch.empty(0, dtype=self.dtype).element_size()
         words = self._words(rows)  # copy_words moves 32-bit words: the buffers are words, viewed as ids
