@@ -39,12 +39,12 @@ def fake_ids(positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return ((p * 3 + t * (5 + 2 * layer) + k) % EXPERTS).astype(np.uint8)
 
 
-def _run(pool, prompts, n, max_new, max_tokens, ahead, record=True):
+def _run(pool, prompts, n, max_new, max_tokens, ahead, record=True, max_seqs=8):
     """Generates with a fake model (recording experts unless not ``record``), prefix cache on; (scheduler,
     finished sequences). ``ahead``: each step's tokens and ids are recorded after the next step is planned
     and advanced, as the engine's overlapped loop does (tests/test_rollout_scheduler.py has the same loop
     without ids)."""
-    sched = Scheduler(pool, PAGE, 8, max_tokens, pages_for(64, PAGE), set(), prefix_cache=True,
+    sched = Scheduler(pool, PAGE, max_seqs, max_tokens, pages_for(64, PAGE), set(), prefix_cache=True,
                       record_experts=record)
     seqs = [Sequence(i * n + j, i, list(p), seed=7 * i + 20 * j, max_new=max_new)
             for i, p in enumerate(prompts) for j in range(n)]
@@ -136,6 +136,26 @@ def test_reused_pages_bring_the_ids_their_forward_recorded(ahead):
     assert reused == ((plain[0] - 8, plain[1]) if ahead else plain)
     assert plain == ((16, 96) if ahead else (16, 104))  # ahead: a sequence at its length limit retires with
     #                                                     its last fed token pending, its last page unregistered
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["stepwise", "ahead"])
+def test_only_pages_with_tokens_of_unrecorded_steps_wait(ahead):
+    """One slot: X (4 prompt tokens, 9 new: 10, 11, .. 18 from seed 0) ends at its length limit and
+    registers its decode-written full pages; Y, its first 12 tokens + 2, is admitted next and reuses
+    them, as much as without recording. Launched ahead, X ends when the step feeding position 11 is
+    advanced, before the two steps feeding positions 10 and 11 are recorded (page 2 is not registered:
+    its last token is pending); page 1 (positions 4..7) was registered then too, but its ids are
+    written, so Y reuses it (waiting for the last step advanced, as for page 2's ids, it would not)."""
+    x = [1, 2, 3, 4]
+    y = x + list(range(10, 18)) + [5, 6]
+    for record in (True, False):
+        pool = PagePool(16)
+        pool.keep_experts(PAGE, SHAPE, np.uint8)
+        sched, seqs = _run(pool, [x, y], 1, 9, 64, ahead, record, max_seqs=1)
+        assert seqs[0].generated == list(range(10, 19))
+        assert sched.reused_tokens == (8 if ahead else 12)
+        for seq in seqs if record else ():
+            _assert_cold_record(seq)
 
 
 def test_pages_leaving_the_cache_drop_their_ids():
