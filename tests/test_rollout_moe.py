@@ -11,8 +11,9 @@ training forward over the same tokens (fp32, 1e-5), and the sampled tokens must 
 same at EP1 and EP2. The engine's recorded expert ids (per prompt token but the last, from the
 prefill, and per response token, and MoE layer) must equal the top-k that ``transformers``' router
 picks for that token in a full forward; the n samples of a prompt carry the same prompt ids. The
-engine has the prefix cache on, which recording bypasses: the sampled call, after the greedy one on
-the same prompts, prefills (and records) every prompt token again.
+engine has the prefix cache on: the sampled call, after the greedy one on the same prompts, takes the
+13-token prompt's first page (8 tokens) from the cache, and with it the ids the greedy call's prefill
+recorded for those tokens.
 Not covered: bf16, the GroupedMLP layout in the engine (CUDA bf16), CUDA graphs, TP > 1.
 """
 import pytest
@@ -126,8 +127,8 @@ def test_recorded_experts_match_transformers_router(runs, ckpts, ep, arch):
         assert [len(p) for p in prompt_ids] == [len(p) - 1 for p in PROMPTS[rank]]
         assert [p.tolist() for p in prompt_ids] == [w[:len(p) - 1].tolist() for p, w in zip(PROMPTS[rank], want)]
         assert [g.tolist() for g in got] == [w[len(p) - 1:].tolist() for p, w in zip(PROMPTS[rank], want)]
-        # 2 samples a prompt, after the greedy call: the same prompt ids again, no prefix-cache page read
-        assert r["prefix_cached"] == 0
+        # 2 samples a prompt, after the greedy call: the same prompt ids again, rank 0's first page cached
+        assert r["prefix_cached"] == (8 if rank == 0 else 0)
         assert [s.tolist() for s in r["sampled_prompt_experts"]] == [p.tolist() for p in prompt_ids for _ in range(2)]
 
 
