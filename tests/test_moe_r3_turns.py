@@ -17,6 +17,8 @@ token's row from the call that sampled it, the appended context's rows from the 
   top-k.
 - HTTP agents: two chat calls per sample over the OpenAI endpoint (a tool message between them), and
   one agent that fails before calling (its row: nothing recorded, all free-routed); the same checks.
+- Both, with the engine's prefix cache on too: later calls reuse earlier calls' pages (and the ids of
+  the forwards that computed them, megarl/rollout/pages.py PageExperts); the same checks hold.
 - Partial rollouts: ``PartialRollouts`` over the engine, the weights changed between steps; in every
   trained batch a response resumed across the update keeps the earlier policy's ids for its prompt
   and earlier tokens and the new policy's for the new ones: the recorded ids of each policy's
@@ -54,12 +56,20 @@ def _actor(ckpt):
     return build_actor(cfg, groups, optimizer_steps=1), groups
 
 
-def _engine(actor, groups):
+def _engine(actor, groups, prefix_cache: bool = False):
+    """The engine; with ``prefix_cache`` it counts the tokens it reuses over all its calls in ``reused``."""
     from megarl.rollout.native import EngineOptions, NativeEngine
 
     options = EngineOptions(max_batch=4, page_size=8, max_num_batched_tokens=64, kv_cache_gb=0.01,
-                            record_experts=True)
-    return NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)  # turns end at a stop id
+                            record_experts=True, prefix_cache=prefix_cache)
+    engine = NativeEngine(actor.module, groups, actor.info.vocab_size, [], 0, options)  # turns end at a stop id
+    engine.reused, record = 0, engine._record
+
+    def counting(sched, counters):
+        record(sched, counters)
+        engine.reused += sched.reused_tokens
+    engine._record = counting
+    return engine
 
 
 class Routing:
@@ -167,7 +177,7 @@ class _Tools:
         return done
 
 
-def _multi_turn(rank, ckpt):
+def _multi_turn(rank, ckpt, prefix_cache):
     from test_rollout_agent import make_tokenizer
 
     from megarl.rollout.agent import AgentLoop, AgentOptions
@@ -176,7 +186,7 @@ def _multi_turn(rank, ckpt):
 
     actor, groups = _actor(ckpt)
     routing = Routing(actor)
-    engine, tok = _engine(actor, groups), make_tokenizer()
+    engine, tok = _engine(actor, groups, prefix_cache), make_tokenizer()
     prompts = [tok.encode("<s>user:mul 6 7</s><s>assistant:"), tok.encode("<s>user:ab</s><s>assistant:")]
     requests, params = sample_requests(prompts, 2, 5, 40), SamplingParams(temperature=1.0)
     end = engine.generate(requests[:1], params)[0].response_ids[2]  # sample 0 calls its tool in turn 0
@@ -187,6 +197,7 @@ def _multi_turn(rank, ckpt):
         results = loop.generate(requests, params)
         out[overlap] = {"turns": [r.extra["turns"] for r in results],
                         "context": [r.loss_mask.count(0) for r in results]}
+    out["reused"] = engine.reused
     # the checks move the weights: the overlapped schedule's batch is checked on its own weights first
     out[True].update(_check_episode(actor, to_sample_batch(results, 0, "cpu"), routing))
     return pickle.dumps(out)
@@ -212,7 +223,7 @@ def two_call_agent(sample, base_url):
     return 1.0
 
 
-def _http(rank, ckpt):
+def _http(rank, ckpt, prefix_cache):
     from test_rollout_agent import make_tokenizer
 
     from megarl.config import Config
@@ -226,7 +237,8 @@ def _http(rank, ckpt):
     tok = make_tokenizer()
     end = tok.convert_tokens_to_ids("</tool_call>")
     parser = resolve_parser(Config().rollout.server.parser)
-    agents = HttpAgentRollout(_engine(actor, groups), tok, two_call_agent, parser, [], 0, host="127.0.0.1", port=0,
+    engine = _engine(actor, groups, prefix_cache)
+    agents = HttpAgentRollout(engine, tok, two_call_agent, parser, [], 0, host="127.0.0.1", port=0,
                               workers=4, timeout_s=120, model_name="m", max_len=100, stop_ids=[end])
     try:
         results = agents.generate(sample_requests([tok.encode("<s>user:mul 6 7</s><s>assistant:")], 4, 9, 60),
@@ -234,7 +246,7 @@ def _http(rank, ckpt):
     finally:
         agents.close()
     out = {"calls": [r.extra["calls"] for r in results], "failed": [r.extra["agent_failed"] for r in results],
-           "context": [r.loss_mask.count(0) for r in results]}
+           "context": [r.loss_mask.count(0) for r in results], "reused": engine.reused}
     out.update(_check_episode(actor, to_sample_batch(results, 0, "cpu"), routing))
     return pickle.dumps(out)
 
@@ -348,8 +360,10 @@ def _assert_episode(r: dict) -> None:
     assert r["agree_after"] < 1.0 and r["own_after"] < 1.0  # the moved routers would choose others
 
 
-def test_multi_turn_tool_episode(ckpt):
-    r = pickle.loads(spawn(_multi_turn, 1, ckpt)[0])
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["cold", "prefix_cache"])
+def test_multi_turn_tool_episode(ckpt, prefix_cache):
+    r = pickle.loads(spawn(_multi_turn, 1, ckpt, prefix_cache)[0])
+    assert (r["reused"] > 0) == prefix_cache  # later turns take earlier turns' pages (and their ids)
     assert max(r[False]["turns"]) > 1 and r[False]["turns"] == r[True]["turns"]
     inside = torch.arange(r[True]["recorded_mask"].shape[1])[None, :] < (r[True]["lengths"] - 1)[:, None]
     assert torch.equal(r[True]["recorded_mask"], inside)  # context included: every position but the last
@@ -357,8 +371,10 @@ def test_multi_turn_tool_episode(ckpt):
     _assert_episode(r[True])
 
 
-def test_http_agent_episode(ckpt):
-    r = pickle.loads(spawn(_http, 1, ckpt)[0])
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["cold", "prefix_cache"])
+def test_http_agent_episode(ckpt, prefix_cache):
+    r = pickle.loads(spawn(_http, 1, ckpt, prefix_cache)[0])
+    assert (r["reused"] > 0) == prefix_cache  # the second call takes the first one's pages
     assert r["failed"] == [False, False, False, True] and r["calls"][:3] == [2, 2, 2]
     failed = r["recorded_mask"][3]
     assert not failed.any()  # the failed sample: nothing recorded, its row free-routed
