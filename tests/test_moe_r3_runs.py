@@ -13,6 +13,8 @@ yaml/tiny_moe.yaml (4 MoE layers, 8 experts, top-2, EP2 on 2 ranks, fp32), one s
 4. ``rollout.partial=true`` at PP2, two steps: the batch gathers every stage's layers, responses resumed
    across the update train under r3.
 5. A live step at TP2 (sequence parallelism): agreement 1 with and without replay.
+Items 4 and 5 also run with ``rollout.prefix_cache=true`` (pages of 8 tokens): prompts reuse pages of
+earlier prompts, and each stage / TP rank takes those pages' recorded ids with them; the same checks hold.
 """
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from test_trainer_runs import ROOT, metrics, ppo
 
+CACHED = ("rollout.prefix_cache=true", "rollout.page_size=8")
 FAST = ("data.batch_size=8", "rollout.n=4", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
         "trainer.eval_samples=16", "trainer.tensorboard=false", "trainer.export_hf=false", "trainer.save_last=false")
 
@@ -73,27 +77,32 @@ def test_r3_dump_and_replay(tmp_path):
     assert lines and "actor.router_replay=none" in lines[0]
 
 
-def test_r3_at_tp2(tmp_path):
+@pytest.mark.parametrize("cached", [False, True], ids=["cold", "prefix_cache"])
+def test_r3_at_tp2(tmp_path, cached):
     """One GRPO step of yaml/tiny_moe.yaml at TP2 (sequence parallelism, EP1, one DP replica): the engine
     records at TP2, every TP rank replays its slice of the sequence, and with the weights that generated
     every recorded choice is the router's own (agreement 1 per layer, with and without replay)."""
     run = tmp_path / "tp2"
     ppo("yaml/tiny_moe.yaml", run, *FAST, "data.batch_size=4", "parallel.tp=2", "parallel.ep=1",
-        "parallel.sequence_parallel=true", "actor.router_replay=r3", steps=1)
+        "parallel.sequence_parallel=true", "actor.router_replay=r3", *(CACHED if cached else ()), steps=1)
     m = metrics(run)[1]
+    assert (m["rollout/prefix_cached_tokens"] > 0) == cached
     for prefix in ("r3", "r3/no_replay"):
         assert m[f"{prefix}/agreement"] == 1.0 and m[f"{prefix}/agreement/layer_3"] == 1.0
     assert m["mismatch/abs_max"] <= 1e-4 and m["mismatch/no_replay/abs_max"] <= 1e-4
 
 
-def test_r3_partial_rollouts_at_pp2(tmp_path):
+@pytest.mark.parametrize("cached", [False, True], ids=["cold", "prefix_cache"])
+def test_r3_partial_rollouts_at_pp2(tmp_path, cached):
     """``rollout.partial=true`` under r3 at PP2 (each stage records its own 2 layers; the trained batch
     gathers all 4), two steps: step 1 trains what the weights of step 1 sampled (every recorded choice
     agrees, with and without replay, on all 4 layers); step 2 trains responses resumed across the update
     (partial/resumed > 0), their ids the ones each token's policy used (tests/test_moe_r3_turns.py checks
     that token by token)."""
-    ppo("yaml/tiny_moe.yaml", tmp_path, *FAST, "rollout.partial=true", "parallel.ep=1", "parallel.pp=2", steps=2)
+    ppo("yaml/tiny_moe.yaml", tmp_path, *FAST, "rollout.partial=true", "parallel.ep=1", "parallel.pp=2",
+        *(CACHED if cached else ()), steps=2)
     m = metrics(tmp_path)
+    assert (m[1]["rollout/prefix_cached_tokens"] > 0) == cached
     for prefix in ("r3", "r3/no_replay"):
         assert m[1][f"{prefix}/agreement"] == 1.0 and m[1][f"{prefix}/agreement/layer_3"] == 1.0
     assert m[2]["partial/resumed"] > 0 and 0 < m[2]["r3/agreement"] <= 1.0
