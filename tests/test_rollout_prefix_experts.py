@@ -159,8 +159,8 @@ def test_only_pages_with_tokens_of_unrecorded_steps_wait(ahead):
 
 
 def test_pages_leaving_the_cache_drop_their_ids():
-    """Eviction sets an evicted page's rows back to the unrecorded mark, ``forget`` every cached page's,
-    ``reset`` every page's; a page in ``unless`` is not taken by ``lookup``."""
+    """Eviction sets an evicted page's rows back to the unrecorded mark, ``forget`` and ``reset`` every
+    cached page's (ids are read from cached pages only); a page in ``unless`` is not taken by ``lookup``."""
     pool = PagePool(4)  # pages 1..3
     pool.keep_experts(PAGE, SHAPE, np.uint8)
     pages = pool.alloc(3)
@@ -179,8 +179,10 @@ def test_pages_leaving_the_cache_drop_their_ids():
     np.testing.assert_array_equal(pool.experts.read([pages[1]], PAGE), fake_ids(rows[PAGE:8], rows[PAGE:8]))
     pool.forget()
     assert (pool.experts.rows[pages[1]] == mark).all() and (pool.experts.rows[pages[2]] != mark).all()
+    assert pool.lookup(keys[1]) is None
+    pool.register(pages[2], keys[1])
     pool.reset()
-    assert (pool.experts.rows == mark).all()
+    assert (pool.experts.rows == mark).all() and pool.lookup(keys[1]) is None
 
 
 # -- the engine ----------------------------------------------------------------------------------

@@ -62,14 +62,14 @@ class PagePool:
 
     def reset(self) -> None:
         """Every page free again and nothing cached (a new generate call reusing the storage)."""
+        if self.experts is not None:  # ids are read only from cached pages: drop those
+            self.experts.drop(list(self._key_of))
         self.refs = np.zeros(self.num_pages, dtype=np.int32)
         self.refs[SCRATCH_PAGE] = 1 << 30  # never freed
         self._free = list(range(self.num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._page_of: dict[tuple, int] = {}  # prefix key -> page
         self._key_of: dict[int, tuple] = {}  # page -> prefix key
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
-        if self.experts is not None:
-            self.experts.drop(slice(None))
 
     @property
     def free(self) -> int:
@@ -167,7 +167,7 @@ class PageExperts:
         return self.rows[pages].reshape(-1, *self.rows.shape[2:])[:tokens]
 
     def drop(self, pages) -> None:
-        """``pages`` (a list, or a slice) no longer hold cached ids."""
+        """``pages`` no longer hold cached ids."""
         self.rows[pages] = self.mark
 
 
