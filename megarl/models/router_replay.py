@@ -4,7 +4,8 @@ The native engine records, for each response token, the top-k expert ids of ever
 the row that sampled it (``GenerationResult.expert_ids``, megarl/rollout/runners.py), and for
 prompt tokens 0 .. P - 2 the rows of their prefill (``GenerationResult.prompt_expert_ids``: a
 prompt is prefilled once for its n samples, which all carry that prefill's ids, as their K/V are
-that prefill's). In the batch they sit per *position*, as the model reads them:
+that prefill's; tokens whose K/V pages come from the prefix cache carry the ids of the forward that
+computed those pages, kept beside them: megarl/rollout/pages.py ``PageExperts``). In the batch they sit per *position*, as the model reads them:
 ``SampleBatch.expert_ids[i, t]`` (layers, k) are the experts that routed input token t of row i, so
 prompt token t is at position t and the ids of response token j (prompt length P) are at position
 P + j - 1 (the prompt's last token's row sampled response token 0). Positions the engine did not

@@ -100,7 +100,8 @@ class GenerationResult:
     # sample (a resumed request's prefix: megarl/rollout/expert_record.py keeps their earlier ids)
     expert_ids: "np.ndarray | None" = None
     # with expert_ids: (P - 1, layers of this stage, k) the ids that routed prompt tokens 0 .. P - 2 in its
-    # prefill (the same for every sample of a prompt: they share it); position P - 1 is expert_ids[0]
+    # prefill (the same for every sample of a prompt: they share it), or in the forward that computed their
+    # K/V where they came from the prefix cache; position P - 1 is expert_ids[0]
     prompt_expert_ids: "np.ndarray | None" = None
     versions: list[int] | None = None  # per response token: the policy version that sampled it (partial rollouts)
 

@@ -150,7 +150,7 @@ class PageExperts:
     """
 
     def __init__(self, num_pages: int, page_size: int, shape: tuple[int, int], dtype: np.dtype):
-        self.page_size, self.mark = page_size, unrecorded_mark(np.dtype(dtype))
+        self.mark = unrecorded_mark(np.dtype(dtype))
         self.rows = np.full((num_pages, page_size, *shape), self.mark, dtype=dtype)  # (pages, page_size, layers, k)
 
     def write(self, cache_rows: np.ndarray, ids: np.ndarray) -> None:
