@@ -18,7 +18,9 @@ bits; no top-k choice is that close in these models), which is what makes the co
 After the weights move (``update_weights``) no page of the earlier weights is reused: the prompt ids
 equal a cold engine's under the new weights, and differ from the earlier ids.
 Not covered: bf16 on a GPU, where a cached page's ids are those of the forward that computed it
-(another batch than a cold prefill's, so routing may differ by numerics), EP / TP / PP layouts.
+(another batch than a cold prefill's, so routing may differ by numerics); CUDA-graph capture. Layouts
+are elsewhere, with the prefix cache on: EP2 (tests/test_rollout_moe.py: cached prompt ids equal
+``transformers``' routing), TP2 and PP2 (tests/test_moe_r3_runs.py: r3 agreement 1).
 """
 import numpy as np
 import pytest
