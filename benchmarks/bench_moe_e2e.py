@@ -115,7 +115,8 @@ def run_r3(w: dict, args, overrides: list[str], stem: str, none_run: dict) -> di
     extra = ["actor.router_replay=r3", "actor.router_replay_probe_every=1", f"actor.mini_batch_size={half}"]
     run = run_megarl(r3_w, args, overrides + extra, stem + ".r3.log", os.path.join(args.work, "r3"))
     result = r3_result(step_rows(os.path.join(args.work, "r3", "megarl_run")), none_run)
-    result["run"] = {k: v for k, v in run.items() if k in ("returncode", "error", "error_lines", "log", "wall_s")}
+    result["run"] = {k: v for k, v in run.items() if k in ("returncode", "error", "error_lines", "log", "wall_s",
+                                                         "peak_memory_by_phase")}
     result["workload"] = {"mini_batch_size": half, "steps": args.r3_steps, "overrides": extra}
     return result
 
