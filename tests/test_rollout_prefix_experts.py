@@ -250,7 +250,35 @@ def _conversation(rank, ckpt):
     out["synced"] = {"warm": _results(warm.generate(requests, params)),
                      "cold": _results(_engine(actor, groups, False, False).generate(requests, params)),
                      "hits": warm.stats["rollout/prefix_cached_tokens"], "cached": cached}
+    out["cut_short"] = _cut_short_call(warm, requests, params)
+    out["cut_short"]["cold"] = out["synced"]["cold"]
     return out
+
+
+def _cut_short_call(engine, requests, params) -> dict:
+    """A call whose third step raises, then the same requests again on the same engine."""
+    def failing_runner(rows, longest, make=engine._runner):
+        runner, steps = make(rows, longest), []
+        run = runner.run
+
+        def run_until_third(plan):
+            steps.append(plan)
+            if len(steps) == 3:
+                raise RuntimeError("injected failure")
+            return run(plan)
+        runner.run = run_until_third
+        return runner
+
+    engine._runner = failing_runner
+    try:
+        engine.generate(requests, params)
+        raised = False
+    except RuntimeError:
+        raised = True
+    del engine._runner  # the class's again
+    pool = engine.cache.pool
+    state = {"raised": raised, "cached": len(pool._key_of), "held": int(pool.refs[1:].sum())}
+    return {**state, "again": _results(engine.generate(requests, params))}
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +322,14 @@ def test_weight_update_drops_the_cached_pages_and_their_ids(conversation):
     assert synced["hits"] == 3 * 16 + 8
     _assert_same(synced["warm"], synced["cold"])
     assert any((got != old).any() for got, old in zip(synced["warm"]["prompt_experts"], before))
+
+
+def test_a_call_cut_short_leaves_no_held_or_cached_pages(conversation):
+    """An error mid-call: the next call starts on a fresh pool (no page still held by the cut call's
+    sequences, nothing cached whose K/V or ids its steps may not have written) and samples as a cold engine."""
+    cut = conversation["cut_short"]
+    assert cut["raised"] and cut["cached"] == 0 and cut["held"] == 0
+    _assert_same(cut["again"], cut["cold"])
 
 
 @pytest.fixture(scope="module")

@@ -194,12 +194,23 @@ class NativeEngine:
         runner = self._runner(SamplingRows(params, self.device), longest)
         # no module.eval(): the engine reads the weights, never calls a module (a train/eval walk over
         # every module would cost host time per call)
-        with torch.no_grad(), cpu_compat.paused():
-            self.stage.refresh_experts()
-            counters = StepLoop(sched, runner, feed, stop).run()
-            self.serve_group_until_done()  # EP across DP: serve the group's other ranks until they are done too
+        try:
+            with torch.no_grad(), cpu_compat.paused():
+                self.stage.refresh_experts()
+                counters = StepLoop(sched, runner, feed, stop).run()
+                self.serve_group_until_done()  # EP across DP: serve the group's other ranks until they are done too
+        except BaseException:
+            self._drop_pool()
+            raise
         self._record(sched, counters)
         return sched
+
+    def _drop_pool(self) -> None:
+        """A call cut short (an error, an interrupt) leaves pages held by its sequences and may leave
+        cached pages whose K/V (and expert ids) its steps never wrote: a later call starts on a fresh
+        pool, so nothing reads them."""
+        if self.cache is not None:
+            self.cache.pool = PagePool(self.cache.pool.num_pages)
 
     def serve_group_until_done(self) -> None:
         """EP across DP, this rank done: its experts serve the group's other ranks, step by step as agreed
