@@ -14,15 +14,22 @@ repeat, timed by wall clock:
   all at once, each calling ``/samples/<id>/v1/chat/completions`` with the official ``openai`` client
   (``AsyncOpenAI`` on one event loop, a connection per session) and ``max_tokens`` = ``--new-tokens``;
   the server tokenizes the messages, queues the calls into the running batch and records the
-  sessions; ``--stream`` adds a streamed run (SSE chunks every engine step);
+  sessions; ``--stream`` adds a streamed run (SSE chunks every engine step), its agents in the
+  worker processes when ``--agent-processes`` is given (one client loop parsing every session's
+  chunks would bound it);
 * http_processes (``--agent-processes N``): the http run with the agents in N worker processes
   (``rollout.server.agent_processes``), each with its own client loop, so the clients' Python work
   does not share the engine's interpreter lock.
 
 tokens/s = sessions x new tokens / seconds (prefill included), the median over ``--repeats``, after a
 warm-up of both paths (and every CUDA-graph batch size). A sample's tokens depend on its prompt and
-seed only, so the HTTP responses must equal the direct ones (``same_tokens``). Writes
-``{"direct_tokens_per_s", "http_tokens_per_s", "sessions", "workload", ...}`` to ``--out``.
+seed only, so in exact arithmetic the HTTP responses equal the direct ones (``same_tokens``, and per
+path ``paths.<name>.same``: the fraction equal and the median first differing position). In bf16
+the calls arriving over time decode in other batch compositions, whose rounding can flip a sampled
+token; ``paths.direct_split`` measures that alone (the direct requests in two calls of half the
+batch). Per path also the engine's step counters of its last repeat and when its first and last
+call reached the engine. Writes ``{"direct_tokens_per_s", "http_tokens_per_s", "sessions",
+"workload", ...}`` to ``--out``.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from functools import partial
 
 import torch
@@ -83,14 +91,16 @@ async def _chat(client, messages: list[dict], max_tokens: int, stream: bool) -> 
 
 
 _CLIENTS: ClientLoop | None = None  # this process's client loop (the bench's, or an agent worker process's)
+_CLIENTS_LOCK = threading.Lock()  # the agents' threads make it once
 
 
 def chat_agent(sessions: int, max_tokens: int, stream: bool, sample: dict, base_url: str) -> dict:
     """One session: one chat call of ``max_tokens`` tokens on the sample's base URL, through this
     process's ``AsyncOpenAI`` (made at its first call: the bench's, or an agent process's own)."""
     global _CLIENTS
-    if _CLIENTS is None:
-        _CLIENTS = ClientLoop(sessions)
+    with _CLIENTS_LOCK:
+        if _CLIENTS is None:
+            _CLIENTS = ClientLoop(sessions)
     return _CLIENTS.run(_chat(_CLIENTS.client.with_options(base_url=base_url), sample["messages"], max_tokens,
                               stream))
 
@@ -138,10 +148,48 @@ def build(args):
     return engine, http, tok, info.vocab_size
 
 
+class Arrivals:
+    """When each call of an HTTP run reached the engine's queue, in seconds from the run's start."""
+
+    def __init__(self, queue):
+        self.start, self.times = time.perf_counter(), []
+        submit = queue.submit
+
+        def timed_submit(*args, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+            return submit(*args, **kwargs)
+        queue.submit = timed_submit
+
+    def begin(self) -> None:
+        self.start, self.times = time.perf_counter(), []
+
+    def summary(self) -> dict:
+        return {"first_s": min(self.times), "last_s": max(self.times)} if self.times else {}
+
+
 def run_http(http, conversations, requests, params, max_tokens: int, stream: bool):
     http.agent = partial(chat_agent, len(requests), max_tokens, stream)
     http.bind_items({r.key: {"messages": c} for r, c in zip(requests, conversations)})
+    http.arrivals.begin()
     return http.generate(requests, params)
+
+
+def sameness(results, direct: dict) -> dict:
+    """How many of a path's responses equal the direct run's, and where the others first differ."""
+    firsts = []
+    for r in results:
+        ids, ref = list(r.response_ids), direct[r.key]
+        if ids != ref or r.extra.get("agent_failed"):
+            firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref))))
+    return {"equal_frac": 1 - len(firsts) / len(results),
+            "first_difference_median": statistics.median(firsts) if firsts else None}
+
+
+def split_direct(engine, requests, params) -> list:
+    """The direct requests in two generate calls of half the batch each: the same samples in other
+    batch compositions, which in bf16 change the logits' rounding (so, rarely, a sampled token)."""
+    half = len(requests) // 2
+    return engine.generate(requests[:half], params) + engine.generate(requests[half:], params)
 
 
 def measure(args) -> dict:
@@ -156,27 +204,36 @@ def measure(args) -> dict:
     capture_buckets(engine, prompts)
     engine.generate(sample_requests(prompts, 1, 0, 4), params)  # warm-up of both paths
     for rollout in http.values():  # (starts the agent processes)
+        rollout.arrivals = Arrivals(rollout.state.queue)
         run_http(rollout, conversations, sample_requests(prompts, 1, 0, 4), params, 4, args.stream)
-    paths = {"direct": lambda: engine.generate(requests, params),
-             "http": lambda: run_http(http[0], conversations, requests, params, args.new_tokens, False)}
+    streamer = http[args.agent_processes]  # streamed chunks are parsed by the agents' clients: in their processes
+    paths = {"direct": (None, lambda: engine.generate(requests, params)),
+             "http": (http[0], lambda: run_http(http[0], conversations, requests, params, args.new_tokens, False))}
     if args.agent_processes:
-        paths["http_processes"] = lambda: run_http(http[args.agent_processes], conversations, requests, params,
-                                                   args.new_tokens, False)
+        paths["http_processes"] = (http[args.agent_processes], lambda: run_http(
+            http[args.agent_processes], conversations, requests, params, args.new_tokens, False))
     if args.stream:
-        paths["http_stream"] = lambda: run_http(http[0], conversations, requests, params, args.new_tokens, True)
-    seconds, out = {name: [] for name in paths}, {}
+        paths["http_stream"] = (streamer, lambda: run_http(streamer, conversations, requests, params,
+                                                           args.new_tokens, True))
+    seconds, out, details = {name: [] for name in paths}, {}, {}
     for _ in range(args.repeats):
-        for name, fn in paths.items():
+        for name, (rollout, fn) in paths.items():
             seconds[name].append(timed(lambda: out.__setitem__(name, fn())))  # noqa: B023 - called at once
+            details[name] = {"engine": dict(engine.stats),
+                             "arrivals": rollout.arrivals.summary() if rollout is not None else {}}
     for rollout in http.values():
         rollout.close()
     direct = {r.key: r.response_ids for r in out["direct"]}
     assert all(len(ids) == args.new_tokens for ids in direct.values()), "a direct response stopped early"
-    same = all(r.response_ids == direct[r.key] and not r.extra["agent_failed"]
-               for name in ("http", "http_processes", "http_stream") if name in out for r in out[name])
+    for name in paths:
+        if name != "direct":
+            details[name]["same"] = sameness(out[name], direct)
+    details["direct_split"] = {"same": sameness(split_direct(engine, requests, params), direct)}
+    same = all(details[name]["same"]["equal_frac"] == 1.0 for name in paths if name != "direct")
     tokens = args.sessions * args.new_tokens
     rates = {k: tokens / statistics.median(v) for k, v in seconds.items()}
-    return {"rates": rates, "seconds": seconds, "same_tokens": same}
+    return {"rates": rates, "seconds": seconds, "same_tokens": same, "paths": details,
+            "stream_agents": f"{args.agent_processes} processes" if args.agent_processes else "threads"}
 
 
 def parse() -> argparse.Namespace:
@@ -217,10 +274,11 @@ def main() -> None:
                      "temperature": 1.0, "repeats": args.repeats, "client": "openai.AsyncOpenAI",
                      "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"},
         "http_over_direct": rates["http"] / rates["direct"], "same_tokens": got["same_tokens"],
-        "seconds": got["seconds"],
+        "seconds": got["seconds"], "paths": got["paths"],
     }
     if "http_stream" in rates:
         result["http_stream_tokens_per_s"] = rates["http_stream"]
+        result["workload"]["stream_agents"] = got["stream_agents"]
     if "http_processes" in rates:
         result["http_processes_tokens_per_s"] = rates["http_processes"]
         result["http_processes_over_direct"] = rates["http_processes"] / rates["direct"]
@@ -235,7 +293,8 @@ def main() -> None:
              f"({100 * result['http_processes_over_direct']:.1f}%)" if "http_processes" in rates else "")
           + (f", streamed {rates['http_stream']:.0f} tokens/s"
                                                            if "http_stream" in rates else "")
-          + f"; same tokens: {got['same_tokens']}")
+          + f"; same tokens: {got['same_tokens']} (equal responses: "
+          + ", ".join(f"{k} {v['same']['equal_frac']:.2f}" for k, v in got["paths"].items() if "same" in v) + ")")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 Each choice's request is registered with the engine's queue with a token
 callback (:meth:`~megarl.rollout.http_server.EngineQueue.submit`); between
 engine steps the engine's thread hands it the tokens recorded so far, and the
-new ones go to the handler's event loop. Per choice the client gets a role
-chunk, then content deltas as tokens arrive (each chunk with its tokens'
-log-probs when asked; with log-probs a chunk goes out for every step's tokens,
-even while their text is held back), then, when the request finishes, the rest of the
+new ones wait in the choice's :class:`TokenInbox` until the handler's event loop
+takes them (the tokens of every step since its last turn at once). Per choice the
+client gets a role chunk, then content deltas as tokens arrive (each chunk with its
+tokens' log-probs when asked; with log-probs a chunk goes out for every delivery,
+even while its text is held back), then, when the request finishes, the rest of the
 content, the tool calls, the finish reason (with megarl's ``token_ids``), and
 after every choice the usage and ``[DONE]``.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 from aiohttp import web
 
@@ -108,27 +110,53 @@ class ChoiceStream:
         return [self.chunk(delta, **extra)]
 
 
+class TokenInbox:
+    """The tokens the engine's thread hands over between steps, per choice, until the handler takes them.
+
+    At most one wake-up per choice waits in the handler's queue: while it waits, later steps' tokens
+    join the same delivery, so a handler (or a client) slower than the engine gets fewer, larger
+    chunks instead of a backlog of one chunk per step, and the engine's thread schedules at most one
+    callback per choice between two of the handler's turns."""
+
+    def __init__(self, n: int, loop, events: asyncio.Queue):
+        self.loop, self.events = loop, events
+        self.lock = threading.Lock()
+        self.sent = [0] * n  # tokens of each choice handed over so far
+        self.ids: list[list[int]] = [[] for _ in range(n)]  # handed over, not yet taken
+        self.lps: list[list[float]] = [[] for _ in range(n)]
+        self.waiting = [False] * n  # a wake-up for the choice is in the handler's queue
+
+    def pusher(self, j: int):
+        def push(ids: list[int], lps: list[float]) -> None:  # the engine's thread, between steps
+            with self.lock:
+                if len(ids) <= self.sent[j]:
+                    return
+                self.ids[j] += ids[self.sent[j]:]
+                self.lps[j] += lps[self.sent[j]:len(ids)]
+                self.sent[j] = len(ids)
+                wake, self.waiting[j] = not self.waiting[j], True
+            if wake:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, (j, False))
+        return push
+
+    def take(self, j: int) -> tuple[list[int], list[float]]:
+        """The choice's tokens handed over since the last take (the handler's loop)."""
+        with self.lock:
+            ids, lps, self.ids[j], self.lps[j], self.waiting[j] = self.ids[j], self.lps[j], [], [], False
+        return ids, lps
+
+
 async def stream_chat(request: web.Request, state, session, prompt, call, max_tokens: int, head: dict):
     """Samples ``call``'s choices and streams them; records them in ``session`` at the end."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-    def on_tokens(j: int):
-        sent = [0]
-
-        def push(ids: list[int], lps: list[float]) -> None:  # the engine's thread, between steps
-            if len(ids) > sent[0]:
-                new = (j, ids[sent[0]:], lps[sent[0]:])
-                sent[0] = len(ids)
-                loop.call_soon_threadsafe(events.put_nowait, new)
-        return push
-
+    inbox = TokenInbox(call.n, loop, events)
     with session.lock:
         seeds = [session.next_seed(j) for j in range(call.n)]
-    futures = state.queue.submit(prompt.ids, seeds, max_tokens, [on_tokens(j) for j in range(call.n)])
+    futures = state.queue.submit(prompt.ids, seeds, max_tokens, [inbox.pusher(j) for j in range(call.n)])
     for j, f in enumerate(futures):
-        f.add_done_callback(lambda _f, j=j: loop.call_soon_threadsafe(events.put_nowait, (j, None, None)))
+        f.add_done_callback(lambda _f, j=j: loop.call_soon_threadsafe(events.put_nowait, (j, True)))
     choices = [ChoiceStream(state, j, head, call.stop, call.logprobs) for j in range(call.n)]
 
     async def send(chunk: dict) -> None:
@@ -138,9 +166,9 @@ async def stream_chat(request: web.Request, state, session, prompt, call, max_to
         await send(c.opening())
     results: list[GenerationResult | None] = [None] * call.n
     while any(r is None for r in results):
-        j, ids, lps = await events.get()
-        if ids is not None:
-            for chunk in choices[j].extend(ids, lps):
+        j, done = await events.get()
+        if not done:
+            for chunk in choices[j].extend(*inbox.take(j)):
                 await send(chunk)
             continue
         try:
