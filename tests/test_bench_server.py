@@ -2,7 +2,8 @@
 
 The tiny-llama shape, 8 sessions of 64 prompt + 16 new tokens, one timed repeat of each path (and
 the streamed one). Checked: the four keys the issue asks for, rates > 0, the HTTP (and streamed)
-(and agent-process) responses equal to the direct ones (a sample's tokens depend on its prompt and seed only), the
+(and agent-process) responses equal to the direct ones (a sample's tokens depend on its prompt and seed only; fp32
+here, so also the direct requests split over two calls), each path's engine counters and call arrival times, the
 workload as asked. Not checked: any speed (a GPU run's question; this CPU is shared).
 """
 import json
@@ -34,6 +35,14 @@ def test_bench_server_tiny_writes_its_json(tmp_path):
     assert {k: got["workload"][k] for k in ("shape", "prompt_len", "new_tokens", "client")} == {
         "shape": "tiny-llama", "prompt_len": 64, "new_tokens": 16, "client": "openai.AsyncOpenAI"}
     assert "direct" in p.stdout.splitlines()[-1] and "same tokens: True" in p.stdout
+    paths = got["paths"]  # per path: sameness, the engine's counters, when the calls reached the engine
+    assert set(paths) == {"direct", "http", "http_processes", "http_stream", "direct_split"}
+    assert all(paths[k]["same"] == {"equal_frac": 1.0, "first_difference_median": None}
+               for k in ("http", "http_processes", "http_stream", "direct_split"))
+    assert all(paths[k]["engine"]["rollout/decode_steps"] >= 15 for k in ("direct", "http", "http_stream"))
+    assert all(0 <= paths[k]["arrivals"]["first_s"] <= paths[k]["arrivals"]["last_s"]
+               for k in ("http", "http_processes", "http_stream"))
+    assert got["workload"]["stream_agents"] == "2 processes"
 
 
 def test_bench_server_help():
