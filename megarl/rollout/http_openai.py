@@ -82,16 +82,38 @@ def parse_chat(body: dict, model_name: str, temperature: float, completion: bool
     return Call(messages, None, n, max_tokens, stop, bool(body.get("logprobs")), bool(body.get("stream")), tools)
 
 
+def first_stop(ids: list[int], stop: list[str], decode, checked: int = 0) -> int | None:
+    """The smallest k > ``checked`` such that ``decode(ids[:k])`` holds a stop string, or None; the
+    prefixes up to ``checked`` tokens are known to hold none. A longer prefix's text extends a shorter
+    one's (but for an incomplete character at its end, which no stop string holds), so a stop string once
+    found stays: one decode of all ``ids`` answers "none" and a bisection finds k in log(len) decodes
+    (:func:`first_stop_ref` is the scan it equals)."""
+    def hit(k: int) -> bool:
+        text = decode(ids[:k])
+        return any(s in text for s in stop)
+
+    if not stop or len(ids) <= checked or not hit(len(ids)):
+        return None
+    low, high = checked, len(ids)  # hit(high); no hit at low (or low = checked)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if hit(mid) else (mid, high)
+    return high
+
+
+def first_stop_ref(ids: list[int], stop: list[str], decode, checked: int = 0) -> int | None:
+    """Reference of :func:`first_stop`: every prefix in turn."""
+    return next((k for k in range(checked + 1, len(ids) + 1) if any(s in decode(ids[:k]) for s in stop)), None)
+
+
 def cut_at_stop(r: GenerationResult, stop: list[str], decode) -> GenerationResult:
     """``r`` cut after the first token whose text completes a stop string (finish "stop")."""
-    if not stop:
+    k = first_stop(list(r.response_ids), stop, decode)
+    if k is None:
         return r
-    for k in range(1, len(r.response_ids) + 1):
-        if any(s in decode(r.response_ids[:k]) for s in stop):
-            experts = None if r.expert_ids is None else r.expert_ids[:k]  # MoE, recorded: one row per token
-            return replace(r, response_ids=r.response_ids[:k], logprobs=r.logprobs[:k], finish_reason="stop",
-                           expert_ids=experts)
-    return r
+    experts = None if r.expert_ids is None else r.expert_ids[:k]  # MoE, recorded: one row per token
+    return replace(r, response_ids=r.response_ids[:k], logprobs=r.logprobs[:k], finish_reason="stop",
+                   expert_ids=experts)
 
 
 def token_logprob(state, token_id: int, logprob: float) -> dict:

@@ -28,7 +28,7 @@ import threading
 from aiohttp import web
 
 from megarl.rollout.engine import GenerationResult
-from megarl.rollout.http_openai import choice_message, cut_at_stop, token_logprob
+from megarl.rollout.http_openai import choice_message, cut_at_stop, first_stop, token_logprob
 from megarl.tools import TOOL_CALL_START
 
 
@@ -61,12 +61,11 @@ class ChoiceStream:
         return self._delta(self._safe_text())
 
     def _cut_at_stop(self) -> None:
-        """Cuts after the first token that completes a stop string (as ``cut_at_stop`` does), checking
-        each new prefix once."""
-        for k in range(self.checked + 1, len(self.ids) + 1):
-            if any(s in self.state.decode(self.ids[:k]) for s in self.stop):
-                self.ids, self.lps, self.cut = self.ids[:k], self.lps[:k], True
-                break
+        """Cuts after the first token that completes a stop string (as ``cut_at_stop`` does), the
+        prefixes already checked left out."""
+        k = first_stop(self.ids, self.stop, self.state.decode, self.checked)
+        if k is not None:
+            self.ids, self.lps, self.cut = self.ids[:k], self.lps[:k], True
         self.checked = len(self.ids)
 
     def finish(self, result: GenerationResult) -> list[dict]:
