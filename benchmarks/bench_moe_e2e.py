@@ -23,6 +23,9 @@ embedding + head 0.62 B: 8 layers are 5.62 B parameters, 105 GiB, leaving ~34 Gi
 for activations, logits and the rollout's KV cache (which the trainer gives back before training);
 10 layers would be 128 GiB. TRL (bf16 weights, gradients, AdamW moments, reference: 10 bytes a
 parameter) fits more; the binding side is megarl's fp32 optimizer state.
+On an 80 GB GPU, ``actor.optim.cpu_offload=true parallel.distributed_optimizer=true`` (Adam's
+moments and step in host memory, 12 bytes a parameter on the GPU) fits the 8 layers (update peak
+~71 GiB); the R3 numbers measure forwards, which the offload does not change.
 
 ``--router-replay``: one more megarl run of ``--r3-steps`` steps with ``actor.router_replay=r3``
 (the native engine records every response token's top-k experts per MoE layer; the old-log-prob
@@ -53,6 +56,8 @@ TINY = dict(shape="qwen3-moe-tiny", layers=None, prompt_len=8, prompts=2, sample
 # the rollout's KV cache: 128 x 336 tokens x 8 layers x 16 KiB = 0.7 GiB (taking half the free memory, the default,
 # would only make the release matter more); forward-only passes of 32 rows: 10k tokens of 152k-vocab logits
 MEGARL_OVERRIDES = ["rollout.kv_cache_gb=4", "actor.forward_micro_batch_size=32"]
+R3_WORKLOAD_KEYS = ("shape", "layers", "prompts_per_step", "samples_per_prompt", "response_tokens", "dtype", "torch",
+                    "transformers")
 R3_METRICS = {  # JSON name -> megarl metric, per router_replay setting (megarl/trainer/replay_metrics.py)
     "none": {"routing_agreement": "r3/no_replay/agreement", "mismatch_mean": "mismatch/no_replay/abs_mean",
              "mismatch_max": "mismatch/no_replay/abs_max"},
@@ -117,8 +122,16 @@ def run_r3(w: dict, args, overrides: list[str], stem: str, none_run: dict) -> di
     result = r3_result(step_rows(os.path.join(args.work, "r3", "megarl_run")), none_run)
     result["run"] = {k: v for k, v in run.items() if k in ("returncode", "error", "error_lines", "log", "wall_s",
                                                          "peak_memory_by_phase")}
-    result["workload"] = {"mini_batch_size": half, "steps": args.r3_steps, "overrides": extra}
+    result["workload"] = {"mini_batch_size": half, "steps": args.r3_steps, "overrides": overrides + extra,
+                          **{k: w[k] for k in R3_WORKLOAD_KEYS if k in w}, "gpu": gpu_name(),
+                          "command": " ".join(["python", *sys.argv])}
     return result
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def parse() -> tuple[argparse.Namespace, list[str]]:

@@ -56,9 +56,11 @@ case "$mode" in
     T=560 run moe_decode python3 benchmarks/bench_moe_decode.py --hf-experts grouped_mm,eager --out "$OUT/moe_decode.json" "$@" ;;
   moe_e2e)
     T=580 run moe_e2e python3 benchmarks/bench_moe_e2e.py --out "$OUT/moe_e2e.json" --work /tmp/megarl_moe_e2e "$@" ;;
-  moe_r3)
+  moe_r3)  # under 100 GB of GPU memory the 8 layers fit with Adam on the host
+    offload=(); [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] &&
+      offload=(actor.optim.cpu_offload=true parallel.distributed_optimizer=true)
     T=560 run moe_r3 python3 benchmarks/bench_moe_e2e.py --sides '' --router-replay --work /tmp/megarl_moe_e2e \
-      --out "$OUT/moe_e2e_r3run.json" --r3-out "$OUT/moe_r3.json" "$@" ;;
+      --out "$OUT/moe_e2e_r3run.json" --r3-out "$OUT/moe_r3.json" ${offload[@]+"${offload[@]}"} "$@" ;;
   *)
     echo "unknown mode '$mode': rollout | e2e | train | kernels | models | ppo | long | moe | moe_e2e | moe_r3 | partial | server | rc" >&2; exit 2 ;;
 esac

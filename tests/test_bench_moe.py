@@ -97,6 +97,8 @@ def test_moe_e2e_json(tmp_path):
             res = json.load(f)
         assert res["steps"] == 2 and res["run"]["returncode"] == 0
         assert isinstance(res["run"]["peak_memory_by_phase"], dict)  # GiB per phase on CUDA (none on CPU)
+        assert res["workload"]["shape"] == "qwen3-moe-tiny" and res["workload"]["response_tokens"] == 8
+        assert "actor.router_replay=r3" in res["workload"]["overrides"] and "--router-replay" in res["workload"]["command"]
         for setting in ("none", "r3"):
             assert res[setting]["routing_agreement"] == 1.0
             assert res[setting]["mismatch_mean"] < 1e-4 and res[setting]["mismatch_max"] < 1e-4
