@@ -12,7 +12,7 @@ random-weight checkpoint of ``make_checkpoint.SHAPES["qwen3-30b-a3b"]`` with ``-
 (default 8) written by benchmarks/make_checkpoint.py. Both sides read the same checkpoint, prompts
 and lengths; each runs in its own subprocess (``--timeout`` each); the JSON is bench_e2e's, with
 megarl's ``peak_memory_by_phase`` (GiB, max over the steps of ``memory/<phase>_peak_gb``, of what each
-phase left allocated, ``<phase>_live_gb``, and of ``actor_memory_before_step_gb``) and
+phase left allocated, ``<phase>_live_gb``, and of ``actor_before_step_gb``) and
 ``kv_released_before_training`` (the trainer calls the engine's ``release_memory`` after every rollout;
 the pages are unmapped unless the engine logged that CUDA virtual memory is unavailable).
 
@@ -76,10 +76,10 @@ def step_rows(run_dir: str) -> list[dict]:
 def peak_memory_by_phase(rows: list[dict]) -> dict[str, float]:
     """GiB per phase, max over the steps: ``memory/<phase>_peak_gb`` (the trainer's phase timer) and
     ``memory/<phase>_live_gb`` (what the phase left allocated), the engine's ``rollout/peak_memory_gb``,
-    the step's ``perf/peak_memory_gb`` and ``actor/memory_before_step_gb`` (allocated as the actor's
+    the step's ``perf/peak_memory_gb`` and ``memory/actor_before_step_gb`` (allocated as the actor's
     optimizer steps: weights, grads, masters, Adam once made, the reference, anything the update left)."""
     keys = {k for r in rows for k in r if k.startswith("memory/") or k in (
-        "rollout/peak_memory_gb", "perf/peak_memory_gb", "actor/memory_before_step_gb")}
+        "rollout/peak_memory_gb", "perf/peak_memory_gb")}
     name = lambda k: k.removeprefix("memory/").removesuffix("_peak_gb").replace("/", "_")  # noqa: E731
     return {name(k): max(r[k] for r in rows if r.get(k) is not None) for k in sorted(keys)}
 

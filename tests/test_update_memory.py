@@ -12,7 +12,7 @@ watched by tests/update_memory_probe.py. At the entry of each optimizer step:
   reference's weights (the batch, the engine's small buffers, metrics) hold < half the actor's weight
   bytes (measured: 0.14x): a second copy of the weights or of the grads would be >= 1x.
 Not covered: CUDA (allocator caching, CUDA graphs, torch._grouped_mm's CUDA backward); the GPU run reports
-``memory/<phase>_live_gb`` and ``actor/memory_before_step_gb`` for that.
+``memory/<phase>_live_gb`` and ``memory/actor_before_step_gb`` for that.
 """
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ class Trainable:
 def _allocated_gb() -> dict[str, float]:
     """On CUDA, ``memory_before_step_gb``: what is allocated once the backward passes are done and before the
     optimizer step (weights, grad buffers, master weights, Adam state once made, the reference, the batch;
-    activations of a micro-batch still alive here are a leak); {} on CPU."""
+    activations of a micro-batch still alive here are a leak) and cuBLAS's workspaces (one per stream that ran a
+    GEMM, 32 MiB each on Hopper: a fresh process and a resumed one differ by a few); {} on CPU."""
     return {"memory_before_step_gb": torch.cuda.memory_allocated() / 2**30} if torch.cuda.is_available() else {}
 
 

@@ -193,11 +193,13 @@ class Updater:
         metrics[skipped] = metrics.get(skipped, 0.0)
         for s in steps:
             ok, nonfinite, grad_norm, lr = (s.pop(k) for k in ("update_ok", "nonfinite", "grad_norm", "lr"))
-            for key in ("dp_token_imbalance", "dp_token_imbalance_before", "oom_retries", "memory_divisor",
-                        "memory_before_step_gb"):
+            for key in ("dp_token_imbalance", "dp_token_imbalance_before", "oom_retries", "memory_divisor"):
                 # the same on every rank: the max over the step's updates
                 if key in s:
                     metrics[f"{role}/{key}"] = max(metrics.get(f"{role}/{key}", 0.0), s.pop(key))
+            if "memory_before_step_gb" in s:  # a machine reading, with the phases' memory/: the step's max
+                name = f"memory/{role}_before_step_gb"
+                metrics[name] = max(metrics.get(name, 0.0), s.pop("memory_before_step_gb"))
             for key in [k for k in s if k.startswith("moe/")]:  # expert load, the same on every rank: the worst update's
                 metrics[f"{role}/{key}"] = max(metrics.get(f"{role}/{key}", 0.0), s.pop(key))
             if ok:
