@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 
@@ -124,7 +125,7 @@ def run_r3(w: dict, args, overrides: list[str], stem: str, none_run: dict) -> di
                                                          "peak_memory_by_phase")}
     result["workload"] = {"mini_batch_size": half, "steps": args.r3_steps, "overrides": overrides + extra,
                           **{k: w[k] for k in R3_WORKLOAD_KEYS if k in w}, "gpu": gpu_name(),
-                          "command": " ".join(["python", *sys.argv])}
+                          "command": shlex.join(["python", *sys.argv])}
     return result
 
 
